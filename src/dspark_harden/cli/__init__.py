@@ -1,0 +1,47 @@
+"""``dspark-harden`` console script: self-check, settings, patch ledger, benches, operator tools."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Optional
+
+from . import check as _check
+from . import ledger as _ledger
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="dspark-harden", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("check", help="bind and verify the plugin in a fresh child per process role")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--role", action="append", choices=[r for r in _check.ROLES], help="only these roles")
+    p.set_defaults(func=_check.main)
+
+    p = sub.add_parser("env", help="every environment variable the plugin reads")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=_ledger.env_main)
+
+    p = sub.add_parser("patches", help="the patch ledger: target, why, retire-when")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=_ledger.patches_main)
+
+    bench = sub.add_parser("bench", help="benchmarks against the stock path in the same run")
+    bench_sub = bench.add_subparsers(dest="bench", required=True)
+
+    from ..core.manager import make_manager
+
+    pm = make_manager()
+    pm.hook.dspark_cli(subparsers=sub, bench_subparsers=bench_sub)
+    return parser
+
+
+def main(argv: Optional[list] = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

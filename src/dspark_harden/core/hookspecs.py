@@ -1,0 +1,54 @@
+"""Hook specifications: how features (built-in and third-party) plug into dspark-harden.
+
+Every hook is named ``dspark_*`` and called with keyword arguments only. Built-in features are
+registered by :mod:`dspark_harden.core.manager`; third-party packages register a module or object
+in the entry-point group ``dspark_harden.features``. Each hook is documented in docs/hooks.md
+with its exact signature (a test keeps the two in sync).
+"""
+
+from __future__ import annotations
+
+import pluggy
+
+PROJECT = "dspark_harden"
+hookspec = pluggy.HookspecMarker(PROJECT)
+hookimpl = pluggy.HookimplMarker(PROJECT)
+
+
+@hookspec
+def dspark_features():
+    """Return a list of :class:`~dspark_harden.core.feature.Feature` this plugin contributes.
+
+    Feature names are unique across all plugins; a duplicate stops startup.
+    """
+
+
+@hookspec
+def dspark_settings():
+    """Return a list of :class:`~dspark_harden.core.settings.Setting` (environment variables)
+    this plugin reads. Every variable a feature reads must be declared here so that it is parsed
+    strictly at startup and listed by ``dspark-harden env``."""
+
+
+@hookspec
+def dspark_patches(role, settings):
+    """Return the :class:`~dspark_harden.core.patch.Patch` objects to bind in process ``role``
+    (a :class:`~dspark_harden.core.patch.Role`) given the parsed ``settings``.
+
+    Return patches only for enabled features; the binder still checks each patch's ``roles``.
+    Must not import heavy SGLang modules that ``role`` does not need (patch targets resolve
+    lazily)."""
+
+
+@hookspec
+def dspark_process_bound(role, settings, report):
+    """Called once in every process after all patches of ``role`` are bound and verified.
+
+    ``report`` is the :class:`~dspark_harden.core.binder.BindReport`. Use it to start per-process
+    machinery (metrics, background threads). Raising here stops startup."""
+
+
+@hookspec
+def dspark_cli(subparsers, bench_subparsers):
+    """Add ``dspark-harden`` sub-commands (``subparsers``) or ``dspark-harden bench`` targets
+    (``bench_subparsers``). Each parser must ``set_defaults(func=callable(args) -> int)``."""

@@ -1,0 +1,81 @@
+"""The pluggy plugin manager: built-in features plus third-party ones from our entry-point group."""
+
+from __future__ import annotations
+
+import importlib
+import importlib.metadata
+import logging
+from typing import Optional
+
+import pluggy
+
+from . import hookspecs
+from .feature import Feature
+from .settings import CORE_SETTINGS, Setting, Settings, load_settings
+
+logger = logging.getLogger("dspark_harden")
+
+EXTENSION_GROUP = "dspark_harden.features"
+
+# One module per hardened area; each owns its patches, settings and CLI additions.
+BUILTIN_FEATURE_MODULES: list[str] = [
+    "dspark_harden.upstream",
+]
+
+
+class ExtensionError(Exception):
+    """A third-party feature failed to load."""
+
+
+def make_manager(*, load_extensions: bool = True, strict_extensions: bool = True) -> pluggy.PluginManager:
+    pm = pluggy.PluginManager(hookspecs.PROJECT)
+    pm.add_hookspecs(hookspecs)
+    for name in BUILTIN_FEATURE_MODULES:
+        pm.register(importlib.import_module(name), name=name)
+    if load_extensions:
+        _load_extensions(pm, strict=strict_extensions)
+    pm.check_pending()
+    return pm
+
+
+def _load_extensions(pm: pluggy.PluginManager, *, strict: bool) -> None:
+    for ep in importlib.metadata.entry_points(group=EXTENSION_GROUP):
+        if pm.get_plugin(ep.name) is not None:
+            continue
+        try:
+            plugin = ep.load()
+            pm.register(plugin, name=ep.name)
+        except Exception as exc:  # noqa: BLE001
+            msg = f"third-party dspark-harden feature {ep.name!r} ({ep.value}) failed to load: {type(exc).__name__}: {exc}"
+            if strict:
+                raise ExtensionError(msg) from exc
+            logger.error("%s (skipped: DSPARK_HARDEN_STRICT_EXTENSIONS=0)", msg)
+
+
+def all_setting_specs(pm: pluggy.PluginManager) -> list[Setting]:
+    specs: list[Setting] = list(CORE_SETTINGS)
+    for group in pm.hook.dspark_settings():
+        specs.extend(group or [])
+    return specs
+
+
+def all_features(pm: pluggy.PluginManager) -> list[Feature]:
+    features: list[Feature] = []
+    seen: dict[str, Feature] = {}
+    for group in pm.hook.dspark_features():
+        for feat in group or []:
+            if feat.name in seen:
+                raise ExtensionError(f"feature name {feat.name!r} is contributed twice")
+            seen[feat.name] = feat
+            features.append(feat)
+    return features
+
+
+def strict_extensions_from_env(environ: Optional[dict] = None) -> bool:
+    """Parse DSPARK_HARDEN_STRICT_EXTENSIONS before the full settings exist (extensions may add settings)."""
+    only = [s for s in CORE_SETTINGS if s.name == "DSPARK_HARDEN_STRICT_EXTENSIONS"]
+    return bool(load_settings(only, environ)["DSPARK_HARDEN_STRICT_EXTENSIONS"])
+
+
+def settings_for(pm: pluggy.PluginManager, environ: Optional[dict] = None) -> Settings:
+    return load_settings(all_setting_specs(pm), environ)

@@ -1,0 +1,190 @@
+"""Strict settings: every environment variable the plugin reads is declared and parsed here.
+
+Features declare their variables as :class:`Setting` objects (through the ``dspark_settings``
+hook); :func:`load_settings` parses them all at once and raises :class:`SettingsError` naming
+*every* variable with a bad value. Nothing else in the package reads ``os.environ`` for its own
+configuration.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Mapping, Optional
+
+
+class SettingsError(ValueError):
+    """One or more environment variables hold invalid values."""
+
+    def __init__(self, problems: list[str]):
+        self.problems = problems
+        super().__init__("invalid dspark-harden settings: " + "; ".join(problems))
+
+
+# ---------------------------------------------------------------------------------------------
+# parsers: each takes the raw string and returns the typed value or raises ValueError(reason)
+
+
+def flag01(raw: str) -> bool:
+    """Exactly ``"0"`` or ``"1"`` (no true/yes/on: a hardening switch must be unambiguous)."""
+    if raw == "1":
+        return True
+    if raw == "0":
+        return False
+    raise ValueError(f"must be exactly '0' or '1', got {raw!r}")
+
+
+def positive_int(raw: str) -> int:
+    try:
+        value = int(raw.strip(), 10)
+    except ValueError:
+        raise ValueError(f"must be a positive integer, got {raw!r}") from None
+    if value <= 0:
+        raise ValueError(f"must be a positive integer, got {raw!r}")
+    return value
+
+
+def nonneg_int(raw: str) -> int:
+    try:
+        value = int(raw.strip(), 10)
+    except ValueError:
+        raise ValueError(f"must be a non-negative integer, got {raw!r}") from None
+    if value < 0:
+        raise ValueError(f"must be a non-negative integer, got {raw!r}")
+    return value
+
+
+def positive_float(raw: str) -> float:
+    try:
+        value = float(raw.strip())
+    except ValueError:
+        raise ValueError(f"must be a positive number, got {raw!r}") from None
+    if not (value > 0 and value != float("inf")):
+        raise ValueError(f"must be a positive finite number, got {raw!r}")
+    return value
+
+
+def nonempty_str(raw: str) -> str:
+    if not raw.strip():
+        raise ValueError("must not be empty")
+    return raw
+
+
+def choice(*allowed: str) -> Callable[[str], str]:
+    def parse(raw: str) -> str:
+        if raw not in allowed:
+            raise ValueError(f"must be one of {', '.join(allowed)}; got {raw!r}")
+        return raw
+
+    parse.__doc__ = "one of: " + ", ".join(allowed)
+    return parse
+
+
+def name_list(raw: str) -> tuple[str, ...]:
+    """Comma-separated non-empty names (whitespace around names ignored)."""
+    items = tuple(part.strip() for part in raw.split(","))
+    if any(not item for item in items):
+        raise ValueError(f"must be a comma-separated list of non-empty names, got {raw!r}")
+    return items
+
+
+def directory_path(raw: str) -> str:
+    if not raw.strip():
+        raise ValueError("must be a non-empty path")
+    return os.path.abspath(os.path.expanduser(raw))
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One environment variable: its parser, default (already typed) and what it does."""
+
+    name: str
+    parse: Callable[[str], Any]
+    default: Any
+    doc: str
+    feature: Optional[str] = None
+    # Human-readable form of the accepted values, for `dspark-harden env` and docs/.
+    accepts: str = ""
+
+    def describe_accepts(self) -> str:
+        if self.accepts:
+            return self.accepts
+        return (self.parse.__doc__ or self.parse.__name__).strip().splitlines()[0]
+
+
+@dataclass
+class Settings:
+    """Parsed values of every declared variable."""
+
+    values: dict[str, Any]
+    explicit: set[str] = field(default_factory=set)
+    specs: dict[str, Setting] = field(default_factory=dict)
+
+    def __getitem__(self, name: str) -> Any:
+        if name not in self.values:
+            raise KeyError(f"setting {name} is not declared by any dspark-harden feature")
+        return self.values[name]
+
+    def get(self, name: str, default: Any = None) -> Any:
+        return self.values.get(name, default)
+
+    def is_explicit(self, name: str) -> bool:
+        return name in self.explicit
+
+
+def load_settings(specs: Iterable[Setting], environ: Optional[Mapping[str, str]] = None) -> Settings:
+    """Parse every declared variable; raise one :class:`SettingsError` listing all bad values."""
+    env = os.environ if environ is None else environ
+    values: dict[str, Any] = {}
+    explicit: set[str] = set()
+    by_name: dict[str, Setting] = {}
+    problems: list[str] = []
+    for spec in specs:
+        if spec.name in by_name:
+            problems.append(f"{spec.name} is declared twice (features {by_name[spec.name].feature} and {spec.feature})")
+            continue
+        by_name[spec.name] = spec
+        raw = env.get(spec.name)
+        if raw is None:
+            values[spec.name] = spec.default
+            continue
+        try:
+            values[spec.name] = spec.parse(raw)
+        except ValueError as exc:
+            problems.append(f"{spec.name} {exc}")
+            continue
+        explicit.add(spec.name)
+    if problems:
+        raise SettingsError(problems)
+    return Settings(values=values, explicit=explicit, specs=by_name)
+
+
+# Core settings (features add their own through the ``dspark_settings`` hook).
+CORE_SETTINGS = [
+    Setting(
+        "DSPARK_HARDEN_ALLOW_DRIFT",
+        name_list,
+        (),
+        "Comma-separated patch targets (or the single word 'all') allowed to bind although the stock "
+        "source no longer matches the fingerprint the patch was written against. Every use is logged "
+        "at WARNING. Leave unset in production.",
+        accepts="comma-separated targets, or 'all'",
+    ),
+    Setting(
+        "DSPARK_HARDEN_ROLE",
+        choice("main", "controller", "scheduler", "detokenizer"),
+        None,
+        "Force the process role instead of detecting it from the caller of load_plugins() "
+        "(used by `dspark-harden check` children; not needed in a server).",
+    ),
+    Setting(
+        "DSPARK_HARDEN_STRICT_EXTENSIONS",
+        flag01,
+        True,
+        "1: a third-party feature (entry-point group dspark_harden.features) that fails to import "
+        "stops startup. 0: it is skipped with an ERROR log (not recommended).",
+    ),
+]

@@ -1,0 +1,88 @@
+"""SGLang entry point (group ``sglang.srt.plugins``, name ``dspark_harden``).
+
+``sglang.srt.plugins.load_plugins()`` calls :func:`load` in every engine process that loads
+plugins (main, DP controller, each scheduler, detokenizer). ``load`` is re-entrant: the first call
+binds and verifies the patches of this process's role; later calls only re-verify.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Optional
+
+from .core import binder
+from .core.patch import Role
+from .core.roles import detect_role
+
+logger = logging.getLogger("dspark_harden")
+
+PLUGIN_NAME = "dspark_harden"
+
+
+def load(role: Optional[Role] = None) -> binder.BindReport:
+    with binder.STATE.lock:
+        if binder.STATE.report is not None:
+            report = binder.verify()
+            binder.raise_if_failed(report)
+            return report
+        role = role or detect_role()
+        report = binder.bind(role)
+        binder.raise_if_failed(report)
+        _install_post_apply_verifier()
+        _notify_bound(role, report)
+        active = [f.name for f in report.features if f.status == "bound"]
+        logger.info(
+            "dspark-harden %s active in %s process (pid %d): bound %s",
+            _version(), role.value, os.getpid(), ", ".join(active) or "nothing",
+        )
+        return report
+
+
+def _notify_bound(role: Role, report: binder.BindReport) -> None:
+    pm = binder.STATE.pm
+    try:
+        pm.hook.dspark_process_bound(role=role, settings=binder.STATE.settings, report=report)
+    except binder.BindError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - fail closed: a feature could not start
+        msg = f"dspark-harden refuses to start ({role.value}): starting a feature failed: {type(exc).__name__}: {exc}"
+        logger.critical(msg)
+        raise binder.BindError(msg, report) from exc
+
+
+_VERIFIER_INSTALLED = False
+
+
+def _install_post_apply_verifier() -> None:
+    """Re-verify after SGLang's HookRegistry.apply_hooks(), which runs after every plugin's
+    entry point and swallows its own failures. Wrapping it (not replacing) keeps stock behaviour."""
+    global _VERIFIER_INSTALLED
+    if _VERIFIER_INSTALLED:
+        return
+    try:
+        from sglang.srt.plugins.hook_registry import HookRegistry
+    except Exception:  # noqa: BLE001 - no hook registry: nothing can replace us after this point
+        return
+    original = HookRegistry.__dict__["apply_hooks"]
+    func = original.__func__ if isinstance(original, classmethod) else original
+
+    def apply_hooks_then_verify(*args, **kwargs):
+        result = func(*args, **kwargs)
+        report = binder.verify()
+        binder.raise_if_failed(report)
+        return result
+
+    apply_hooks_then_verify.__wrapped__ = func
+    setattr(
+        HookRegistry,
+        "apply_hooks",
+        classmethod(apply_hooks_then_verify) if isinstance(original, classmethod) else apply_hooks_then_verify,
+    )
+    _VERIFIER_INSTALLED = True
+
+
+def _version() -> str:
+    from . import __version__
+
+    return __version__
