@@ -13,7 +13,8 @@ from typing import Optional
 
 from .core import binder
 from .core.patch import Role
-from .core.roles import detect_role
+from .core import roles
+from .core.roles import detect_context
 
 logger = logging.getLogger("dspark_harden")
 
@@ -26,7 +27,9 @@ def load(role: Optional[Role] = None) -> binder.BindReport:
             report = binder.verify()
             binder.raise_if_failed(report)
             return report
-        role = role or detect_role()
+        ctx = detect_context(role.value if role else None)
+        roles.CONTEXT = ctx
+        role = ctx.role
         report = binder.bind(role)
         binder.raise_if_failed(report)
         _install_post_apply_verifier()
