@@ -1,0 +1,318 @@
+"""Tiny local tokenizers and random-weight models (nothing is downloaded from a hub).
+
+Stand-ins: these models have random bf16 weights; they exist so that the *unmodified*
+``sglang.launch_server`` can load a real DeepseekV3 (MLA + MoE), Qwen3 or Llama architecture on a
+CPU-only machine (see shared/design/cpu-e2e.md). Their outputs are meaningless but deterministic
+under greedy sampling, which is all differential tests need.
+
+- :func:`ensure_tokenizer` trains a byte-level BPE with ``tokenizers`` on the Python standard
+  library sources found on disk (sorted file order, so the input is deterministic), adds the
+  ChatML specials (``<|endoftext|>``, ``<|im_start|>``, ``<|im_end|>`` = eos, ``<|pad|>``) and the
+  reasoning markers ``<think>`` / ``</think>`` (ordinary added tokens, *not* special, so that
+  ``skip_special_tokens`` keeps them for reasoning parsers), and saves it as a
+  ``PreTrainedTokenizerFast`` with a ChatML chat template.
+- :func:`ensure_model` builds one of :data:`ARCHS` with the 2048-token tokenizer.
+
+Everything is cached under ``$DSPARK_HARDEN_MODEL_CACHE`` (default
+``~/.cache/dspark-harden/models``), built once per key, atomically: a temporary directory inside
+the cache is filled and then renamed into place while holding a file lock, so parallel pytest
+workers (or a demo and a test run) never see or build a half-written model.
+
+CLI: ``python -m dspark_harden.devtools.tiny_models [--all | --arch A ...] [--vocab N ...]``
+prints the resulting paths.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import sysconfig
+import tempfile
+from pathlib import Path
+from typing import Callable
+
+#: bump when the build recipe changes, so stale caches are not reused
+RECIPE_VERSION = 1
+
+CACHE_ENV = "DSPARK_HARDEN_MODEL_CACHE"
+DEFAULT_CACHE = Path("~/.cache/dspark-harden/models")
+
+#: special tokens, in id order (ids 0..3)
+SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|pad|>")
+#: reasoning markers: single ids, not "special" (decoding with skip_special_tokens keeps them)
+THINK_TOKENS = ("<think>", "</think>")
+EOS_TOKEN = "<|im_end|>"
+PAD_TOKEN = "<|pad|>"
+BOS_TOKEN = "<|endoftext|>"
+
+MODEL_VOCAB = 2048
+
+CHATML_TEMPLATE = (
+    "{%- for message in messages -%}"
+    "{%- if message['content'] is string -%}{%- set content = message['content'] -%}"
+    "{%- elif message['content'] is none -%}{%- set content = '' -%}"
+    "{%- else -%}{%- set content = message['content'] | map(attribute='text') | select('string') | join('') -%}"
+    "{%- endif -%}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + content + '<|im_end|>' + '\\n' -}}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"
+)
+
+# Training corpus budget: enough text for a 32000-token vocabulary, small enough to train in
+# seconds on 2 cores.
+_CORPUS_MAX_BYTES = 10_000_000
+_CORPUS_MAX_FILE = 200_000
+
+
+def cache_dir() -> Path:
+    raw = os.environ.get(CACHE_ENV, "")
+    base = Path(raw) if raw.strip() else DEFAULT_CACHE
+    base = base.expanduser().resolve()
+    base.mkdir(parents=True, exist_ok=True)
+    return base
+
+
+def _build_once(name: str, build: Callable[[Path], None]) -> str:
+    """Return ``cache_dir()/name``, building it with ``build(tmp_dir)`` exactly once (locked, atomic)."""
+    from filelock import FileLock
+
+    base = cache_dir()
+    final = base / name
+    marker = final / ".complete"
+    if marker.is_file():
+        return str(final)
+    with FileLock(str(base / f".{name}.lock")):
+        if marker.is_file():
+            return str(final)
+        if final.exists():  # a half-built leftover of a killed run (no marker): rebuild
+            shutil.rmtree(final)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{name}.", dir=base))
+        try:
+            build(tmp)
+            (tmp / ".complete").write_text(json.dumps({"recipe": RECIPE_VERSION}) + "\n")
+            os.rename(tmp, final)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+    return str(final)
+
+
+# ---------------------------------------------------------------------------------------------
+# tokenizer
+
+
+def _corpus_files() -> list[Path]:
+    """Python sources of the standard library, sorted (deterministic order), within the byte budget."""
+    roots = []
+    for key in ("stdlib", "platstdlib"):
+        path = sysconfig.get_paths().get(key)
+        if path and Path(path).is_dir() and Path(path) not in roots:
+            roots.append(Path(path))
+    if not roots:
+        raise RuntimeError("no Python standard library sources found on disk to train the tokenizer on")
+    files: list[Path] = []
+    total = 0
+    for root in roots:
+        for path in sorted(root.rglob("*.py")):
+            rel = path.relative_to(root).parts
+            if any(p in ("site-packages", "dist-packages", "__pycache__") for p in rel):
+                continue
+            try:
+                size = path.stat().st_size
+            except OSError:
+                continue
+            if size == 0 or size > _CORPUS_MAX_FILE:
+                continue
+            files.append(path)
+            total += size
+            if total >= _CORPUS_MAX_BYTES:
+                return files
+    return files
+
+
+def _corpus_iter(files: list[Path]):
+    for path in files:
+        try:
+            text = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError):
+            continue
+        # Some chat-like text so the specials' neighbourhoods are in the corpus.
+        yield text
+
+
+def _build_tokenizer(out: Path, vocab_size: int) -> None:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    n_added = len(THINK_TOKENS)
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size - n_added,
+        min_frequency=1,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    files = _corpus_files()
+    tok.train_from_iterator(_corpus_iter(files), trainer=trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token=BOS_TOKEN,
+        eos_token=EOS_TOKEN,
+        unk_token=None,
+        pad_token=PAD_TOKEN,
+        additional_special_tokens=None,
+        model_max_length=32768,
+        clean_up_tokenization_spaces=False,
+    )
+    fast.add_tokens(list(THINK_TOKENS), special_tokens=False)
+    fast.chat_template = CHATML_TEMPLATE
+    if len(fast) != vocab_size:
+        raise RuntimeError(
+            f"tokenizer came out with {len(fast)} tokens, wanted {vocab_size}: the local training corpus "
+            f"({len(files)} files) is too small for this vocabulary"
+        )
+    for t in SPECIAL_TOKENS + THINK_TOKENS:
+        ids = fast.encode(t, add_special_tokens=False)
+        if len(ids) != 1:
+            raise RuntimeError(f"{t!r} does not encode to a single id: {ids}")
+    fast.save_pretrained(str(out))
+
+
+def ensure_tokenizer(vocab_size: int = MODEL_VOCAB) -> str:
+    """Directory of a byte-level BPE tokenizer with exactly ``vocab_size`` tokens (built once, cached)."""
+    if not isinstance(vocab_size, int) or vocab_size < 300:
+        raise ValueError(f"vocab_size must be an int >= 300 (256 bytes + specials), got {vocab_size!r}")
+    return _build_once(f"tokenizer-bpe{vocab_size}-r{RECIPE_VERSION}", lambda d: _build_tokenizer(d, vocab_size))
+
+
+# ---------------------------------------------------------------------------------------------
+# models
+
+ARCHS = ("deepseek_v3", "qwen3", "llama")
+
+_YARN = {
+    "type": "yarn",
+    "rope_type": "yarn",
+    "factor": 4.0,
+    "original_max_position_embeddings": 512,
+    "beta_fast": 32,
+    "beta_slow": 1,
+    "mscale": 1.0,
+    "mscale_all_dim": 1.0,
+}
+
+
+def _config(arch: str, ids: dict):
+    common = dict(
+        vocab_size=MODEL_VOCAB,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        max_position_embeddings=2048,
+        tie_word_embeddings=False,
+        **ids,
+    )
+    if arch == "llama":
+        from transformers import LlamaConfig
+
+        return LlamaConfig(num_key_value_heads=4, **common), {}
+    if arch == "qwen3":
+        from transformers import Qwen3Config
+
+        return Qwen3Config(num_key_value_heads=2, head_dim=32, **common), {}
+    if arch == "deepseek_v3":
+        from transformers import DeepseekV3Config
+
+        cfg = DeepseekV3Config(
+            num_key_value_heads=4,
+            moe_intermediate_size=64,
+            n_routed_experts=4,
+            num_experts_per_tok=2,
+            n_shared_experts=1,
+            first_k_dense_replace=1,
+            n_group=1,
+            topk_group=1,
+            q_lora_rank=64,
+            kv_lora_rank=32,
+            qk_rope_head_dim=16,
+            qk_nope_head_dim=32,
+            v_head_dim=32,
+            rope_scaling=dict(_YARN),
+            num_nextn_predict_layers=0,
+            **common,
+        )
+        # SGLang 0.5.23's DeepseekV2/V3 reads these keys from config.json directly; transformers 5
+        # writes yarn under ``rope_parameters`` only, so add the legacy spelling too.
+        extra = {
+            "rope_scaling": dict(_YARN),
+            "moe_layer_freq": 1,
+            "topk_method": "noaux_tc",
+            "scoring_func": "sigmoid",
+        }
+        return cfg, extra
+    raise ValueError(f"unknown tiny model arch {arch!r}; expected one of {', '.join(ARCHS)}")
+
+
+def _build_model(out: Path, arch: str) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok_dir = ensure_tokenizer(MODEL_VOCAB)
+    tok = AutoTokenizer.from_pretrained(tok_dir)
+    ids = dict(
+        bos_token_id=tok.convert_tokens_to_ids(BOS_TOKEN),
+        eos_token_id=tok.convert_tokens_to_ids(EOS_TOKEN),
+        pad_token_id=tok.convert_tokens_to_ids(PAD_TOKEN),
+    )
+    config, extra = _config(arch, ids)
+    seed = 1234 + ARCHS.index(arch)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model = model.to(torch.bfloat16)
+    model.config.torch_dtype = torch.bfloat16
+    model.save_pretrained(str(out), safe_serialization=True)
+    tok.save_pretrained(str(out))
+    cfg_path = out / "config.json"
+    data = json.loads(cfg_path.read_text())
+    data.update(extra)
+    data["torch_dtype"] = "bfloat16"
+    data.setdefault("dtype", "bfloat16")
+    cfg_path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+    gen = out / "generation_config.json"
+    gen.write_text(json.dumps({**ids, "do_sample": False}, indent=2) + "\n")
+
+
+def ensure_model(arch: str) -> str:
+    """Directory of a tiny random-weight ``arch`` model (one of :data:`ARCHS`), built once, cached."""
+    if arch not in ARCHS:
+        raise ValueError(f"unknown tiny model arch {arch!r}; expected one of {', '.join(ARCHS)}")
+    return _build_once(f"tiny-{arch}-r{RECIPE_VERSION}", lambda d: _build_model(d, arch))
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m dspark_harden.devtools.tiny_models", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--all", action="store_true", help="build every model arch and the 2048 + 32000 tokenizers")
+    ap.add_argument("--arch", action="append", choices=ARCHS, default=[], help="model arch to build (repeatable)")
+    ap.add_argument("--vocab", action="append", type=int, default=[], help="tokenizer vocab size to build (repeatable)")
+    args = ap.parse_args(argv)
+    archs = list(ARCHS) if args.all else args.arch
+    vocabs = sorted({MODEL_VOCAB, 32000} | set(args.vocab)) if args.all else args.vocab
+    if not archs and not vocabs:
+        archs = list(ARCHS)
+    for v in vocabs:
+        print(f"tokenizer {v}: {ensure_tokenizer(v)}", flush=True)
+    for a in archs:
+        print(f"model {a}: {ensure_model(a)}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
