@@ -27,11 +27,17 @@ class ExtensionError(Exception):
     """A third-party feature failed to load."""
 
 
-def make_manager(*, load_extensions: bool = True, strict_extensions: bool = True) -> pluggy.PluginManager:
+def make_manager(
+    *, load_extensions: bool = True, strict_extensions: bool = True, extra: tuple = ()
+) -> pluggy.PluginManager:
+    """Built-in features, then third-party ones (entry-point group ``dspark_harden.features``),
+    then ``extra`` plugin objects (tests); ``check_pending()`` rejects misspelled hook names."""
     pm = pluggy.PluginManager(hookspecs.PROJECT)
     pm.add_hookspecs(hookspecs)
     for name in BUILTIN_FEATURE_MODULES:
         pm.register(importlib.import_module(name), name=name)
+    for plugin in extra:
+        pm.register(plugin)
     if load_extensions:
         _load_extensions(pm, strict=strict_extensions)
     pm.check_pending()

@@ -267,6 +267,12 @@ class Patch:
         for obj in wrapped_chain(raw):
             if obj is self.replacement or obj is ours:
                 return None
+            if _bypasses_wrapped(obj):
+                # SGLang's HookRegistry REPLACE wrapper sets __wrapped__ but never calls it
+                return (
+                    f"live object is {_describe(raw)}: a HookRegistry REPLACE hook of another plugin "
+                    f"bypasses our {self.kind.value} (replaced by another plugin)"
+                )
         return f"live object is {_describe(raw)}, not our {self.kind.value} (replaced by another plugin?)"
 
 
@@ -325,6 +331,22 @@ class RoutePatch(Patch):
         if len(routes) != 1 or len(ours) != 1:
             return f"expected exactly our one route at {self.path}, found {len(routes)} route(s), {len(ours)} ours"
         return None
+
+
+_REPLACE_CODE: Any = None
+
+
+def _bypasses_wrapped(obj: Any) -> bool:
+    """True for SGLang HookRegistry REPLACE wrappers: they carry ``__wrapped__`` without calling it."""
+    global _REPLACE_CODE
+    if _REPLACE_CODE is None:
+        try:
+            from sglang.srt.plugins.hook_registry import HookType, _wrap_fn
+
+            _REPLACE_CODE = _wrap_fn(lambda: None, lambda: None, HookType.REPLACE).__code__
+        except Exception:  # noqa: BLE001 - no SGLang hook registry: nothing to detect
+            _REPLACE_CODE = False
+    return bool(_REPLACE_CODE) and getattr(obj, "__code__", None) is _REPLACE_CODE
 
 
 def _describe(obj: Any) -> str:

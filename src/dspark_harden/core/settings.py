@@ -77,6 +77,7 @@ def choice(*allowed: str) -> Callable[[str], str]:
         return raw
 
     parse.__doc__ = "one of: " + ", ".join(allowed)
+    parse.bad_examples = ("", "bogus", allowed[0].upper() + "x")
     return parse
 
 
@@ -92,6 +93,21 @@ def directory_path(raw: str) -> str:
     if not raw.strip():
         raise ValueError("must be a non-empty path")
     return os.path.abspath(os.path.expanduser(raw))
+
+
+# Values each parser must reject (used by the test that feeds every bad value to every variable).
+flag01.bad_examples = ("", "true", "yes", "2", " 1", "on")
+positive_int.bad_examples = ("", "0", "-1", "1.5", "abc", "1e3")
+nonneg_int.bad_examples = ("", "-1", "1.5", "abc")
+positive_float.bad_examples = ("", "0", "-1", "nan", "inf", "abc")
+nonempty_str.bad_examples = ("", "   ")
+name_list.bad_examples = ("", ",", "a,,b", " , ")
+directory_path.bad_examples = ("", "  ")
+
+
+def bad_examples(parse: Callable[[str], Any]) -> tuple:
+    """Values ``parse`` must reject; every parser used by a Setting declares them."""
+    return tuple(getattr(parse, "bad_examples", ()))
 
 
 # ---------------------------------------------------------------------------------------------
