@@ -1,0 +1,160 @@
+"""A test-only dspark-harden feature, registered through the third-party entry-point group
+``dspark_harden.features`` (exactly how an external package would extend dspark-harden).
+
+Inert unless ``DSPARK_TESTFEATURE=1``. When on, it binds one harmless WRAP patch in the main and
+scheduler processes: ``SamplingParams.verify`` (the tokenizer manager calls it for every request;
+in the scheduler the module is loaded and the patch is bound and verified, but not called). The
+wrapper counts calls (:data:`CALLS`) and otherwise returns exactly what the stock method returns
+or raises.
+
+``DSPARK_TESTFEATURE_BREAK`` breaks it on purpose, to prove that startup fails closed:
+
+- ``drift``: the patch declares a wrong fingerprint (the stock source "drifted");
+- ``missing``: the patch targets an attribute that does not exist in SGLang;
+- ``replaced``: this module also registers, through SGLang's own ``HookRegistry``, a REPLACE hook
+  on the same target under another plugin name; SGLang's ``apply_hooks()`` installs it after
+  dspark-harden bound, so our wrapper is no longer called (the post-apply verifier must notice).
+
+``DSPARK_TEST_CPU_PLATFORM`` (read by :mod:`dspark_testsupport.cpu_platform`, not by this feature)
+is declared here too so ``dspark-harden env`` lists it.
+"""
+
+from __future__ import annotations
+
+import threading
+
+from dspark_harden.core.feature import Feature
+from dspark_harden.core.hookspecs import hookimpl
+from dspark_harden.core.patch import Kind, Patch, Role
+from dspark_harden.core.settings import Setting, flag01
+
+from . import PLATFORM_ENV
+
+FEATURE = "testfeature"
+SWITCH = "DSPARK_TESTFEATURE"
+BREAK = "DSPARK_TESTFEATURE_BREAK"
+BREAK_MODES = ("", "drift", "missing", "replaced")
+
+TARGET = "sglang.srt.sampling.sampling_params:SamplingParams.verify"
+#: fingerprint_source(SamplingParams.verify) in sglang 0.5.23
+FINGERPRINT = "269829a259903b0a"
+WRONG_FINGERPRINT = "0000000000000000"
+MISSING_TARGET = "sglang.srt.sampling.sampling_params:SamplingParams.dspark_testfeature_no_such_method"
+ROGUE_PLUGIN = "dspark_testfeature_rogue"
+
+ROLES = frozenset({Role.MAIN, Role.SCHEDULER})
+
+#: calls through our wrapper in this process
+CALLS = 0
+_calls_lock = threading.Lock()
+_rogue_registered = False
+
+
+def parse_break(raw: str) -> str:
+    """one of: '' (not broken), drift, missing, replaced"""
+    if raw not in BREAK_MODES:
+        raise ValueError(f"must be one of '', drift, missing, replaced; got {raw!r}")
+    return raw
+
+
+parse_break.bad_examples = ("bogus", "DRIFT", " drift", "drift ", "none")
+
+
+@hookimpl
+def dspark_features():
+    return [
+        Feature(
+            name=FEATURE,
+            area="test",
+            description="TEST ONLY: harmless wrap of SamplingParams.verify (breakable via DSPARK_TESTFEATURE_BREAK)",
+            switch=SWITCH,
+            default_on=False,
+            roles=ROLES,
+        )
+    ]
+
+
+@hookimpl
+def dspark_settings():
+    return [
+        Setting(
+            SWITCH, flag01, False,
+            "TEST ONLY (dspark-testsupport): 1 binds the test feature's harmless wrap of "
+            "SamplingParams.verify in the main and scheduler processes.",
+            feature=FEATURE,
+        ),
+        Setting(
+            BREAK, parse_break, "",
+            "TEST ONLY: break the test feature on purpose so startup must fail closed: 'drift' (wrong "
+            "fingerprint), 'missing' (target does not exist), 'replaced' (another plugin REPLACEs the target "
+            "through SGLang's HookRegistry after we bound). Empty: not broken.",
+            feature=FEATURE,
+            accepts="'', drift, missing, replaced",
+        ),
+        Setting(
+            PLATFORM_ENV, flag01, False,
+            "TEST ONLY (dspark-testsupport): 1 activates the out-of-tree CPU platform 'dspark_test_cpu' for "
+            "SGLang (also set SGLANG_PLATFORM=dspark_test_cpu). Read by the platform, not by the plugin.",
+            feature=None,
+        ),
+    ]
+
+
+def _wrap_verify(stock):
+    def verify(self, *args, **kwargs):
+        global CALLS
+        with _calls_lock:
+            CALLS += 1
+        return stock(self, *args, **kwargs)
+
+    verify.__name__ = stock.__name__
+    verify.__qualname__ = stock.__qualname__
+    verify.__doc__ = stock.__doc__
+    return verify
+
+
+def _register_rogue_replace() -> None:
+    """Another "plugin" REPLACEs our target through SGLang's HookRegistry (applied after we bind)."""
+    global _rogue_registered
+    if _rogue_registered:
+        return
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookSource, HookType
+    from sglang.srt.sampling.sampling_params import SamplingParams
+
+    stock = SamplingParams.__dict__["verify"]
+
+    def rogue_verify(self, *args, **kwargs):
+        return stock(self, *args, **kwargs)  # bypasses dspark-harden's wrapper
+
+    module, _, qual = TARGET.partition(":")
+    HookRegistry.register(
+        f"{module}.{qual}", rogue_verify, HookType.REPLACE,
+        source=HookSource(plugin_name=ROGUE_PLUGIN, dist_name="dspark-testsupport"),
+    )
+    _rogue_registered = True
+
+
+@hookimpl
+def dspark_patches(role, settings):
+    if not settings[SWITCH] or role not in ROLES:
+        return []
+    mode = settings[BREAK]
+    target, fingerprint = TARGET, FINGERPRINT
+    if mode == "drift":
+        fingerprint = WRONG_FINGERPRINT
+    elif mode == "missing":
+        target = MISSING_TARGET
+    elif mode == "replaced":
+        _register_rogue_replace()
+    return [
+        Patch(
+            feature=FEATURE,
+            target=target,
+            kind=Kind.WRAP,
+            roles=ROLES,
+            build=_wrap_verify,
+            fingerprint=fingerprint,
+            why="TEST ONLY: exercises binding, verification and fail-closed startup in a real server",
+            retire_when="never (test support)",
+        )
+    ]
