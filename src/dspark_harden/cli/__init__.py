@@ -10,7 +10,7 @@ from . import check as _check
 from . import ledger as _ledger
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(pm=None) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dspark-harden", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -30,9 +30,10 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="benchmarks against the stock path in the same run")
     bench_sub = bench.add_subparsers(dest="bench", required=True)
 
-    from ..core.manager import make_manager
+    if pm is None:
+        from ..core.manager import make_manager
 
-    pm = make_manager()
+        pm = make_manager()
     pm.hook.dspark_cli(subparsers=sub, bench_subparsers=bench_sub)
     return parser
 
