@@ -1,0 +1,28 @@
+# Two commands on a fresh machine:  make demo   and   make test
+VENV ?= $(HOME)/.cache/dspark-harden/venv
+export DSPARK_VENV := $(VENV)
+PYTHON := $(VENV)/bin/python
+PYTEST_ARGS ?=
+
+.PHONY: install demo test check test-fast gpu-test clean
+
+install:
+	bash scripts/install.sh
+
+## main job: self-check, then a real DP2 SGLang server on CPU with the plugin active
+demo: install
+	$(PYTHON) -m dspark_harden.devtools.demo
+
+## the whole test suite (starts every process it needs: SGLang servers, Prometheus)
+test: install
+	$(PYTHON) -m pytest -ra -p no:cacheprovider --timeout=1800 tests $(PYTEST_ARGS)
+
+## quick: no real server
+test-fast: install
+	$(PYTHON) -m pytest -ra -m "not server" tests $(PYTEST_ARGS)
+
+check: install
+	SGLANG_PLUGINS=dspark_harden $(VENV)/bin/dspark-harden check
+
+clean:
+	rm -rf build src/*.egg-info src/dspark_harden/_dp2_native*.so src/dspark_harden/_dp2_native.c .pytest_cache
