@@ -181,3 +181,11 @@ def test_dspark_cli_adds_commands():
     parser = build_parser(make_manager(extra=(rec,)))
     args = parser.parse_args(["bench", "recorder", "--n", "3"])
     assert args.func(args) == 7 and rec.calls == [("bench", 3)]
+
+
+def test_docs_settings_is_current():
+    """docs/settings.md must be regenerated (`dspark-harden env --markdown`) when a variable changes."""
+    from dspark_harden.cli.ledger import env_markdown, env_rows
+
+    expected = env_markdown(env_rows(load_extensions=False)).strip()
+    assert (ROOT / "docs" / "settings.md").read_text().strip() == expected, "regenerate docs/settings.md"

@@ -21,6 +21,7 @@ def build_parser(pm=None) -> argparse.ArgumentParser:
 
     p = sub.add_parser("env", help="every environment variable the plugin reads")
     p.add_argument("--json", action="store_true")
+    p.add_argument("--markdown", action="store_true", help="the text of docs/settings.md")
     p.set_defaults(func=_ledger.env_main)
 
     p = sub.add_parser("patches", help="the patch ledger: target, why, retire-when")

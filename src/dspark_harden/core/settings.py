@@ -26,7 +26,7 @@ class SettingsError(ValueError):
 
 
 def flag01(raw: str) -> bool:
-    """Exactly ``"0"`` or ``"1"`` (no true/yes/on: a hardening switch must be unambiguous)."""
+    """exactly "0" or "1" (no true/yes/on: a hardening switch must be unambiguous)"""
     if raw == "1":
         return True
     if raw == "0":
