@@ -3,17 +3,36 @@
 Conventions (Prometheus, not SGLang's ``sglang:`` prefix): names start with ``dspark_harden_``,
 base units (``_seconds``, ``_bytes``), counters end in ``_total``, no colons, bounded label values
 only (never schema hashes or request ids), a ``dp_rank`` label where aggregation across DP ranks
-matters. Families are declared here as specs and instantiated lazily per process (after SGLang has
-set ``PROMETHEUS_MULTIPROC_DIR``), so they work in SGLang's Prometheus multiprocess mode; gauges
-declare their ``multiprocess_mode`` explicitly. docs/metrics.md documents every family (a test
-keeps both in sync).
+matters. :func:`convention_problems` is the single statement of these rules: ``declare()`` enforces
+it at import and ``dspark-harden metrics-lint`` applies it to a live scrape.
+
+Families are declared here as specs and instantiated lazily per process (after SGLang has set
+``PROMETHEUS_MULTIPROC_DIR``), so they work in SGLang's Prometheus multiprocess mode, where every
+process writes its own mmap files and the main process serves ``/metrics`` from all of them.
+Gauges pass their ``multiprocess_mode`` explicitly (a gauge shared by processes with the same
+labels must say how to combine them: ``max``, ``sum``, ``mostrecent``...). Label combinations
+listed in ``Family.precreate`` are created when the process starts (by the observability
+feature, for features active in that process), so a series exists before its first event; the
+placeholder :data:`DP_RANK` in a combination stands for this process's ``dp_rank`` label value
+(``roles.CONTEXT.dp_label``).
+
+How to add a family (other features): declare it in a clearly commented section for your feature
+below, with ``feature=<your Feature.name>`` and ``roles=`` the process roles that emit it, call
+``metrics.get(name)`` at runtime (never at import or bind time in the main process: use
+:func:`when_ready` for start-up publishing there), and document it in docs/metrics.md
+(tests/test_metrics_docs.py keeps both in sync; tests/test_dashboards.py checks the dashboard).
 """
 
 from __future__ import annotations
 
+import logging
+import re
+import sys
 import threading
-from dataclasses import dataclass, field
-from typing import Any, Iterable, Optional
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Optional
+
+logger = logging.getLogger("dspark_harden")
 
 PREFIX = "dspark_harden_"
 
@@ -23,6 +42,66 @@ LATENCY_BUCKETS = (
     1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
 )
 
+KINDS = ("counter", "gauge", "histogram")
+# prometheus_client's gauge multiprocess modes ("all"/"liveall" add a pid label: avoid them)
+GAUGE_MODES = frozenset({
+    "min", "max", "sum", "mostrecent", "all",
+    "livemin", "livemax", "livesum", "livemostrecent", "liveall",
+})
+# placeholder in Family.precreate combinations: this process's dp_rank label value
+DP_RANK = "$dp_rank"
+
+_NAME_RE = re.compile(r"^[a-z_][a-z0-9_]*$")
+_LABEL_RE = re.compile(r"^[a-z_][a-z0-9_]*$")
+# unit suffixes that are not Prometheus base units (seconds, bytes, ratios)
+_NON_BASE_UNITS = {
+    "ms": "seconds", "msec": "seconds", "milliseconds": "seconds", "us": "seconds",
+    "usec": "seconds", "microseconds": "seconds", "ns": "seconds", "nanoseconds": "seconds",
+    "minutes": "seconds", "hours": "seconds", "days": "seconds",
+    "kb": "bytes", "mb": "bytes", "gb": "bytes", "kib": "bytes", "mib": "bytes", "gib": "bytes",
+    "kilobytes": "bytes", "megabytes": "bytes", "gigabytes": "bytes", "percent": "ratio",
+}
+_RESERVED_SUFFIXES = ("_bucket", "_count", "_sum", "_created")
+
+
+def convention_problems(name: str, kind: str, labels: Iterable[str] = (), *, own: bool = True) -> list[str]:
+    """Prometheus naming problems of one family (empty list when clean).
+
+    ``name`` is the family name as exposed (counters with their ``_total``). ``own`` adds the
+    rules specific to dspark-harden families (prefix).
+    """
+    out: list[str] = []
+    labels = tuple(labels)
+    if own and not name.startswith(PREFIX):
+        out.append(f"{name}: must start with {PREFIX}")
+    if ":" in name:
+        out.append(f"{name}: must not contain ':' (colons are reserved for recording rules)")
+    elif not _NAME_RE.match(name):
+        out.append(f"{name}: must be lower snake_case [a-z_][a-z0-9_]*")
+    if kind not in KINDS:
+        out.append(f"{name}: unknown type {kind!r} (one of {', '.join(KINDS)})")
+    if kind == "counter" and not name.endswith("_total"):
+        out.append(f"{name}: counter must end with _total")
+    if kind in ("gauge", "histogram") and name.endswith("_total"):
+        out.append(f"{name}: only counters end with _total ({kind})")
+    if kind in ("gauge", "histogram") and name.endswith(_RESERVED_SUFFIXES):
+        out.append(f"{name}: suffixes {', '.join(_RESERVED_SUFFIXES)} are reserved for histogram/counter samples")
+    words = name[: -len("_total")].split("_") if name.endswith("_total") else name.split("_")
+    for word in words:
+        base = _NON_BASE_UNITS.get(word)
+        if base:
+            out.append(f"{name}: unit '{word}' is not a base unit (use {base})")
+    if len(set(labels)) != len(labels):
+        out.append(f"{name}: duplicate label names {labels}")
+    for label in labels:
+        if not _LABEL_RE.match(label) or label.startswith("__"):
+            out.append(f"{name}: bad label name {label!r}")
+        if label == "le" and kind == "histogram" or label == "quantile":
+            out.append(f"{name}: label {label!r} is reserved")
+        if label == "pid":
+            out.append(f"{name}: label 'pid' is added by multiprocess 'all' gauges; do not declare it")
+    return out
+
 
 @dataclass(frozen=True)
 class Family:
@@ -31,20 +110,44 @@ class Family:
     doc: str
     labels: tuple = ()
     buckets: tuple = LATENCY_BUCKETS
-    multiprocess_mode: str = "mostrecent"  # gauges only
+    # gauges only: how the main process combines the per-process values of one label set
+    multiprocess_mode: str = "mostrecent"
     # label combinations to pre-create so a series exists before its first event
+    # (DP_RANK stands for this process's dp_rank label value)
     precreate: tuple = ()
+    # the Feature.name whose activity the family reports ("core": always)
     feature: str = "core"
     # how to aggregate across ranks (documented in docs/metrics.md)
     aggregation: str = ""
+    # process roles (Role values, e.g. "scheduler") that emit it; empty: any role.
+    # Pre-creation happens only in these roles.
+    roles: tuple = ()
 
     def __post_init__(self) -> None:
-        if not self.name.startswith(PREFIX):
-            raise ValueError(f"metric {self.name} must start with {PREFIX}")
-        if self.kind == "counter" and not self.name.endswith("_total"):
-            raise ValueError(f"counter {self.name} must end with _total")
-        if ":" in self.name:
-            raise ValueError(f"metric {self.name} must not contain ':'")
+        problems = convention_problems(self.name, self.kind, self.labels)
+        if not self.doc.strip():
+            problems.append(f"{self.name}: empty documentation")
+        if self.kind == "gauge" and self.multiprocess_mode not in GAUGE_MODES:
+            problems.append(f"{self.name}: multiprocess_mode {self.multiprocess_mode!r} not one of {sorted(GAUGE_MODES)}")
+        if self.kind == "gauge" and self.multiprocess_mode in ("all", "liveall"):
+            problems.append(f"{self.name}: multiprocess_mode {self.multiprocess_mode!r} adds an unbounded pid label")
+        for combo in self.precreate:
+            if not isinstance(combo, tuple) or len(combo) != len(self.labels):
+                problems.append(f"{self.name}: precreate combination {combo!r} does not match labels {self.labels}")
+        if any(DP_RANK in combo for combo in self.precreate if isinstance(combo, tuple)) and not self.roles:
+            problems.append(f"{self.name}: pre-creating {DP_RANK} needs roles= (the processes that own a dp_rank)")
+        for role in self.roles:
+            if role not in ("main", "controller", "scheduler", "detokenizer"):
+                problems.append(f"{self.name}: unknown role {role!r}")
+        if problems:
+            raise ValueError("; ".join(problems))
+
+    @property
+    def exposed_names(self) -> tuple:
+        """Sample names this family exposes in the text format."""
+        if self.kind == "histogram":
+            return (self.name + "_bucket", self.name + "_sum", self.name + "_count")
+        return (self.name,)
 
 
 FAMILIES: dict[str, Family] = {}
@@ -58,19 +161,52 @@ def declare(*families: Family) -> None:
 
 
 # ------------------------------------------------------------------------------------------
-# core / platform
+# core / platform (observability feature: dspark_harden.observability)
 declare(
     Family(
         "dspark_harden_build_info", "gauge",
-        "dspark-harden build information (value 1).",
+        "dspark-harden build information (value 1), one series per version pair.",
         labels=("version", "sglang_version"), multiprocess_mode="max",
         aggregation="max; identical on every process",
     ),
     Family(
         "dspark_harden_feature_bound", "gauge",
-        "1 when the feature's patches are bound and verified in this process role, else 0.",
+        "1 when the feature's patches are bound and verified in this process role, else 0; "
+        "the status label is the self-check status (bound, upstream, disabled, unavailable).",
         labels=("feature", "role", "status"), multiprocess_mode="max",
-        aggregation="max by (feature): a feature is active when any process reports 1",
+        aggregation="max by (feature, role, status): processes of one role agree",
+    ),
+)
+
+# ------------------------------------------------------------------------------------------
+# observability: scheduler loop phases (dspark_harden.observability.phases)
+SCHEDULER_PHASES = (
+    "recv_requests", "process_input_requests", "get_next_batch_to_run",
+    "run_batch", "process_batch_result", "idle",
+)
+declare(
+    Family(
+        "dspark_harden_scheduler_phase_seconds_total", "counter",
+        "Wall-clock seconds spent inside each scheduler-loop phase (inclusive of what the phase calls).",
+        labels=("dp_rank", "phase"), feature="scheduler-phase-metrics", roles=("scheduler",),
+        precreate=tuple((DP_RANK, p) for p in SCHEDULER_PHASES),
+        aggregation="sum by (phase) (rate(...)) for the fleet; keep dp_rank to compare ranks",
+    ),
+    Family(
+        "dspark_harden_scheduler_phase_calls_total", "counter",
+        "Number of calls of each scheduler-loop phase.",
+        labels=("dp_rank", "phase"), feature="scheduler-phase-metrics", roles=("scheduler",),
+        precreate=tuple((DP_RANK, p) for p in SCHEDULER_PHASES),
+        aggregation="sum by (phase) (rate(...)); seconds_total / calls_total = mean seconds per call",
+    ),
+    Family(
+        "dspark_harden_scheduler_phase_max_seconds", "gauge",
+        "Longest single call of each scheduler-loop phase in the latest flush window "
+        "(DSPARK_HARDEN_METRICS_FLUSH_INTERVAL_S, default 1 s; 0 when the phase did not run).",
+        labels=("dp_rank", "phase"), multiprocess_mode="mostrecent",
+        feature="scheduler-phase-metrics", roles=("scheduler",),
+        precreate=tuple((DP_RANK, p) for p in SCHEDULER_PHASES),
+        aggregation="max by (phase) (max_over_time(...[5m])); never sum",
     ),
 )
 
@@ -80,9 +216,20 @@ declare(
 
 # ------------------------------------------------------------------------------------------
 # runtime: lazily created prometheus_client objects
+#
+# Multiprocess safety: prometheus_client picks its value class (in-process vs per-process mmap
+# files) when ``prometheus_client.values`` is first imported. SGLang sets PROMETHEUS_MULTIPROC_DIR
+# in the main process only in ``_set_envs_and_config``, *after* plugins were loaded, so nothing may
+# create a metric in the main process before then (doing so would also break SGLang's own
+# tokenizer metrics). The observability feature calls :func:`defer_until_configured` in the main
+# process at bind time and :func:`configured` right after SGLang's ``_set_envs_and_config``;
+# :func:`when_ready` runs start-up publishing at the right moment in every process.
 
-_LOCK = threading.Lock()
+_LOCK = threading.RLock()
 _LIVE: dict[str, Any] = {}
+_READY = True
+_PENDING: list = []
+_EARLY: set = set()
 
 
 def get(name: str) -> Any:
@@ -93,7 +240,12 @@ def get(name: str) -> Any:
     with _LOCK:
         obj = _LIVE.get(name)
         if obj is None:
-            obj = _create(FAMILIES[name])
+            fam = FAMILIES.get(name)
+            if fam is None:
+                raise KeyError(f"metric {name} is not declared in dspark_harden.metrics")
+            if not _READY:
+                _EARLY.add(name)
+            obj = _create(fam)
             _LIVE[name] = obj
     return obj
 
@@ -108,24 +260,149 @@ def _create(fam: Family) -> Any:
         obj = pc.Gauge(fam.name, fam.doc, labelnames=fam.labels, multiprocess_mode=fam.multiprocess_mode)
     elif fam.kind == "histogram":
         obj = pc.Histogram(fam.name, fam.doc, labelnames=fam.labels, buckets=fam.buckets)
-    else:  # pragma: no cover - guarded by declare()
+    else:  # pragma: no cover - guarded by Family.__post_init__
         raise ValueError(fam.kind)
-    for combo in fam.precreate:
-        obj.labels(*combo) if fam.labels else None
     return obj
 
 
+def child(name: str, *labelvalues: Any) -> Any:
+    """``get(name).labels(*labelvalues)`` (or the label-less metric), for hot paths to cache."""
+    obj = get(name)
+    return obj.labels(*labelvalues) if FAMILIES[name].labels else obj
+
+
 def precreate(name: str, combos: Iterable[tuple]) -> None:
-    """Pre-create label combinations known only at runtime (e.g. this process's dp_rank)."""
+    """Pre-create label combinations (e.g. ones known only at runtime) so their series exist.
+
+    A gauge series that is new here is set to 0: in multiprocess mode a ``mostrecent`` gauge that
+    was never set has no timestamp and is left out of the scrape.
+    """
+    fam = FAMILIES[name]
     obj = get(name)
     for combo in combos:
-        obj.labels(*combo)
+        combo = tuple(str(v) for v in combo)
+        if len(combo) != len(fam.labels):
+            raise ValueError(f"{name}: combination {combo} does not match labels {fam.labels}")
+        if not fam.labels:
+            if fam.kind == "gauge" and not getattr(obj, "_dspark_precreated", False):
+                obj.set(0)
+                obj._dspark_precreated = True
+            continue
+        with _LOCK:
+            new = combo not in getattr(obj, "_metrics", {})
+            ch = obj.labels(*combo)
+        if new and fam.kind == "gauge":
+            ch.set(0)
+
+
+def precreate_process(role: str, active_features: Iterable[str], dp_label: str) -> list[str]:
+    """Pre-create every declared combination of every family emitted in ``role`` whose feature is
+    active here ("core" always is). Returns the names of the families touched."""
+    active = set(active_features) | {"core"}
+    done = []
+    for fam in FAMILIES.values():
+        if fam.roles and role not in fam.roles:
+            continue
+        if fam.feature not in active:
+            continue
+        combos = [tuple(dp_label if v == DP_RANK else v for v in combo) for combo in fam.precreate]
+        if not fam.labels:
+            combos = [()]
+        if combos:
+            precreate(fam.name, combos)
+            done.append(fam.name)
+    return done
+
+
+# -- readiness (main process) ----------------------------------------------------------------
+
+def ready() -> bool:
+    return _READY
+
+
+def defer_until_configured() -> None:
+    """Main process, before SGLang decided its Prometheus mode: hold :func:`when_ready` work."""
+    global _READY
+    with _LOCK:
+        if "prometheus_client.values" in sys.modules or _has_multiproc_env():
+            return  # already decided (embedding app imported prometheus_client, or env preset)
+        _READY = False
+
+
+def configured() -> None:
+    """SGLang has configured Prometheus (PROMETHEUS_MULTIPROC_DIR set when --enable-metrics):
+    repair an early import, drop metrics created too early, run the deferred work."""
+    global _READY
+    with _LOCK:
+        if _READY:
+            pending = []
+        else:
+            _repair_value_class()
+            for name in sorted(_EARLY):
+                logger.warning(
+                    "dspark-harden metric %s was created in the main process before SGLang configured "
+                    "Prometheus multiprocess mode; it is re-created now and earlier values are lost "
+                    "(use metrics.when_ready for start-up publishing)", name,
+                )
+                _forget(name)
+            _EARLY.clear()
+            _READY = True
+            pending, _PENDING[:] = list(_PENDING), []
+    for fn in pending:
+        fn()
+
+
+def when_ready(fn: Callable[[], None]) -> None:
+    """Run ``fn`` now if metrics may be created in this process, else once SGLang configured them."""
+    with _LOCK:
+        if not _READY:
+            _PENDING.append(fn)
+            return
+    fn()
+
+
+def _has_multiproc_env() -> bool:
+    import os
+
+    return bool(os.environ.get("PROMETHEUS_MULTIPROC_DIR") or os.environ.get("prometheus_multiproc_dir"))
+
+
+def _repair_value_class() -> None:
+    """If prometheus_client.values was imported before PROMETHEUS_MULTIPROC_DIR existed, its value
+    class is the in-process one and no metric created from now on would reach /metrics. Re-pick it
+    (prometheus_client reads ``values.ValueClass`` whenever a metric child is created)."""
+    if not _has_multiproc_env():
+        return
+    mod = sys.modules.get("prometheus_client.values")
+    if mod is None:
+        return
+    if not getattr(mod.ValueClass, "_multiprocess", False):
+        logger.warning("dspark-harden: prometheus_client was imported before PROMETHEUS_MULTIPROC_DIR was set; "
+                       "switching it to multiprocess values")
+        mod.ValueClass = mod.get_value_class()
+
+
+def _forget(name: str) -> None:
+    obj = _LIVE.pop(name, None)
+    if obj is None:
+        return
+    try:
+        import prometheus_client as pc
+
+        pc.REGISTRY.unregister(obj)
+    except (KeyError, ValueError):  # pragma: no cover - not registered
+        pass
 
 
 def reset_for_tests() -> None:
-    """Forget live objects (their collectors stay registered in prometheus_client's registry)."""
+    """Forget live objects and unregister them from prometheus_client's default registry."""
+    global _READY
     with _LOCK:
-        _LIVE.clear()
+        for name in list(_LIVE):
+            _forget(name)
+        _EARLY.clear()
+        _PENDING.clear()
+        _READY = True
 
 
 def families(feature: Optional[str] = None) -> list[Family]:

@@ -20,6 +20,7 @@ EXTENSION_GROUP = "dspark_harden.features"
 # One module per hardened area; each owns its patches, settings and CLI additions.
 BUILTIN_FEATURE_MODULES: list[str] = [
     "dspark_harden.upstream",
+    "dspark_harden.observability.feature",
     "dspark_harden.ingress.feature",
     "dspark_harden.health.feature",
 ]
