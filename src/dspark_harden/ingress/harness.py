@@ -40,6 +40,9 @@ class Endpoints:
     @classmethod
     def new(cls, dp_size: int, directory: Optional[str] = None) -> "Endpoints":
         directory = directory or tempfile.mkdtemp(prefix="dspark-dpc-")
+        os.makedirs(directory, exist_ok=True)
+        if len(directory) > 60:
+            raise ValueError(f"IPC directory {directory!r} is too long for AF_UNIX socket paths")
         tag = uuid.uuid4().hex[:8]
         ipc = lambda name: f"ipc://{os.path.join(directory, f'{tag}-{name}')}"  # noqa: E731
         return cls(

@@ -1,0 +1,181 @@
+"""Every /health_scheduler outcome against the real SGLang load-snapshot writer and reader.
+
+Snapshots are written with the real ``ShmLoadSnapshotWriter`` (the class every scheduler
+publishes with) into a temp file and read back with the real ``ShmLoadSnapshotReader`` (the class
+the tokenizer manager holds as ``load_snapshot_reader``). The tokenizer manager itself is a
+stand-in (``SimpleNamespace`` with the three attributes the check reads: ``server_status``,
+``gracefully_exit``, ``load_snapshot_reader``): a real one needs a running scheduler.
+"""
+
+from __future__ import annotations
+
+import time
+from types import SimpleNamespace
+
+import pytest
+
+from sglang.srt.managers.load_snapshot import LoadSnapshot, ShmLoadSnapshotReader, ShmLoadSnapshotWriter
+from sglang.srt.managers.tokenizer_manager import ServerStatus
+
+from dspark_harden.health import verdict as V
+
+STALE, FUTURE = 30.0, 5.0
+
+
+@pytest.fixture
+def shm(tmp_path):
+    path = str(tmp_path / "loads.shm")
+    writers: list = []
+
+    def writer(dp_size: int, rank: int) -> ShmLoadSnapshotWriter:
+        w = ShmLoadSnapshotWriter(path, dp_size, rank)
+        writers.append(w)
+        return w
+
+    yield path, writer
+    for w in writers:
+        w.close()
+
+
+def tm(reader, status=ServerStatus.Up, exiting=False, workers=2):
+    return SimpleNamespace(server_status=status, gracefully_exit=exiting, load_snapshot_reader=reader,
+                           elastic_worker_count=workers)
+
+
+def check(manager, now=None):
+    return V.evaluate_server(manager, now_fn=lambda: now if now is not None else time.time(),
+                             max_staleness_s=STALE, max_future_skew_s=FUTURE)
+
+
+def publish(w, rank, ts):
+    w.write(LoadSnapshot(timestamp=ts, dp_rank=rank, num_running_reqs=1))
+
+
+def test_healthy_when_every_rank_published_fresh(shm):
+    path, writer = shm
+    now = time.time()
+    for r in range(2):
+        publish(writer(2, r), r, now - 0.5)
+    v = check(tm(ShmLoadSnapshotReader(path, 2)), now)
+    assert (v.ok, v.reason, v.status_code) == (True, V.OK, 200)
+    assert set(v.to_dict()["ranks"]) == {"0", "1"}
+
+
+def test_missing_rank_names_it(shm):
+    path, writer = shm
+    now = time.time()
+    publish(writer(2, 0), 0, now)  # rank 1's slot exists in the file but was never written
+    v = check(tm(ShmLoadSnapshotReader(path, 2)), now)
+    assert (v.status_code, v.reason, v.bad_ranks) == (503, V.MISSING_RANKS, [1])
+    assert "DP rank 1" in v.message
+
+
+def test_no_snapshot_file_at_all_is_missing_every_rank(tmp_path):
+    v = check(tm(ShmLoadSnapshotReader(str(tmp_path / "absent.shm"), 2)))
+    assert (v.reason, v.bad_ranks) == (V.MISSING_RANKS, [0, 1])
+
+
+def test_duplicate_rank(shm):
+    path, writer = shm
+    now = time.time()
+    publish(writer(2, 0), 0, now)
+    w1 = writer(2, 1)
+    # A slot whose payload names another rank (a misconfigured or corrupted writer). The public
+    # write() refuses that, so use the writer's own payload routine, as a buggy writer would.
+    w1._write_payload(LoadSnapshot(timestamp=now, dp_rank=0))
+    v = check(tm(ShmLoadSnapshotReader(path, 2)), now)
+    # rank 1 is missing AND rank 0 is duplicated: missing is reported first, then after
+    # rank 1 publishes correctly again the duplicate disappears
+    assert v.reason == V.MISSING_RANKS
+    snaps = ShmLoadSnapshotReader(path, 2).read_all() + [LoadSnapshot(timestamp=now, dp_rank=1)]
+    v2 = V.evaluate_snapshots(snaps, 2, now=now, max_staleness_s=STALE, max_future_skew_s=FUTURE)
+    assert (v2.status_code, v2.reason, v2.bad_ranks) == (503, V.DUPLICATE_RANKS, [0])
+
+
+def test_unexpected_rank(shm):
+    path, writer = shm
+    now = time.time()
+    publish(writer(3, 0), 0, now)
+    publish(writer(3, 1), 1, now)
+    publish(writer(3, 2), 2, now)
+    v = check(tm(ShmLoadSnapshotReader(path, 3), workers=2), now)  # scaled down to 2 ranks
+    assert (v.reason, v.bad_ranks) == (V.UNEXPECTED_RANKS, [2])
+
+
+def test_zero_timestamp_is_the_real_slot_before_first_publish(shm):
+    path, writer = shm
+    now = time.time()
+    publish(writer(2, 0), 0, now)
+    writer(2, 1)  # stock writer __init__ writes LoadSnapshot(dp_rank=1) with timestamp 0.0
+    v = check(tm(ShmLoadSnapshotReader(path, 2)), now)
+    assert (v.status_code, v.reason, v.bad_ranks) == (503, V.NON_POSITIVE_TIMESTAMP, [1])
+
+
+def test_negative_timestamp(shm):
+    path, writer = shm
+    now = time.time()
+    publish(writer(2, 0), 0, -3.0)
+    publish(writer(2, 1), 1, now)
+    v = check(tm(ShmLoadSnapshotReader(path, 2)), now)
+    assert (v.reason, v.bad_ranks) == (V.NON_POSITIVE_TIMESTAMP, [0])
+
+
+def test_stale_names_rank(shm):
+    path, writer = shm
+    now = time.time()
+    publish(writer(2, 0), 0, now)
+    publish(writer(2, 1), 1, now - STALE - 1)
+    v = check(tm(ShmLoadSnapshotReader(path, 2)), now)
+    assert (v.status_code, v.reason, v.bad_ranks) == (503, V.STALE, [1])
+    assert "DP rank 1" in v.message and "stale" in v.message
+    # exactly at the threshold is still fresh
+    publish(writer(2, 1), 1, now - STALE)
+    assert check(tm(ShmLoadSnapshotReader(path, 2)), now).ok
+
+
+def test_future_dated(shm):
+    path, writer = shm
+    now = time.time()
+    publish(writer(2, 0), 0, now + FUTURE + 1)
+    publish(writer(2, 1), 1, now)
+    v = check(tm(ShmLoadSnapshotReader(path, 2)), now)
+    assert (v.status_code, v.reason, v.bad_ranks) == (503, V.FUTURE_TIMESTAMP, [0])
+    publish(writer(2, 0), 0, now + FUTURE - 0.5)  # small skew tolerated
+    assert check(tm(ShmLoadSnapshotReader(path, 2)), now).ok
+
+
+def test_read_error(shm):
+    path, writer = shm
+    now = time.time()
+    for r in range(2):
+        publish(writer(2, r), r, now)
+    reader = ShmLoadSnapshotReader(path, 2)
+    assert check(tm(reader), now).ok
+    reader.mmap.close()  # the mapping goes away under the reader (unmapped / torn down)
+    v = check(tm(reader), now)
+    assert (v.status_code, v.reason) == (503, V.READ_ERROR)
+    assert "ValueError" in v.message
+
+
+def test_starting_shutting_down_and_no_state(shm):
+    path, writer = shm
+    now = time.time()
+    for r in range(2):
+        publish(writer(2, r), r, now)
+    reader = ShmLoadSnapshotReader(path, 2)
+    assert check(tm(reader, status=ServerStatus.Starting), now).reason == V.STARTING
+    assert check(tm(reader, exiting=True), now).reason == V.SHUTTING_DOWN
+    assert check(None, now).reason == V.NO_STATE
+    for v in (check(tm(reader, status=ServerStatus.Starting), now), check(tm(reader, exiting=True), now), check(None)):
+        assert v.status_code == 503 and v.to_dict()["status"] == "unhealthy"
+
+
+def test_every_outcome_has_a_test_and_a_metric_label():
+    from dspark_harden import metrics
+
+    fam = metrics.FAMILIES["dspark_harden_health_scheduler_checks_total"]
+    assert {c[0] for c in fam.precreate} == set(V.OUTCOMES)
+    src = open(__file__).read()
+    for outcome in V.OUTCOMES:
+        const = [k for k, v in vars(V).items() if v == outcome and k.isupper()][0]
+        assert f"V.{const}" in src, f"no test for outcome {outcome}"
