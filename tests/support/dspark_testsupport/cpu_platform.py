@@ -75,13 +75,33 @@ def platform_enabled(environ: Optional[dict] = None) -> bool:
     raise ValueError(f"{PLATFORM_ENV} must be exactly '0' or '1', got {raw!r}")
 
 
+def _source_file(module: str) -> str:
+    """Path of an ``sglang.*`` module's source, found WITHOUT importing it or its parent packages.
+
+    The platform is resolved while ``sglang.srt.utils`` is still half-imported (it reads
+    ``current_platform`` at import), so importing or even ``find_spec``-ing SGLang submodules here
+    would hit a circular import.
+    """
+    top, _, rest = module.partition(".")
+    spec = importlib.util.find_spec(top)  # top-level "sglang": already in sys.modules
+    roots = list(spec.submodule_search_locations or []) if spec else []
+    for root in roots:
+        base = os.path.join(root, *rest.split("."))
+        for candidate in (base + ".py", os.path.join(base, "__init__.py")):
+            if os.path.isfile(candidate):
+                return candidate
+    raise ImportError(f"dspark_test_cpu platform: SGLang module {module} not found under {roots}")
+
+
+def _parse(module: str) -> ast.Module:
+    path = _source_file(module)
+    with open(path, encoding="utf-8") as f:
+        return ast.parse(f.read(), filename=path)
+
+
 def _module_level_names(module: str) -> set[str]:
     """Names bound at module level in ``module``'s source (assignments, defs, imports), without importing it."""
-    spec = importlib.util.find_spec(module)
-    if spec is None or not spec.origin:
-        raise ImportError(f"dspark_test_cpu platform: SGLang module {module} not found")
-    with open(spec.origin, encoding="utf-8") as f:
-        tree = ast.parse(f.read(), filename=spec.origin)
+    tree = _parse(module)
     names: set[str] = set()
     for node in tree.body:
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
@@ -117,10 +137,7 @@ def check_stock_surfaces() -> None:
 
 
 def _module_level_names_of_class(module: str, cls: str) -> set[str]:
-    spec = importlib.util.find_spec(module)
-    with open(spec.origin, encoding="utf-8") as f:
-        tree = ast.parse(f.read(), filename=spec.origin)
-    for node in tree.body:
+    for node in _parse(module).body:
         if isinstance(node, ast.ClassDef) and node.name == cls:
             return {n.name for n in node.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
     return set()

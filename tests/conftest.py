@@ -1,0 +1,125 @@
+"""pytest harness for dspark-harden (see docs/testing.md).
+
+- markers ``server`` (starts a real SGLang server on CPU: slow) and ``gpu`` (needs CUDA; skipped
+  when torch sees no GPU);
+- session fixtures building the tiny local models once (``tiny_models``, ``tiny_tokenizer``);
+- ``sglang_server``: function-scoped factory ``sglang_server(ServerConfig) -> SGLangServer``
+  (stopped at teardown); ``module_sglang_server``: the same, stopped at the end of the module;
+- shared servers (``dp2_server``: DeepseekV3 tiny, DP2 attention over TP2, plugin active), see
+  tests/harness/shared.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.harness import shared
+from tests.harness.server import SGLangServer, ServerConfig
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "server: starts a real SGLang server on CPU (slow)")
+    config.addinivalue_line("markers", "gpu: needs CUDA (run on the device machine)")
+
+
+def _shared_names(item) -> list[str]:
+    names = getattr(item, "fixturenames", ())
+    return [n for n in shared.SHARED_CONFIGS if n in names]
+
+
+def pytest_collection_modifyitems(session, config, items):
+    order = list(shared.SHARED_CONFIGS)
+
+    def key(pair):
+        idx, item = pair
+        used = _shared_names(item)
+        group = 1 + min(order.index(n) for n in used) if used else 0
+        return (group, idx)
+
+    items[:] = [item for _, item in sorted(enumerate(items), key=key)]
+    gpu_items = []
+    for item in items:
+        if _shared_names(item) or {"sglang_server", "module_sglang_server"} & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.server)
+        if item.get_closest_marker("gpu"):
+            gpu_items.append(item)
+    if gpu_items:
+        import torch
+
+        if not torch.cuda.is_available():
+            skip = pytest.mark.skip(reason="needs CUDA (gpu marker); run on the device machine")
+            for item in gpu_items:
+                item.add_marker(skip)
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_runtest_teardown(item, nextitem):
+    needed_next = set(_shared_names(nextitem)) if nextitem is not None else set()
+    for name in list(shared.SHARED_CONFIGS):
+        if shared.running(name) is not None and name not in needed_next:
+            shared.stop(name)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    shared.stop_all()
+
+
+def _shared_fixture(name):
+    @pytest.fixture(name=name)
+    def fixture():
+        return shared.get(name)
+
+    fixture.__doc__ = f"Shared server {name!r}: {shared.SHARED_CONFIGS[name]}"
+    return fixture
+
+
+for _name in shared.SHARED_CONFIGS:
+    globals()[f"_fixture_{_name}"] = _shared_fixture(_name)
+
+
+@pytest.fixture(scope="session")
+def tiny_models() -> dict:
+    """{arch: model dir} for every tiny model (built once, cached across runs)."""
+    from dspark_harden.devtools.tiny_models import ARCHS, ensure_model
+
+    return {arch: ensure_model(arch) for arch in ARCHS}
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer() -> str:
+    """Directory of the 2048-token tokenizer every tiny model uses."""
+    from dspark_harden.devtools.tiny_models import ensure_tokenizer
+
+    return ensure_tokenizer(2048)
+
+
+class _Factory:
+    def __init__(self):
+        self.servers: list[SGLangServer] = []
+
+    def __call__(self, config: ServerConfig, timeout=None) -> SGLangServer:
+        server = SGLangServer(config)
+        self.servers.append(server)
+        return server.start(timeout)
+
+    def stop_all(self):
+        for server in reversed(self.servers):
+            server.stop()
+            server.remove_workdir()
+        self.servers.clear()
+
+
+@pytest.fixture
+def sglang_server():
+    """Factory: ``sglang_server(ServerConfig(...))`` starts a server, stopped at test teardown."""
+    factory = _Factory()
+    yield factory
+    factory.stop_all()
+
+
+@pytest.fixture(scope="module")
+def module_sglang_server():
+    """Factory like ``sglang_server`` whose servers live until the end of the test module."""
+    factory = _Factory()
+    yield factory
+    factory.stop_all()

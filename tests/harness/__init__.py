@@ -1,0 +1,18 @@
+"""Importable helpers for the CPU integration harness (see docs/testing.md).
+
+- :mod:`tests.harness.server`: :class:`SGLangServer`, :class:`ServerConfig`, :data:`DP2_CONFIG`,
+  :func:`start_server`, :func:`start_expect_failure`, :class:`ServerError`;
+- :mod:`tests.harness.lock`: the machine-wide one-server-at-a-time lock;
+- :mod:`tests.harness.shared`: servers shared by many tests (started once, stopped as soon as the
+  last test that needs them has run).
+"""
+
+from .server import (  # noqa: F401
+    DP2_CONFIG,
+    PLUGIN_ACTIVE_RE,
+    SGLangServer,
+    ServerConfig,
+    ServerError,
+    start_expect_failure,
+    start_server,
+)

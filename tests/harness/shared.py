@@ -1,0 +1,62 @@
+"""Servers shared by many tests: started on first use, stopped as soon as no later test needs them.
+
+Each entry of :data:`SHARED_CONFIGS` becomes a pytest fixture of the same name (tests/conftest.py).
+Collection puts the tests that use one shared server next to each other (and after the tests that
+use none: heaviest last), so each shared configuration starts once per run; a teardown hook stops
+it right after the last test that needs it (the DP controller's idle loop burns a core, and the
+machine-wide server lock should be released early). A start failure is remembered so later tests
+fail at once with the same log instead of waiting for another start.
+
+A shared server must not be requested from ``@pytest.mark.forked`` tests (the fork would own it).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from .server import DP2_CONFIG, SGLangServer, ServerConfig, ServerError
+
+#: fixture name -> configuration. Later issues may add entries (e.g. a stock server to compare).
+SHARED_CONFIGS: dict[str, ServerConfig] = {
+    # DeepseekV3 tiny (MLA + MoE), --dp-size 2 --tp-size 2 --enable-dp-attention, plugin active
+    "dp2_server": DP2_CONFIG,
+}
+
+_running: dict[str, SGLangServer] = {}
+_failed: dict[str, str] = {}
+
+
+def get(name: str) -> SGLangServer:
+    if name in _failed:
+        raise ServerError(f"shared server {name!r} failed to start earlier in this run:\n{_failed[name]}")
+    server = _running.get(name)
+    if server is not None and server.proc is not None and server.proc.poll() is None:
+        return server
+    if server is not None:  # died since: report, do not silently restart
+        _running.pop(name, None)
+        msg = server._failure(f"died while shared (exit code {server.proc.poll()})")
+        _failed[name] = msg
+        raise ServerError(msg)
+    try:
+        server = SGLangServer(SHARED_CONFIGS[name]).start()
+    except ServerError as exc:
+        _failed[name] = str(exc)
+        raise
+    _running[name] = server
+    return server
+
+
+def running(name: str) -> Optional[SGLangServer]:
+    return _running.get(name)
+
+
+def stop(name: str) -> None:
+    server = _running.pop(name, None)
+    if server is not None:
+        server.stop()
+        server.remove_workdir()
+
+
+def stop_all() -> None:
+    for name in list(_running):
+        stop(name)
