@@ -364,7 +364,8 @@ def when_ready(fn: Callable[[], None]) -> None:
 def _has_multiproc_env() -> bool:
     import os
 
-    return bool(os.environ.get("PROMETHEUS_MULTIPROC_DIR") or os.environ.get("prometheus_multiproc_dir"))
+    # prometheus_client switches on presence, not value
+    return "PROMETHEUS_MULTIPROC_DIR" in os.environ or "prometheus_multiproc_dir" in os.environ
 
 
 def _repair_value_class() -> None:
