@@ -11,7 +11,7 @@ install:
 
 ## main job: self-check, then a real DP2 SGLang server on CPU with the plugin active
 demo: install
-	$(PYTHON) -m dspark_harden.devtools.demo
+	$(PYTHON) scripts/demo.py
 
 ## the whole test suite (starts every process it needs: SGLang servers, Prometheus)
 test: install
