@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
+import time
 from typing import Optional
 
 from .core import binder
@@ -35,11 +37,22 @@ def load(role: Optional[Role] = None) -> binder.BindReport:
         _install_post_apply_verifier()
         _notify_bound(role, report)
         active = [f.name for f in report.features if f.status == "bound"]
-        logger.info(
-            "dspark-harden %s active in %s process (pid %d): bound %s",
-            _version(), role.value, os.getpid(), ", ".join(active) or "nothing",
+        _announce(
+            "dspark-harden %s active in %s process (pid %d): bound %s"
+            % (_version(), role.value, os.getpid(), ", ".join(active) or "nothing")
         )
         return report
+
+
+def _announce(message: str) -> None:
+    """Log at INFO; if INFO is not enabled yet in this process (SGLang's processes call
+    ``load_plugins()`` before ``configure_logger()`` sets the level, so the record would be
+    dropped), write the line to stderr: the plugin's presence must always be visible."""
+    if logger.isEnabledFor(logging.INFO):
+        logger.info(message)
+        return
+    sys.stderr.write(f"[{time.strftime('%Y-%m-%d %H:%M:%S')}] {message}\n")
+    sys.stderr.flush()
 
 
 def _notify_bound(role: Role, report: binder.BindReport) -> None:
