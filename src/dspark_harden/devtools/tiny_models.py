@@ -277,7 +277,6 @@ def _build_model(out: Path, arch: str) -> None:
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model = model.to(torch.bfloat16)
-    model.config.torch_dtype = torch.bfloat16
     model.save_pretrained(str(out), safe_serialization=True)
     tok.save_pretrained(str(out))
     cfg_path = out / "config.json"
