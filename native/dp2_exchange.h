@@ -1,9 +1,91 @@
-/* dspark-harden native DP2 exchange: public C API (cdef'd by cffi and #included by the C source). */
+/* dspark-harden native DP2 exchange: public C API.
+ *
+ * This header is both #included by dp2_exchange.c and cdef'd by cffi (native/build_dp2.py strips
+ * the preprocessor lines, so every constant the Python side needs is an enum, not a macro).
+ *
+ * Every function returns 0 (DSPARK_DP2_OK) or one of the error codes below and writes a
+ * NUL-terminated message into the caller's buffer (at least DSPARK_DP2_ERRBUF_MIN bytes).
+ */
 #ifndef DSPARK_DP2_EXCHANGE_H
 #define DSPARK_DP2_EXCHANGE_H
 
-#define DSPARK_DP2_ABI_VERSION 1
+#include <stddef.h>
+#include <stdint.h>
+
+enum {
+    DSPARK_DP2_ABI_VERSION = 1,
+    DSPARK_DP2_LAYOUT_VERSION = 1,
+    DSPARK_DP2_WORLD_SIZE = 2,
+    DSPARK_DP2_MAX_WIDTH = 32,
+    DSPARK_DP2_ERRBUF_MIN = 128,
+    DSPARK_DP2_WAIT_SLICE_MS = 20
+};
+
+/* Error codes. Codes >= DSPARK_DP2_E_OWNERSHIP are published to shared state (the first one
+ * wins) so both ranks stop; the channel is poisoned for good after any of them. */
+enum {
+    DSPARK_DP2_OK = 0,
+    DSPARK_DP2_E_ARG = 1,          /* bad argument (local, nothing published) */
+    DSPARK_DP2_E_SHM = 2,          /* shm_open/ftruncate/mmap/mlock/flock failed at open */
+    DSPARK_DP2_E_MISMATCH = 3,     /* ABI / layout / world size / width / config mismatch at open */
+    DSPARK_DP2_E_OWNED = 4,        /* this rank's slot is owned by another (live or stale) process */
+    DSPARK_DP2_E_FORK = 5,         /* handle used in a process other than the one that opened it */
+    DSPARK_DP2_E_CLOSED = 6,       /* handle already closed */
+    DSPARK_DP2_E_POISONED = 7,     /* an error was published earlier (by either rank) */
+    DSPARK_DP2_E_OWNERSHIP = 8,    /* own slot no longer holds our pid */
+    DSPARK_DP2_E_CLOCK = 9,        /* clock_gettime failed */
+    DSPARK_DP2_E_SEQUENCE = 10,    /* own published sequence diverged from the local count */
+    DSPARK_DP2_E_PEER_DIED = 11,   /* peer process gone (ESRCH, zombie, or pid reused) */
+    DSPARK_DP2_E_PEER_CLOSED = 12, /* peer closed its end while we waited for it */
+    DSPARK_DP2_E_TIMEOUT = 13,     /* peer did not arrive within the timeout */
+    DSPARK_DP2_E_FUTEX = 14,       /* futex wait failed with an unexpected errno */
+    DSPARK_DP2_E_LAPPED = 15,      /* peer sequence is more than one ahead (or behind) */
+    DSPARK_DP2_E_ARRIVAL = 16,     /* peer arrival timestamp missing for the slot */
+    DSPARK_DP2_E_UNLINK = 17,      /* shm_unlink failed when both ranks were attached */
+    DSPARK_DP2_E_CALLER = 18       /* the caller found a problem and poisoned the channel */
+};
+
+typedef struct dspark_dp2_channel dspark_dp2_channel;
+
+typedef struct {
+    uint64_t sequence;               /* sequence number of the completed exchange (1, 2, ...) */
+    uint64_t total_ns;               /* whole call */
+    uint64_t peer_wait_ns;           /* after publishing, waiting for the peer */
+    uint64_t arrival_skew_ns;        /* |own arrival - peer arrival| */
+    uint64_t post_latest_arrival_ns; /* finish - max(own arrival, peer arrival) */
+    uint32_t futex_waits;            /* futex waits this call (0 when the spin sufficed) */
+} dspark_dp2_stats;
 
 int dspark_dp2_abi_version(void);
+
+/* Open (create or attach) the channel "/dspark_dp2_<fnv1a64(session_id + ':' + channel)>".
+ * width: number of int64 values each rank contributes (1..DSPARK_DP2_MAX_WIDTH).
+ * config_digest: any 64-bit value both ranks must agree on (else DSPARK_DP2_E_MISMATCH).
+ * timeout_ms > 0; spin_ns: busy-poll budget before the first futex wait (0 = futex only). */
+int dspark_dp2_open(const char *session_id, const char *channel, int rank, int world_size,
+                    int width, int64_t timeout_ms, int64_t spin_ns, uint64_t config_digest,
+                    dspark_dp2_channel **out, char *err, size_t errlen);
+
+/* One exchange: publish `local` (width values), wait for the peer, write world_size*width values
+ * in rank order into `out`. `stats` may be NULL. */
+int dspark_dp2_exchange(dspark_dp2_channel *ch, const int64_t *local, int64_t *out,
+                        dspark_dp2_stats *stats, char *err, size_t errlen);
+
+/* Release this rank's slot, wake the peer, unlink the name if the peer is not attached, unmap,
+ * free. In a forked child it only frees the child's copy (never touches shared state). */
+int dspark_dp2_close(dspark_dp2_channel *ch, char *err, size_t errlen);
+
+/* Publish a caller-detected error (code DSPARK_DP2_E_CALLER, message msg) so the peer stops too. */
+int dspark_dp2_poison(dspark_dp2_channel *ch, const char *msg, char *err, size_t errlen);
+
+/* Shared error code (0 = healthy) and the shm object name (for tests / diagnostics). */
+int dspark_dp2_shared_error(dspark_dp2_channel *ch);
+int dspark_dp2_shm_name(dspark_dp2_channel *ch, char *buf, size_t buflen);
+int dspark_dp2_name_for(const char *session_id, const char *channel, char *buf, size_t buflen);
+
+/* Fault-injection hooks used by the test-suite only (documented as such in docs/dp2.md). */
+int dspark_dp2_debug_set_start_time(dspark_dp2_channel *ch, int rank, uint64_t start_time);
+int dspark_dp2_debug_skip_sequence(dspark_dp2_channel *ch, uint64_t delta, int publish);
+int dspark_dp2_debug_set_pid(dspark_dp2_channel *ch, int rank, int32_t pid);
 
 #endif

@@ -1,0 +1,168 @@
+"""Per-process channel manager: opens the native channels of this scheduler, records metrics.
+
+One :class:`Dp2Runtime` per scheduler process (``RUNTIME``), configured when the plugin is bound
+(``dspark_process_bound``). Channels are opened eagerly at that point (non-blocking: create or
+attach), so a configuration mismatch between the two ranks stops startup; the first exchange
+happens on the first scheduler step. Closing is registered with ``atexit`` (and is a no-op in a
+forked child, which never touches the parent's shared state).
+"""
+
+from __future__ import annotations
+
+import atexit
+import hashlib
+import logging
+import threading
+import time
+from typing import Optional
+
+from .native import Channel, Dp2Error, PY_ERROR
+
+logger = logging.getLogger("dspark_harden.dp2")
+
+PHASES = ("call_total", "exchange_total", "peer_wait", "arrival_skew", "post_latest_arrival")
+FLUSH_INTERVAL_S = 1.0
+
+
+def config_digest(channel: str, width: int, fields: tuple, geometry: tuple) -> int:
+    """64-bit digest of everything both ranks must agree on (checked by the native open)."""
+    from .. import __version__
+
+    doc = repr((channel, width, tuple(fields), tuple(geometry), __version__)).encode()
+    return int.from_bytes(hashlib.sha256(doc).digest()[:8], "little")
+
+
+class _Acc:
+    """In-process accumulation of one channel's per-call stats; flushed to Prometheus <= 1/s."""
+
+    __slots__ = ("channel", "label", "export", "calls", "futex", "sums", "maxes", "seq", "deadline")
+
+    def __init__(self, channel: str, label: str, export: bool):
+        self.channel, self.label, self.export = channel, label, export
+        self.calls = self.futex = self.seq = 0
+        self.sums = [0.0] * 5
+        self.maxes = [0.0] * 5
+        self.deadline = time.perf_counter() + FLUSH_INTERVAL_S
+
+    def record(self, stats, call_s: float, now: float) -> None:
+        vals = (
+            call_s,
+            stats.total_ns * 1e-9,
+            stats.peer_wait_ns * 1e-9,
+            stats.arrival_skew_ns * 1e-9,
+            stats.post_latest_arrival_ns * 1e-9,
+        )
+        sums, maxes = self.sums, self.maxes
+        for i in range(5):
+            v = vals[i]
+            sums[i] += v
+            if v > maxes[i]:
+                maxes[i] = v
+        self.calls += 1
+        self.futex += stats.futex_waits
+        self.seq = stats.sequence
+        if now >= self.deadline:
+            self.flush(now)
+
+    def flush(self, now: Optional[float] = None) -> None:
+        self.deadline = (now if now is not None else time.perf_counter()) + FLUSH_INTERVAL_S
+        if not self.export or not self.calls:
+            return
+        from .. import metrics
+
+        ch, dp = self.channel, self.label
+        metrics.get("dspark_harden_dp2_exchange_calls_total").labels(ch, dp).inc(self.calls)
+        if self.futex:
+            metrics.get("dspark_harden_dp2_exchange_futex_waits_total").labels(ch, dp).inc(self.futex)
+        secs = metrics.get("dspark_harden_dp2_exchange_seconds_total")
+        mx = metrics.get("dspark_harden_dp2_exchange_max_seconds")
+        for i, phase in enumerate(PHASES):
+            secs.labels(ch, dp, phase).inc(self.sums[i])
+            mx.labels(ch, dp, phase).set(self.maxes[i])
+        metrics.get("dspark_harden_dp2_exchange_sequence").labels(ch, dp).set(self.seq)
+        self.calls = self.futex = 0
+        self.sums = [0.0] * 5
+        self.maxes = [0.0] * 5
+
+    def error(self, name: str) -> None:
+        self.flush()
+        if self.export:
+            from .. import metrics
+
+            metrics.get("dspark_harden_dp2_exchange_errors_total").labels(self.channel, self.label, name).inc()
+
+
+class Dp2Runtime:
+    """The open channels of this process (at most one per channel name)."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.channels: dict[str, Channel] = {}
+        self.accs: dict[str, _Acc] = {}
+        self.session_id: Optional[str] = None
+        self.timeout_ms = 30000
+        self.spin_ns = 50_000
+        self.export = True
+        self.rank: Optional[int] = None
+        self.dp_label = "none"
+        self._atexit = False
+
+    def configure(self, *, session_id: str, timeout_ms: int, spin_us: int, export: bool, rank: int, dp_label: str) -> None:
+        if rank not in (0, 1):
+            raise Dp2Error(-1, f"dp2: this scheduler's rank must be 0 or 1, got {rank!r}")
+        self.session_id, self.timeout_ms, self.spin_ns = session_id, timeout_ms, spin_us * 1000
+        self.export, self.rank, self.dp_label = export, rank, dp_label
+
+    def open(self, name: str, *, width: int, digest: int, out_tensor=None) -> Channel:
+        with self.lock:
+            ch = self.channels.get(name)
+            if ch is not None:
+                return ch
+            if self.session_id is None or self.rank is None:
+                raise Dp2Error(-1, "dp2: runtime not configured (the plugin did not bind in this process)")
+            ch = Channel(
+                self.session_id, name, rank=self.rank, width=width, timeout_ms=self.timeout_ms,
+                spin_ns=self.spin_ns, config_digest=digest, out_tensor=out_tensor,
+            )
+            self.channels[name] = ch
+            self.accs[name] = _Acc(name, self.dp_label, self.export)
+            if self.export:
+                from .. import metrics
+
+                metrics.get("dspark_harden_dp2_exchange_enabled").labels(name, self.dp_label).set(1)
+            if not self._atexit:
+                atexit.register(self.close_all)
+                self._atexit = True
+            logger.info("dspark-harden dp2: opened channel %s (%s) as rank %d, width %d", name, ch.shm_name, self.rank, width)
+            return ch
+
+    def record_error(self, name: str, exc: BaseException) -> None:
+        acc = self.accs.get(name)
+        code = exc.name if isinstance(exc, Dp2Error) else PY_ERROR
+        if acc is not None:
+            try:
+                acc.error(code)
+            except Exception:  # noqa: BLE001 - metrics must not mask the real error
+                logger.exception("dp2: recording error metric failed")
+
+    def close_all(self) -> None:
+        with self.lock:
+            for name, ch in list(self.channels.items()):
+                acc = self.accs.get(name)
+                try:
+                    if acc is not None:
+                        acc.flush()
+                        if acc.export:
+                            from .. import metrics
+
+                            metrics.get("dspark_harden_dp2_exchange_enabled").labels(name, self.dp_label).set(0)
+                except Exception:  # noqa: BLE001 - closing must still happen
+                    pass
+                try:
+                    ch.close()
+                except Dp2Error as exc:
+                    logger.error("dp2: closing channel %s: %s", name, exc)
+            self.channels.clear()
+
+
+RUNTIME = Dp2Runtime()

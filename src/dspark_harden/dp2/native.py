@@ -1,0 +1,162 @@
+"""Thin Python wrapper over the C11 exchange (``dspark_harden._dp2_native``, cffi API mode).
+
+Every native call returns an error code plus a message; :func:`_check` turns a non-zero code into
+a :class:`Dp2Error` carrying the code, its stable name and the native message. The ABI stamp
+compiled into the library is checked at import: a stale ``.so`` refuses to load.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Optional, Sequence
+
+from .._dp2_native import ffi, lib
+
+EXPECTED_ABI = 1
+ERRBUF = 512
+
+if lib.dspark_dp2_abi_version() != EXPECTED_ABI or lib.DSPARK_DP2_ABI_VERSION != EXPECTED_ABI:
+    raise ImportError(
+        f"dspark_harden._dp2_native ABI {lib.dspark_dp2_abi_version()} does not match the Python wrapper "
+        f"(expects {EXPECTED_ABI}); rebuild with `pip install -e .`"
+    )
+
+# code -> stable name (metric label values; docs/dp2.md lists each with its meaning)
+CODE_NAMES = {
+    lib.DSPARK_DP2_E_ARG: "bad_argument",
+    lib.DSPARK_DP2_E_SHM: "shm",
+    lib.DSPARK_DP2_E_MISMATCH: "mismatch",
+    lib.DSPARK_DP2_E_OWNED: "owned",
+    lib.DSPARK_DP2_E_FORK: "used_after_fork",
+    lib.DSPARK_DP2_E_CLOSED: "closed",
+    lib.DSPARK_DP2_E_POISONED: "poisoned",
+    lib.DSPARK_DP2_E_OWNERSHIP: "ownership_changed",
+    lib.DSPARK_DP2_E_CLOCK: "clock",
+    lib.DSPARK_DP2_E_SEQUENCE: "sequence_divergence",
+    lib.DSPARK_DP2_E_PEER_DIED: "peer_died",
+    lib.DSPARK_DP2_E_PEER_CLOSED: "peer_closed",
+    lib.DSPARK_DP2_E_TIMEOUT: "timeout",
+    lib.DSPARK_DP2_E_FUTEX: "futex",
+    lib.DSPARK_DP2_E_LAPPED: "lapped",
+    lib.DSPARK_DP2_E_ARRIVAL: "missing_arrival",
+    lib.DSPARK_DP2_E_UNLINK: "unlink",
+    lib.DSPARK_DP2_E_CALLER: "caller_error",
+}
+# Python-side failures (schema, geometry, misuse) share the errors metric under this name.
+PY_ERROR = "python_check"
+
+
+class Dp2Error(RuntimeError):
+    """A native DP2 exchange failure. ``code`` is the C error code, ``name`` its stable name."""
+
+    def __init__(self, code: int, message: str):
+        self.code = code
+        self.name = CODE_NAMES.get(code, PY_ERROR if code < 0 else f"code_{code}")
+        super().__init__(message)
+
+
+def _check(rc: int, err, what: str) -> None:
+    """Raise :class:`Dp2Error` for a non-zero native return code."""
+    if rc != 0:
+        msg = ffi.string(err).decode("utf-8", "replace") or f"{what} failed with code {rc}"
+        raise Dp2Error(rc, msg)
+
+
+def shm_name_for(session_id: str, channel: str) -> str:
+    buf = ffi.new("char[]", 64)
+    if lib.dspark_dp2_name_for(session_id.encode(), channel.encode(), buf, 64) != 0:
+        raise ValueError("bad session id / channel")
+    return ffi.string(buf).decode()
+
+
+class Channel:
+    """One open end (rank 0 or 1) of a two-process exchange of ``width`` int64 values.
+
+    Hot path: :meth:`exchange` copies the row into a preallocated native buffer, runs one native
+    exchange and returns both rows (rank order) as a flat Python list. Stats of the last call are
+    in :attr:`stats` (a native struct).
+    """
+
+    def __init__(
+        self,
+        session_id: str,
+        channel: str,
+        *,
+        rank: int,
+        width: int,
+        timeout_ms: int,
+        spin_ns: int = 50_000,
+        config_digest: int = 0,
+        world_size: int = 2,
+        out_tensor=None,
+    ):
+        self.session_id, self.channel, self.rank, self.width = session_id, channel, rank, width
+        self.timeout_ms = timeout_ms
+        self._err = ffi.new("char[]", ERRBUF)
+        handle = ffi.new("dspark_dp2_channel **")
+        rc = lib.dspark_dp2_open(
+            session_id.encode(), channel.encode(), rank, world_size, width, timeout_ms, spin_ns,
+            config_digest & 0xFFFFFFFFFFFFFFFF, handle, self._err, ERRBUF,
+        )
+        _check(rc, self._err, "dspark_dp2_open")
+        self._h = handle[0]
+        self._pid = os.getpid()
+        self._local = ffi.new("int64_t[]", width)
+        if out_tensor is None:
+            self._out = ffi.new("int64_t[]", 2 * width)
+        else:
+            # results land directly in this (contiguous int64, 2*width) CPU tensor; kept alive here
+            if out_tensor.dtype != __import__("torch").int64 or not out_tensor.is_contiguous() or out_tensor.numel() != 2 * width:
+                raise ValueError("out_tensor must be a contiguous int64 CPU tensor with 2*width elements")
+            self._out_tensor = out_tensor
+            self._out = ffi.cast("int64_t *", out_tensor.data_ptr())
+        self.stats = ffi.new("dspark_dp2_stats *")
+        self._n_out = 2 * width
+        name = ffi.new("char[]", 64)
+        lib.dspark_dp2_shm_name(self._h, name, 64)
+        self.shm_name = ffi.string(name).decode()
+
+    @property
+    def closed(self) -> bool:
+        return self._h is None
+
+    def exchange(self, values: Sequence[int]) -> list:
+        h = self._h
+        if h is None:
+            raise Dp2Error(lib.DSPARK_DP2_E_CLOSED, f"dp2 channel {self.channel} rank {self.rank}: handle already closed")
+        self._local[0 : self.width] = values
+        rc = lib.dspark_dp2_exchange(h, self._local, self._out, self.stats, self._err, ERRBUF)
+        if rc:
+            _check(rc, self._err, "dspark_dp2_exchange")
+        return ffi.unpack(self._out, self._n_out)
+
+    def poison(self, message: str) -> Dp2Error:
+        """Publish a caller-detected problem so the peer stops too; returns the error to raise."""
+        if self._h is None:
+            return Dp2Error(lib.DSPARK_DP2_E_CLOSED, message)
+        rc = lib.dspark_dp2_poison(self._h, message.encode("utf-8", "replace")[:200], self._err, ERRBUF)
+        return Dp2Error(rc, ffi.string(self._err).decode("utf-8", "replace"))
+
+    def shared_error(self) -> int:
+        return -1 if self._h is None else lib.dspark_dp2_shared_error(self._h)
+
+    def close(self) -> None:
+        """Idempotent. In a forked child only the child's copy is dropped (shared state untouched)."""
+        h, self._h = self._h, None
+        if h is None:
+            return
+        err = ffi.new("char[]", ERRBUF)
+        _check(lib.dspark_dp2_close(h, err, ERRBUF), err, "dspark_dp2_close")
+
+    # -- fault injection (tests only) --------------------------------------------------------
+    def debug_set_start_time(self, rank: int, value: int) -> None:
+        lib.dspark_dp2_debug_set_start_time(self._h, rank, value)
+
+    def debug_skip_sequence(self, delta: int, publish: bool) -> None:
+        lib.dspark_dp2_debug_skip_sequence(self._h, delta, int(publish))
+
+    def debug_set_pid(self, rank: int, pid: int) -> None:
+        lib.dspark_dp2_debug_set_pid(self._h, rank, pid)
+
+    def raw_handle(self) -> Optional[object]:
+        return self._h
