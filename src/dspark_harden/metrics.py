@@ -213,6 +213,60 @@ declare(
 # ------------------------------------------------------------------------------------------
 # Feature sections: each feature declares its families below, in its own section.
 
+# ------------------------------------------------------------------------------------------
+# ingress (atomic-routed-batch) and health (health-scheduler): src/dspark_harden/ingress/,
+# src/dspark_harden/health/; documented in docs/metrics.md "Ingress and health".
+BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096)
+declare(
+    Family(
+        "dspark_harden_atomic_batches_total", "counter",
+        "Uniformly routed batches the DP controller sent to one DP rank as ONE ZMQ message.",
+        labels=("dp_rank",), feature="atomic-routed-batch", roles=("controller",),
+        aggregation="sum by (dp_rank); one DP controller per server",
+    ),
+    Family(
+        "dspark_harden_atomic_batch_requests", "histogram",
+        "Number of requests in each atomic routed batch the DP controller sent.",
+        labels=("dp_rank",), buckets=BATCH_SIZE_BUCKETS, feature="atomic-routed-batch",
+        roles=("controller",), aggregation="sum of buckets by (dp_rank, le)",
+    ),
+    Family(
+        "dspark_harden_route_rejections_total", "counter",
+        "Requests the DP controller answered with HTTP 400 because their routed_dp_rank cannot be "
+        "sent to (reason: out_of_range, inactive, no_socket); stock would crash the server.",
+        labels=("reason",), feature="atomic-routed-batch", roles=("controller",),
+        precreate=(("out_of_range",), ("inactive",), ("no_socket",)),
+        aggregation="sum by (reason)",
+    ),
+    Family(
+        "dspark_harden_scheduler_batch_messages_total", "counter",
+        "Batch request messages (BatchTokenizedGenerateReqInput) a DP scheduler received; each is "
+        "one scheduling opportunity for all its requests.",
+        labels=("dp_rank",), feature="atomic-routed-batch", roles=("scheduler",),
+        precreate=((DP_RANK,),), aggregation="sum by (dp_rank); only attn-TP rank 0 schedulers receive",
+    ),
+    Family(
+        "dspark_harden_scheduler_batch_message_requests", "histogram",
+        "Number of requests in each batch message a DP scheduler received.",
+        labels=("dp_rank",), buckets=BATCH_SIZE_BUCKETS, feature="atomic-routed-batch",
+        roles=("scheduler",), aggregation="sum of buckets by (dp_rank, le)",
+    ),
+    Family(
+        "dspark_harden_health_scheduler_checks_total", "counter",
+        "GET /health_scheduler answers by outcome: ok, or the 503 reason (no_state, shutting_down, "
+        "starting, read_error, missing_ranks, duplicate_ranks, unexpected_ranks, "
+        "non_positive_timestamp, future_timestamp, stale).",
+        labels=("outcome",), feature="health-scheduler", roles=("main",),
+        precreate=tuple((o,) for o in (
+            "ok", "no_state", "shutting_down", "starting", "read_error", "missing_ranks",
+            "duplicate_ranks", "unexpected_ranks", "non_positive_timestamp", "future_timestamp", "stale",
+        )),
+        aggregation="sum by (outcome); with several HTTP workers each counts its own probes",
+    ),
+)
+
+
+
 
 # ------------------------------------------------------------------------------------------
 # native DP2 exchange (feature "dp2-native-exchange"): src/dspark_harden/dp2/; documented in
