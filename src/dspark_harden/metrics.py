@@ -266,7 +266,100 @@ declare(
 )
 
 
-
+# ------------------------------------------------------------------------------------------
+# grammar service (feature "grammar-service"): src/dspark_harden/grammar/; documented in
+# docs/metrics.md "Grammar service". Runtime helpers: dspark_harden.grammar.metrics.
+_GRAMMAR_SOURCES = ("memory", "inflight", "disk", "compile", "local_compile")
+declare(
+    Family(
+        "dspark_harden_grammar_lookups_total", "counter",
+        "Grammar lookups by how they were resolved: memory (LRU hit), inflight (joined a compile "
+        "already running for the same canonical key), disk (loaded a serialized entry), compile "
+        "(compiled natively, nothing on disk), local_compile (compiled because the disk entry is a "
+        "compile-locally marker).",
+        labels=("dp_rank", "source"), feature="grammar-service", roles=("scheduler",),
+        precreate=tuple((DP_RANK, s) for s in _GRAMMAR_SOURCES),
+        aggregation="sum by (source); per rank by (dp_rank, source)",
+    ),
+    Family(
+        "dspark_harden_grammar_resolution_seconds", "histogram",
+        "Time from lookup until the request's own matcher copy is ready, by source.",
+        labels=("dp_rank", "source"), feature="grammar-service", roles=("scheduler",),
+        aggregation="sum of buckets by (source, le)",
+    ),
+    Family(
+        "dspark_harden_grammar_phase_seconds", "histogram",
+        "Time spent in one phase of the persistent cache: disk_read, verify (checksum/scope/key), "
+        "deserialize, native_compile, serialize, measure_compile and measure_load (re-compile and trial load deciding serialized vs "
+        "marker), entry_write_account (atomic publish + ledger + pruning).",
+        labels=("dp_rank", "phase"), feature="grammar-service", roles=("scheduler",),
+        aggregation="sum of buckets by (phase, le)",
+    ),
+    Family(
+        "dspark_harden_grammar_disk_lock_wait_seconds", "histogram",
+        "Time waiting for a disk entry's exclusive file lock (another process or thread compiling "
+        "or publishing the same key).",
+        labels=("dp_rank",), feature="grammar-service", roles=("scheduler",),
+        aggregation="sum of buckets by (le)",
+    ),
+    Family(
+        "dspark_harden_grammar_memory_cache_bytes", "gauge",
+        "Bytes held by this process's in-memory grammar LRU (compiled grammars' own memory size).",
+        labels=("dp_rank",), multiprocess_mode="livesum", feature="grammar-service", roles=("scheduler",),
+        aggregation="sum: every scheduler holds its own cache",
+    ),
+    Family(
+        "dspark_harden_grammar_memory_cache_entries", "gauge",
+        "Entries in this process's in-memory grammar LRU.",
+        labels=("dp_rank",), multiprocess_mode="livesum", feature="grammar-service", roles=("scheduler",),
+        aggregation="sum: every scheduler holds its own cache",
+    ),
+    Family(
+        "dspark_harden_grammar_disk_cache_bytes", "gauge",
+        "Byte ledger of the shared disk cache namespace, as last written by this process.",
+        labels=("dp_rank",), multiprocess_mode="max", feature="grammar-service", roles=("scheduler",),
+        aggregation="max: all ranks of a host share one namespace (do not sum)",
+    ),
+    Family(
+        "dspark_harden_grammar_evictions_total", "counter",
+        "Entries removed to respect a limit: tier memory (reason bytes|entries) or disk (reason prune).",
+        labels=("dp_rank", "tier", "reason"), feature="grammar-service", roles=("scheduler",),
+        precreate=((DP_RANK, "memory", "bytes"), (DP_RANK, "memory", "entries"), (DP_RANK, "disk", "prune")),
+        aggregation="sum by (tier, reason)",
+    ),
+    Family(
+        "dspark_harden_grammar_corrupt_entries_total", "counter",
+        "Disk entries rejected as corrupt, truncated or foreign (the request failed naming the file).",
+        labels=("dp_rank",), feature="grammar-service", roles=("scheduler",),
+        precreate=((DP_RANK,),), aggregation="sum; any increase needs operator action",
+    ),
+    Family(
+        "dspark_harden_grammar_compile_timeouts_total", "counter",
+        "Requests failed because their grammar was not ready within DSPARK_HARDEN_GRAMMAR_COMPILE_TIMEOUT "
+        "(the compile itself continues and is cached for a retry).",
+        labels=("dp_rank",), feature="grammar-service", roles=("scheduler",),
+        precreate=((DP_RANK,),), aggregation="sum",
+    ),
+    Family(
+        "dspark_harden_grammar_compile_failures_total", "counter",
+        "Compiles that raised (not cached; invalid grammars are results, not failures).",
+        labels=("dp_rank",), feature="grammar-service", roles=("scheduler",),
+        precreate=((DP_RANK,),), aggregation="sum",
+    ),
+    Family(
+        "dspark_harden_grammar_disk_stored_total", "counter",
+        "Disk entries this process published, by what was stored: serialized grammar or marker.",
+        labels=("dp_rank", "stored"), feature="grammar-service", roles=("scheduler",),
+        precreate=((DP_RANK, "serialized"), (DP_RANK, "marker")), aggregation="sum by (stored)",
+    ),
+    Family(
+        "dspark_harden_grammar_disk_errors_total", "counter",
+        "Disk cache publications that failed: op publish (I/O error) or prune (could not get under "
+        "the hard limit; the new entry was withdrawn).",
+        labels=("dp_rank", "op"), feature="grammar-service", roles=("scheduler",),
+        precreate=((DP_RANK, "publish"), (DP_RANK, "prune")), aggregation="sum by (op)",
+    ),
+)
 
 # ------------------------------------------------------------------------------------------
 # native DP2 exchange (feature "dp2-native-exchange"): src/dspark_harden/dp2/; documented in

@@ -23,6 +23,7 @@ BUILTIN_FEATURE_MODULES: list[str] = [
     "dspark_harden.observability.feature",
     "dspark_harden.ingress.feature",
     "dspark_harden.health.feature",
+    "dspark_harden.grammar.feature",
     "dspark_harden.dp2.feature",
 ]
 

@@ -1,0 +1,257 @@
+"""``dspark-harden bench grammar``: stock XGrammarGrammarBackend vs the grammar service, same run.
+
+1. A burst of concurrent JSON-schema requests (every schema of :data:`schemas.BENCH_SCHEMAS` in
+   four spellings — compact, pretty, trailing newline, keywords reordered — each ``--duplicates``
+   times) goes through a stock ``XGrammarGrammarBackend`` exactly as the scheduler issues it (every
+   lookup before any result is cached). ``stock_compiles`` counts its compile dispatches.
+2. The same burst through a patched backend (grammar service + empty disk cache):
+   ``harden_compiles`` counts native xgrammar compiles; ``cold_s`` is the time to resolve it.
+3. Simulated restart: two fresh processes share the now-populated disk cache and resolve the
+   burst concurrently; ``warm_restart_s`` is the slower process's time.
+4. Per schema, once both bursts are done, one restarted process alternates REPEATS times between
+   a native compile (plain xgrammar compiler, no cache: ``compile_s``) and a resolution through
+   the persistent cache (read + verify + deserialize, or marker + compile: ``warm_s``), medians
+   of each; ``stored`` says what the disk holds (serialized grammar or compile-locally marker).
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from typing import Any
+
+from . import schemas as S
+
+REPEATS = 5
+
+
+def _burst(duplicates: int) -> list[tuple[str, str]]:
+    out = []
+    for _ in range(duplicates):
+        for name, schema in S.BENCH_SCHEMAS:
+            for text in S.variants(schema):
+                out.append((name, text))
+    return out
+
+
+def _load_tokenizer(vocab: int):
+    from transformers import AutoTokenizer
+
+    from ..devtools.tiny_models import ensure_tokenizer
+
+    return AutoTokenizer.from_pretrained(ensure_tokenizer(vocab))
+
+
+def _backend(tok):
+    from sglang.srt.constrained.xgrammar_backend import XGrammarGrammarBackend
+
+    return XGrammarGrammarBackend(tok, vocab_size=len(tok), model_eos_token_ids=[tok.eos_token_id])
+
+
+def _resolve_burst(backend, burst) -> float:
+    t = time.perf_counter()
+    pending = [backend.get_cached_or_future_value(("json", text), False) for _, text in burst]
+    for value, hit in pending:
+        if not hit:
+            value = value.result()
+        if value is None or type(value).__name__ == "InvalidGrammarObject":
+            raise RuntimeError(f"bench schema failed to compile: {value!r}")
+    return time.perf_counter() - t
+
+
+def _resolve_one(backend, text: str) -> float:
+    backend.reset()
+    t = time.perf_counter()
+    value, hit = backend.get_cached_or_future_value(("json", text), False)
+    if not hit:
+        value.result()
+    return time.perf_counter() - t
+
+
+def _per_schema(backend) -> dict:
+    """Per schema, interleaved in one process: native compile (a plain xgrammar compiler, no
+    cache) vs resolution through the persistent cache (read + verify + deserialize, or read the
+    marker + compile). Medians of REPEATS alternating runs, so both see the same machine load."""
+    from xgrammar import GrammarCompiler
+
+    from . import xgr
+    from .canonical import canonical_string
+
+    plain = GrammarCompiler(backend._tokenizer_info, max_threads=backend.grammar_compiler.inner_threads,
+                            cache_enabled=False)
+    kw = {"any_whitespace": backend.any_whitespace, "max_whitespace_cnt": backend.max_whitespace_cnt}
+    out = {}
+    for name, schema in S.BENCH_SCHEMAS:
+        text = canonical_string("json", json.dumps(schema))
+        comp, warm = [], []
+        for _ in range(REPEATS):
+            t = time.perf_counter()
+            plain.compile_json_schema(text, **kw)
+            comp.append(time.perf_counter() - t)
+            xgr.take_resolution()
+            backend.grammar_compiler.compile_json_schema(text, **kw)
+            res = xgr.take_resolution()
+            warm.append(res.seconds)
+        out[name] = {"compile_s": statistics.median(comp), "warm_s": statistics.median(warm), "source": res.source}
+    return out
+
+
+def _patches(cache_dir: str):
+    from ..core.patch import Role
+    from ..core.settings import load_settings
+    from . import feature as F
+
+    env = {k: v for k, v in os.environ.items() if k.startswith("DSPARK_HARDEN_GRAMMAR")}
+    env[F.DISK_DIR] = cache_dir
+    env[F.DISK] = "1"
+    settings = load_settings(F.dspark_settings(), environ=env)
+    return F.patches(Role.SCHEDULER, settings)
+
+
+def _restart_child(idx: int, vocab: int, cache_dir: str, duplicates: int, barrier, out_q) -> None:
+    try:
+        tok = _load_tokenizer(vocab)
+        patches = _patches(cache_dir)
+        for p in patches:
+            p.apply()
+        backend = _backend(tok)
+        burst = _burst(duplicates)
+        barrier.wait()
+        burst_s = _resolve_burst(backend, burst)
+        backend.grammar_compiler.flush()
+        barrier.wait()  # both bursts done: measure per schema in isolation
+        per = {}
+        if idx == 0:
+            per = _per_schema(backend)
+        out_q.put({"idx": idx, "burst_s": burst_s, "per": per,
+                   "native_compiles": backend.grammar_compiler.native_compiles})
+    except BaseException as exc:  # noqa: BLE001
+        out_q.put({"idx": idx, "error": f"{type(exc).__name__}: {exc}"})
+        raise
+
+
+def run(vocab: int = 32000, duplicates: int = 2, cache_dir: str | None = None, log=print) -> dict:
+    own_dir = cache_dir is None
+    cache_dir = cache_dir or tempfile.mkdtemp(prefix="dspark-grammar-bench-")
+    try:
+        return _run(vocab, duplicates, cache_dir, log)
+    finally:
+        if own_dir:
+            shutil.rmtree(cache_dir, ignore_errors=True)
+
+
+def _run(vocab: int, duplicates: int, cache_dir: str, log) -> dict:
+    tok = _load_tokenizer(vocab)
+    burst = _burst(duplicates)
+    log(f"burst: {len(burst)} requests over {len(S.BENCH_SCHEMAS)} schemas, vocab {len(tok)}")
+
+    # 1. stock
+    stock = _backend(tok)
+    calls = {"n": 0}
+    dispatch = stock._init_value_dispatch
+
+    def counting(key, require_reasoning):
+        calls["n"] += 1
+        return dispatch(key, require_reasoning)
+
+    stock._init_value_dispatch = counting
+    stock_s = _resolve_burst(stock, burst)
+    stock_compiles = calls["n"]
+    log(f"stock: {stock_compiles} compiles, {stock_s:.3f} s")
+
+    stock.executor.shutdown(wait=True)
+    del stock
+
+    # 2. ours, cold disk cache
+    patches = _patches(cache_dir)
+    for p in patches:
+        p.apply()
+    try:
+        ours = _backend(tok)
+        cold_s = _resolve_burst(ours, burst)
+        harden_compiles = ours.grammar_compiler.native_compiles
+        ours.grammar_compiler.flush()
+        ns = ours.grammar_compiler.ns
+        from .canonical import canonical_string
+        from .disk import decode_entry, key_digest, KIND_SERIALIZED
+
+        stored = {}
+        for name, schema in S.BENCH_SCHEMAS:
+            canon = canonical_string("json", json.dumps(schema))
+            parts = ["json_schema", canon, {"any_whitespace": ours.any_whitespace,
+                                            "max_whitespace_cnt": ours.max_whitespace_cnt}]
+            got = ns.read(key_digest(parts))
+            if got is None:
+                stored[name] = "missing"
+            else:
+                entry = decode_entry(got[0], got[1], ns.scope_hex, None)
+                stored[name] = "serialized" if entry.kind == KIND_SERIALIZED else "marker"
+        ours._dspark_grammar.shutdown()
+    finally:
+        for p in reversed(patches):
+            p.revert()
+    log(f"harden cold: {harden_compiles} compiles, {cold_s:.3f} s; stored {stored}")
+
+    # 4. restart: two processes sharing the disk cache
+    ctx = mp.get_context("spawn")
+    barrier = ctx.Barrier(2)
+    q = ctx.Queue()
+    procs = [ctx.Process(target=_restart_child, args=(i, vocab, cache_dir, duplicates, barrier, q)) for i in range(2)]
+    for p in procs:
+        p.start()
+    results = {}
+    deadline = time.monotonic() + 600
+    while len(results) < 2 and time.monotonic() < deadline:
+        try:
+            r = q.get(timeout=5)
+        except Exception:  # noqa: BLE001 - queue.Empty
+            if any(p.exitcode not in (None, 0) for p in procs):
+                break
+            continue
+        results[r["idx"]] = r
+    for p in procs:
+        p.join(timeout=30)
+        if p.is_alive():
+            p.kill()
+    errors = [r["error"] for r in results.values() if "error" in r]
+    if errors or len(results) < 2:
+        raise RuntimeError(f"restart processes failed: {errors or 'no result'}")
+    warm_restart_s = max(r["burst_s"] for r in results.values())
+    per = results[0]["per"]
+    log(f"restart: bursts {[round(r['burst_s'], 3) for r in results.values()]} s, "
+        f"native compiles {[r['native_compiles'] for r in results.values()]}")
+
+    return {
+        "requests": len(burst),
+        "distinct_schemas": len(S.BENCH_SCHEMAS),
+        "stock_compiles": stock_compiles,
+        "harden_compiles": harden_compiles,
+        "cold_s": round(cold_s, 4),
+        "warm_restart_s": round(warm_restart_s, 4),
+        "per_schema": [
+            {"name": name, "compile_s": round(per[name]["compile_s"], 5), "warm_s": round(per[name]["warm_s"], 5),
+             "stored": stored[name]}
+            for name, _ in S.BENCH_SCHEMAS
+        ],
+    }
+
+
+def main(args: Any) -> int:
+    log = (lambda *a, **k: print(*a, file=sys.stderr, **k)) if args.json else print
+    result = run(vocab=args.vocab, duplicates=args.duplicates, cache_dir=args.dir, log=log)
+    if args.json:
+        print(json.dumps(result))
+    else:
+        print(json.dumps(result, indent=2))
+        worst = max(p["warm_s"] / p["compile_s"] for p in result["per_schema"])
+        print(f"stock compiles {result['stock_compiles']} vs harden {result['harden_compiles']} "
+              f"(distinct {result['distinct_schemas']}); cold {result['cold_s']} s vs warm restart "
+              f"{result['warm_restart_s']} s ({result['cold_s'] / result['warm_restart_s']:.2f}x); "
+              f"worst warm/compile {worst:.2f}")
+    return 0

@@ -1,0 +1,181 @@
+"""``dspark-harden grammar-cache {stats,verify,prune}`` and ``dspark-harden bench grammar``."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from typing import Any
+
+from . import disk
+
+
+def register(subparsers: Any, bench_subparsers: Any) -> None:
+    p = subparsers.add_parser("grammar-cache", help="inspect, verify and repair the persistent grammar cache")
+    sub = p.add_subparsers(dest="grammar_cache_command", required=True)
+
+    def common(sp):
+        sp.add_argument("--dir", help="cache root (default: DSPARK_HARDEN_GRAMMAR_DISK_DIR)")
+        sp.add_argument("--json", action="store_true", help="print one JSON object")
+
+    s = sub.add_parser("stats", help="namespaces, entries, serialized vs markers, bytes, ledger")
+    common(s)
+    s.set_defaults(func=stats_main)
+    v = sub.add_parser("verify", help="check every entry's checksum/scope/key and the byte ledger (exit 1 on problems)")
+    common(v)
+    v.add_argument("--quarantine", action="store_true",
+                   help="move invalid entries to <namespace>/quarantine/ and fix the ledger")
+    v.set_defaults(func=verify_main)
+    r = sub.add_parser("prune", help="remove stale temp files, prune to a byte limit, rebuild the ledger")
+    common(r)
+    r.add_argument("--max-bytes", type=int, help="target size per namespace (default: DSPARK_HARDEN_GRAMMAR_DISK_BYTES)")
+    r.add_argument("--temp-age", type=float, default=3600.0,
+                   help="remove temp files older than this many seconds (default 3600)")
+    r.set_defaults(func=prune_main)
+
+    b = bench_subparsers.add_parser("grammar", help="stock XGrammar backend vs grammar service, cold vs warm restart")
+    b.add_argument("--json", action="store_true", help="print only the JSON result")
+    b.add_argument("--vocab", type=int, default=32000, help="tokenizer vocabulary size (default 32000)")
+    b.add_argument("--duplicates", type=int, default=2, help="copies of each spelling in the burst (default 2)")
+    b.add_argument("--dir", help="disk cache root to use (default: a fresh temporary directory)")
+    b.set_defaults(func=_bench_main)
+
+
+def _bench_main(args: Any) -> int:
+    from . import bench
+
+    return bench.main(args)
+
+
+def _settings():
+    from ..core.settings import load_settings
+    from .feature import dspark_settings
+
+    return load_settings(dspark_settings())
+
+
+def _root(args: Any) -> str:
+    from .feature import DISK_DIR
+
+    return os.path.abspath(os.path.expanduser(args.dir)) if args.dir else _settings()[DISK_DIR]
+
+
+def _emit(args: Any, obj: dict, lines: list[str]) -> None:
+    if args.json:
+        print(json.dumps(obj))
+    else:
+        print("\n".join(lines))
+
+
+def _namespace_stats(path: str) -> dict:
+    ns = disk.Namespace.open_existing(path)
+    n = serialized = markers = unreadable = 0
+    total = 0
+    for e in ns.iter_entries():
+        try:
+            with open(e.path, "rb") as fh:
+                head = fh.read(disk.HEADER_SIZE)
+            size = e.stat().st_size
+        except FileNotFoundError:
+            continue
+        n += 1
+        total += size
+        if len(head) == disk.HEADER_SIZE and head[:8] == disk.MAGIC:
+            kind = head[9]
+            serialized += kind == disk.KIND_SERIALIZED
+            markers += kind == disk.KIND_MARKER
+        else:
+            unreadable += 1
+    try:
+        ledger: Any = ns.read_ledger()
+    except disk.GrammarCacheError as exc:
+        ledger = f"invalid: {exc}"
+    q = len(os.listdir(ns.quarantine)) if os.path.isdir(ns.quarantine) else 0
+    return {
+        "path": ns.path, "scope": ns.scope, "entries": n, "serialized": serialized, "markers": markers,
+        "unrecognised": unreadable, "bytes": total, "ledger_bytes": ledger,
+        "temp_files": len(ns.temp_files()), "quarantined": q,
+    }
+
+
+def stats_main(args: Any) -> int:
+    root = _root(args)
+    out = [_namespace_stats(p) for p in disk.namespaces(root)]
+    lines = [f"grammar cache root {root}: {len(out)} namespace(s)"]
+    for s in out:
+        lines.append(
+            f"  {s['path']}\n    xgrammar {s['scope'].get('xgrammar')}, tokenizer {str(s['scope'].get('tokenizer_sha256'))[:16]}…, "
+            f"vocab {s['scope'].get('vocab_size')}\n    {s['entries']} entries ({s['serialized']} serialized, "
+            f"{s['markers']} markers, {s['unrecognised']} unrecognised), {s['bytes']} bytes, ledger {s['ledger_bytes']}, "
+            f"{s['temp_files']} temp files, {s['quarantined']} quarantined"
+        )
+    _emit(args, {"root": root, "namespaces": out}, lines)
+    return 0
+
+
+def verify_main(args: Any) -> int:
+    root = _root(args)
+    report = []
+    problems = 0
+    lines = [f"grammar cache root {root}"]
+    for path in disk.namespaces(root):
+        ns = disk.Namespace.open_existing(path)
+        ok, bad = ns.verify_all()
+        moved = []
+        if args.quarantine:
+            for p, _reason in bad:
+                try:
+                    moved.append(ns.quarantine_entry(p))
+                except (OSError, disk.GrammarCacheError) as exc:
+                    lines.append(f"  could not quarantine {p}: {exc}")
+                    problems += 1
+        scanned = ns.scan_bytes()
+        try:
+            ledger: Any = ns.read_ledger()
+            ledger_ok = ledger == scanned
+        except disk.GrammarCacheError as exc:
+            ledger, ledger_ok = f"invalid: {exc}", False
+        if not args.quarantine:
+            problems += len(bad)
+        problems += 0 if ledger_ok else 1
+        report.append({"path": path, "ok": ok, "invalid": [{"path": p, "reason": r} for p, r in bad],
+                       "quarantined": moved, "ledger_bytes": ledger, "entry_bytes": scanned, "ledger_ok": ledger_ok})
+        lines.append(f"  {path}: {ok} valid, {len(bad)} invalid; ledger {ledger} vs entries {scanned} "
+                     f"({'ok' if ledger_ok else 'MISMATCH: run grammar-cache prune to rebuild'})")
+        for p, r in bad:
+            lines.append(f"    INVALID {p}: {r}" + ("  -> quarantined" if args.quarantine else ""))
+    _emit(args, {"root": root, "namespaces": report, "problems": problems}, lines)
+    return 1 if problems else 0
+
+
+def prune_main(args: Any) -> int:
+    from .feature import DISK_BYTES
+
+    root = _root(args)
+    limit = args.max_bytes if args.max_bytes is not None else _settings()[DISK_BYTES]
+    if limit < 0:
+        print("--max-bytes must be >= 0", file=sys.stderr)
+        return 2
+    report, failed = [], 0
+    lines = [f"grammar cache root {root}: pruning each namespace to {limit} bytes"]
+    now = time.time()
+    for path in disk.namespaces(root):
+        ns = disk.Namespace.open_existing(path, max_bytes=max(1, limit))
+        removed_tmp = 0
+        for t in ns.temp_files():
+            try:
+                if now - os.stat(t).st_mtime > args.temp_age:
+                    os.unlink(t)
+                    removed_tmp += 1
+            except FileNotFoundError:
+                pass
+        res = ns.prune(limit)
+        failed += not res.ok
+        report.append({"path": path, "before": res.before, "after": res.after, "removed": res.removed,
+                       "skipped_locked": res.skipped_locked, "temp_removed": removed_tmp, "ok": res.ok})
+        lines.append(f"  {path}: {res.before} -> {res.after} bytes, {res.removed} removed, "
+                     f"{res.skipped_locked} skipped (locked), {removed_tmp} temp files removed"
+                     + ("" if res.ok else "  FAILED: still above the limit"))
+    _emit(args, {"root": root, "limit": limit, "namespaces": report, "ok": not failed}, lines)
+    return 1 if failed else 0

@@ -1,0 +1,226 @@
+"""Feature ``grammar-service``: settings, declared patches (scheduler role), CLI registration.
+
+Patches (fingerprinted against sglang 0.5.23):
+
+* ``BaseGrammarBackend.__init__`` (wrap): attach a :class:`~.service.GrammarService` (bounded
+  pool replaces the stock unbounded executor; ``backend.cache`` becomes a view of its LRU);
+* ``BaseGrammarBackend.get_cached_or_future_value`` (replace): canonical key, LRU, one compile
+  per key, per-request matcher copies, per-request compile timeout;
+* ``BaseGrammarBackend.set_cache`` (replace): the service caches on completion; the stock
+  manager's calls (including its poll-count timeout's ``InvalidGrammarObject``) are ignored;
+* ``XGrammarGrammarBackend.__init__`` (wrap): the backend's compiler becomes a bounded,
+  internally-uncached xgrammar compiler behind the persistent disk cache.
+
+Patching the base class methods covers ``ReasonerGrammarBackend`` too: its own
+``get_cached_or_future_value`` / ``set_cache`` / ``reset`` call ``super()``, and its
+``_init_value_dispatch`` (run by the service) calls the inner XGrammar backend's dispatch, which
+uses the persistent compiler.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+from ..core.feature import Feature
+from ..core.hookspecs import hookimpl
+from ..core.patch import Kind, Patch, Role
+from ..core.settings import Setting, directory_path, flag01, positive_float, positive_int
+
+logger = logging.getLogger("dspark_harden.grammar")
+
+FEATURE = "grammar-service"
+SWITCH = "DSPARK_HARDEN_GRAMMAR"
+WORKERS = "DSPARK_HARDEN_GRAMMAR_WORKERS"
+CACHE_BYTES = "DSPARK_HARDEN_GRAMMAR_CACHE_BYTES"
+CACHE_ENTRIES = "DSPARK_HARDEN_GRAMMAR_CACHE_ENTRIES"
+TIMEOUT = "DSPARK_HARDEN_GRAMMAR_COMPILE_TIMEOUT"
+COMPILER_THREADS = "DSPARK_HARDEN_GRAMMAR_COMPILER_THREADS"
+DISK = "DSPARK_HARDEN_GRAMMAR_DISK"
+DISK_DIR = "DSPARK_HARDEN_GRAMMAR_DISK_DIR"
+DISK_BYTES = "DSPARK_HARDEN_GRAMMAR_DISK_BYTES"
+DISK_MAX_ENTRY = "DSPARK_HARDEN_GRAMMAR_DISK_MAX_ENTRY_BYTES"
+DISK_LOAD_RATIO = "DSPARK_HARDEN_GRAMMAR_DISK_LOAD_RATIO"
+
+DEFAULT_DISK_DIR = os.path.join("~", ".cache", "dspark-harden", "grammar")
+
+BASE = "sglang.srt.constrained.base_grammar_backend:BaseGrammarBackend"
+XGB = "sglang.srt.constrained.xgrammar_backend:XGrammarGrammarBackend"
+
+
+@hookimpl
+def dspark_features():
+    return [
+        Feature(
+            name=FEATURE,
+            area="grammar",
+            description="canonical grammar keys, bounded LRU, one compile per key, compile timeout, "
+                        "persistent checksummed XGrammar cache with adaptive compile-locally markers",
+            switch=SWITCH,
+            default_on=True,
+            roles=frozenset({Role.SCHEDULER}),
+        )
+    ]
+
+
+@hookimpl
+def dspark_settings():
+    f = FEATURE
+    return [
+        Setting(SWITCH, flag01, True, "1: grammar service on (scheduler processes). 0: stock grammar cache.", feature=f),
+        Setting(WORKERS, positive_int, 4,
+                "Compile worker threads per grammar backend (stock: an unbounded-default executor).", feature=f),
+        Setting(CACHE_BYTES, positive_int, 4 << 30,
+                "In-memory LRU limit in bytes (sum of compiled grammars' memory_size_bytes).",
+                feature=f, accepts="positive integer (bytes)"),
+        Setting(CACHE_ENTRIES, positive_int, 10000, "In-memory LRU limit in entries.", feature=f),
+        Setting(TIMEOUT, positive_float, 60.0,
+                "Seconds a request waits for its grammar before it fails with a clear error. The "
+                "compile continues and is cached, so a retry succeeds (stock caches the timeout).",
+                feature=f, accepts="positive number (seconds)"),
+        Setting(COMPILER_THREADS, positive_int, 8,
+                "xgrammar GrammarCompiler max_threads (its internal cache is disabled: the service's "
+                "LRU is the memory tier).", feature=f),
+        Setting(DISK, flag01, True, "1: persistent on-disk grammar cache shared by all processes. 0: memory only.",
+                feature=f),
+        Setting(DISK_DIR, directory_path, os.path.abspath(os.path.expanduser(DEFAULT_DISK_DIR)),
+                "Root of the disk cache; a namespace directory per compatibility scope is created "
+                "below it.", feature=f, accepts="directory path"),
+        Setting(DISK_BYTES, positive_int, 20 << 30,
+                "Hard limit in bytes for one disk namespace (entries are pruned oldest-first; "
+                "entries locked by another process are skipped).", feature=f,
+                accepts="positive integer (bytes)"),
+        Setting(DISK_MAX_ENTRY, positive_int, 256 << 20,
+                "Serialized grammars larger than this are stored as compile-locally markers.",
+                feature=f, accepts="positive integer (bytes)"),
+        Setting(DISK_LOAD_RATIO, positive_float, 0.7,
+                "A serialized entry is stored only if its measured load (checksum + deserialize) "
+                "takes at most this fraction of the measured compile time; otherwise a "
+                "compile-locally marker is stored.", feature=f, accepts="positive number"),
+    ]
+
+
+def _attach_service(backend: Any, settings: Any) -> None:
+    from .service import CacheView, GrammarService
+
+    service = GrammarService(
+        backend,
+        workers=settings[WORKERS],
+        max_bytes=settings[CACHE_BYTES],
+        max_entries=settings[CACHE_ENTRIES],
+        timeout_s=settings[TIMEOUT],
+    )
+    stock_executor = getattr(backend, "executor", None)
+    if stock_executor is not None:
+        stock_executor.shutdown(wait=False)  # never used: no threads were started
+    backend._dspark_grammar = service
+    backend.executor = service.pool
+    backend.cache = CacheView(service)
+
+
+def _service_of(backend: Any):
+    service = getattr(backend, "_dspark_grammar", None)
+    if service is None:
+        raise RuntimeError(
+            f"dspark-harden grammar service missing on {type(backend).__name__}: the backend was "
+            f"created before the plugin bound its patches"
+        )
+    return service
+
+
+def build_base_init(settings: Any):
+    def build(stock):
+        def __init__(self, *args, **kwargs):
+            stock(self, *args, **kwargs)
+            _attach_service(self, settings)
+
+        return __init__
+
+    return build
+
+
+def build_get_cached_or_future_value(_stock):
+    def get_cached_or_future_value(self, key, require_reasoning):
+        return _service_of(self).lookup(key, require_reasoning)
+
+    return get_cached_or_future_value
+
+
+def build_set_cache(_stock):
+    def set_cache(self, key, value):
+        _service_of(self).set_cache(key, value)
+
+    return set_cache
+
+
+def install_persistent_compiler(backend: Any, settings: Any) -> None:
+    """Replace ``backend.grammar_compiler`` (an XGrammarGrammarBackend's) with ours."""
+    from xgrammar import GrammarCompiler
+
+    from . import disk, xgr
+
+    info = backend._tokenizer_info
+    inner = GrammarCompiler(info, max_threads=settings[COMPILER_THREADS], cache_enabled=False)
+    if not settings[DISK]:
+        backend.grammar_compiler = inner
+        return
+    scope = xgr.scope_for(
+        info,
+        vocab_size=backend.vocab_size,
+        override_stop_tokens=backend.override_stop_tokens,
+        compiler={"any_whitespace": bool(backend.any_whitespace), "max_whitespace_cnt": backend.max_whitespace_cnt},
+    )
+    ns = disk.Namespace(settings[DISK_DIR], scope, max_bytes=settings[DISK_BYTES])
+    policy = xgr.Policy(load_ratio=settings[DISK_LOAD_RATIO], max_entry_bytes=settings[DISK_MAX_ENTRY])
+    backend.grammar_compiler = xgr.PersistentCompiler(inner, info, ns, policy, inner_threads=settings[COMPILER_THREADS])
+    logger.info("dspark-harden: persistent grammar cache at %s", ns.path)
+
+
+def build_xgrammar_init(settings: Any):
+    def build(stock):
+        def __init__(self, *args, **kwargs):
+            stock(self, *args, **kwargs)
+            install_persistent_compiler(self, settings)
+
+        return __init__
+
+    return build
+
+
+def patches(role: Role, settings: Any) -> list:
+    if role is not Role.SCHEDULER or not settings[SWITCH]:
+        return []
+    common = dict(feature=FEATURE, roles={Role.SCHEDULER})
+    return [
+        Patch(target=f"{BASE}.__init__", kind=Kind.WRAP, build=build_base_init(settings),
+              fingerprint="c10ea5fd4c33c8a4",
+              why="stock creates an unbounded dict cache and a default-size executor per backend",
+              retire_when="SGLang bounds its grammar cache and compile pool", **common),
+        Patch(target=f"{BASE}.get_cached_or_future_value", kind=Kind.REPLACE,
+              build=build_get_cached_or_future_value, fingerprint="86fdb2e66c1f65a8",
+              why="stock keys by raw strings and starts a new compile for every concurrent miss",
+              retire_when="SGLang canonicalises keys and shares in-flight compiles", **common),
+        Patch(target=f"{BASE}.set_cache", kind=Kind.REPLACE, build=build_set_cache,
+              fingerprint="e3e22883a3943c46",
+              why="stock caches whatever the manager hands back, including a permanent "
+                  "InvalidGrammarObject for a poll timeout",
+              retire_when="SGLang caches on compile completion and never caches timeouts", **common),
+        Patch(target=f"{XGB}.__init__", kind=Kind.WRAP, build=build_xgrammar_init(settings),
+              fingerprint="0286ace544283e61",
+              why="stock compiles with an unbounded internal xgrammar cache and keeps nothing "
+                  "across restarts",
+              retire_when="SGLang ships a persistent, checksummed XGrammar cache", **common),
+    ]
+
+
+@hookimpl
+def dspark_patches(role, settings):
+    return patches(role, settings)
+
+
+@hookimpl
+def dspark_cli(subparsers, bench_subparsers):
+    from . import cli
+
+    cli.register(subparsers, bench_subparsers)

@@ -1,0 +1,301 @@
+"""The in-process grammar service behind ``BaseGrammarBackend.get_cached_or_future_value``.
+
+One :class:`GrammarService` per grammar backend object. For a request key it:
+
+1. canonicalises the key (:mod:`.canonical`);
+2. under one mutex: LRU hit -> move to most-recent and return a private copy (``source=memory``);
+   otherwise join the in-flight compile of that canonical key (``inflight``) or register a new
+   one (owner);
+3. outside the mutex: the owner submits exactly one compile to the bounded pool; every caller
+   attaches a completion callback to the shared future (``add_done_callback`` on an already
+   finished future runs the callback at once, in the caller's thread — this is why it is never
+   done while holding the mutex) and receives its own :class:`RequestFuture` that resolves to
+   its own matcher copy;
+4. on completion, under the mutex: drop the in-flight marker; cache successful results (and
+   invalid-grammar results, as stock does) at most-recent, then evict from least-recent while
+   over the byte or entry limit. Exceptions and corrupt-disk-entry failures are never cached.
+
+A compile timeout is per request: ``RequestFuture.done()`` (polled by SGLang's GrammarManager)
+fails the request's own future with :class:`GrammarCompileTimeout` once its deadline passed. The
+shared compile keeps running and lands in the cache, so a retry gets it; SGLang's own
+poll-count timeout, which would cache ``InvalidGrammarObject("Grammar preprocessing timed out")``
+permanently, is ignored by :meth:`set_cache` (it never reaches the cache).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import OrderedDict
+from concurrent.futures import Future, InvalidStateError, ThreadPoolExecutor
+from typing import Any, Optional
+
+from . import metrics as gm
+from . import xgr
+from .canonical import canonical_key
+from .disk import CORRUPT_MARK
+
+
+class GrammarCompileTimeout(TimeoutError):
+    pass
+
+
+class RequestFuture(Future):
+    """One request's view of a (possibly shared) compile, with its own deadline."""
+
+    def __init__(self, deadline: Optional[float], timeout_s: Optional[float], key_type: str):
+        super().__init__()
+        self._deadline = deadline
+        self._timeout_s = timeout_s
+        self._key_type = key_type
+        self.source: Optional[str] = None
+
+    def done(self) -> bool:
+        if super().done():
+            return True
+        if self._deadline is not None and time.monotonic() >= self._deadline:
+            try:
+                self.set_exception(GrammarCompileTimeout(
+                    f"{self._key_type} grammar was not compiled within {self._timeout_s:g} s "
+                    f"(DSPARK_HARDEN_GRAMMAR_COMPILE_TIMEOUT); the compile continues and a retry "
+                    f"will be served from the cache once it finishes"
+                ))
+                gm.inc_timeout()
+            except InvalidStateError:
+                pass
+            return True
+        return False
+
+
+class _Inflight:
+    __slots__ = ("shared", "generation")
+
+    def __init__(self, generation: int):
+        self.shared: Future = Future()
+        self.generation = generation
+
+
+def grammar_nbytes(obj: Any) -> int:
+    """Memory of a compiled grammar object: the compiled grammar's own ``memory_size_bytes``."""
+    seen = 0
+    while obj is not None and seen < 8:
+        ctx = getattr(obj, "ctx", None)
+        if ctx is not None and hasattr(ctx, "memory_size_bytes"):
+            try:
+                return max(0, int(ctx.memory_size_bytes))
+            except Exception:  # noqa: BLE001
+                return 0
+        obj = getattr(obj, "grammar", None)  # ReasonerGrammarObject wraps the real grammar
+        seen += 1
+    return 0
+
+
+def _stats_of(obj: Any) -> Any:
+    for candidate in (obj, getattr(obj, "grammar", None)):
+        stats = getattr(candidate, "grammar_stats", None)
+        if stats is not None:
+            return stats
+    return None
+
+
+def _is_cacheable(obj: Any) -> bool:
+    if obj is None:
+        return False
+    msg = getattr(obj, "error_message", None)
+    if isinstance(msg, str) and CORRUPT_MARK in msg:
+        return False  # a corrupt disk entry: fail this request, retry after the operator repairs
+    return True
+
+
+class GrammarService:
+    def __init__(self, backend: Any, *, workers: int, max_bytes: int, max_entries: int,
+                 timeout_s: Optional[float]):
+        for name, value in (("workers", workers), ("max_bytes", max_bytes), ("max_entries", max_entries)):
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(f"grammar service {name} must be a positive integer, got {value!r}")
+        if timeout_s is not None and not timeout_s > 0:
+            raise ValueError(f"grammar compile timeout must be positive, got {timeout_s!r}")
+        self.backend = backend
+        self.max_bytes = max_bytes
+        self.max_entries = max_entries
+        self.timeout_s = timeout_s
+        self.pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="dspark-grammar")
+        self._lock = threading.Lock()
+        self._lru: "OrderedDict[tuple, tuple[Any, int]]" = OrderedDict()
+        self._bytes = 0
+        self._inflight: dict[tuple, _Inflight] = {}
+        self._generation = 0
+        # counters for tests and the bench
+        self.compiles = 0  # compile tasks submitted (one per canonical key miss)
+        self.evictions = 0
+
+    # -- stock surface ---------------------------------------------------------------------
+    def lookup(self, key: tuple, require_reasoning: bool):
+        t0 = time.perf_counter()
+        ckey = canonical_key(key)
+        owner = False
+        with self._lock:
+            hit = self._lru.get(ckey)
+            if hit is not None:
+                self._lru.move_to_end(ckey)
+                inf = None
+            else:
+                inf = self._inflight.get(ckey)
+                if inf is None:
+                    inf = _Inflight(self._generation)
+                    self._inflight[ckey] = inf
+                    owner = True
+                    self.compiles += 1
+        if hit is not None:
+            value = hit[0].copy()
+            value.maybe_init_reasoning(require_reasoning)
+            gm.lookup("memory", time.perf_counter() - t0)
+            return value, True
+
+        deadline = None if self.timeout_s is None else time.monotonic() + self.timeout_s
+        req = RequestFuture(deadline, self.timeout_s, str(ckey[0]))
+        if owner:
+            task = self.pool.submit(self._compile, ckey, require_reasoning)
+            task.add_done_callback(lambda f, ckey=ckey, inf=inf: self._finish(ckey, inf, f))
+        shared_source = None if owner else "inflight"
+        # Outside the lock: a finished future runs the callback right here.
+        inf.shared.add_done_callback(
+            lambda f: self._resolve(req, f, require_reasoning, shared_source, t0)
+        )
+        return req, False
+
+    def set_cache(self, key: tuple, value: Any) -> None:
+        """Stock GrammarManager calls this after every resolved future. The service already cached
+        the prototype when the compile finished; timeouts and failures must not be cached."""
+        return None
+
+    def reset(self) -> None:
+        with self._lock:
+            self._lru.clear()
+            self._bytes = 0
+            self._generation += 1  # compiles already running will not insert
+        gm.set_memory(0, 0)
+
+    def pop(self, key: tuple, default: Any = None) -> Any:
+        ckey = canonical_key(key)
+        with self._lock:
+            item = self._lru.pop(ckey, None)
+            if item is None:
+                return default
+            self._bytes -= item[1]
+            return item[0]
+
+    def get(self, key: tuple, default: Any = None) -> Any:
+        with self._lock:
+            item = self._lru.get(canonical_key(key))
+        return default if item is None else item[0]
+
+    def __contains__(self, key: tuple) -> bool:
+        with self._lock:
+            return canonical_key(key) in self._lru
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._lru)
+
+    @property
+    def nbytes(self) -> int:
+        with self._lock:
+            return self._bytes
+
+    def keys(self) -> list:
+        with self._lock:
+            return list(self._lru)
+
+    def shutdown(self) -> None:
+        self.pool.shutdown(wait=False, cancel_futures=True)
+
+    # -- internals -------------------------------------------------------------------------
+    def _compile(self, ckey: tuple, require_reasoning: bool):
+        xgr.take_resolution()  # clear anything left by an earlier task on this worker thread
+        t = time.perf_counter()
+        value = self.backend._init_value_dispatch(ckey, require_reasoning)
+        res = xgr.take_resolution()
+        source = res.source if res is not None else "compile"
+        return value, source, time.perf_counter() - t
+
+    def _finish(self, ckey: tuple, inf: _Inflight, task: Future) -> None:
+        exc = task.exception()
+        value = None if exc is not None else task.result()[0]
+        evicted = {"bytes": 0, "entries": 0}
+        with self._lock:
+            self._inflight.pop(ckey, None)
+            if exc is None and _is_cacheable(value) and inf.generation == self._generation:
+                nbytes = grammar_nbytes(value)
+                old = self._lru.pop(ckey, None)
+                if old is not None:
+                    self._bytes -= old[1]
+                self._lru[ckey] = (value, nbytes)
+                self._bytes += nbytes
+                while self._lru and (self._bytes > self.max_bytes or len(self._lru) > self.max_entries):
+                    reason = "bytes" if self._bytes > self.max_bytes else "entries"
+                    _, (_, b) = self._lru.popitem(last=False)
+                    self._bytes -= b
+                    evicted[reason] += 1
+                    self.evictions += 1
+            size, count = self._bytes, len(self._lru)
+        for reason, n in evicted.items():
+            gm.inc_evictions("memory", reason, n)
+        gm.set_memory(size, count)
+        if exc is not None:
+            gm.inc_failure()
+            inf.shared.set_exception(exc)
+        else:
+            inf.shared.set_result(task.result())
+
+    def _resolve(self, req: RequestFuture, shared: Future, require_reasoning: bool,
+                 source: Optional[str], t0: float) -> None:
+        if req.cancelled() or Future.done(req):
+            return
+        exc = shared.exception()
+        try:
+            if exc is not None:
+                req.set_exception(exc)
+                return
+            value, compile_source, compile_s = shared.result()
+            req.source = source or compile_source
+            if value is not None:
+                value = value.copy()
+                value.maybe_init_reasoning(require_reasoning)
+                stats = _stats_of(value)
+                if stats is not None:
+                    stats.is_cache_hit = req.source in ("memory", "inflight", "disk")
+                    stats.compilation_time = compile_s
+            req.set_result(value)
+        except InvalidStateError:
+            return  # timed out or cancelled concurrently
+        gm.lookup(req.source, time.perf_counter() - t0)
+
+
+class CacheView:
+    """What ``backend.cache`` points at while the feature is bound: the service's LRU through
+    the dict methods stock code uses (``get``, ``pop``, ``clear``, ``in``, ``len``)."""
+
+    def __init__(self, service: GrammarService):
+        self._service = service
+
+    def get(self, key, default=None):
+        return self._service.get(key, default)
+
+    def pop(self, key, default=None):
+        return self._service.pop(key, default)
+
+    def clear(self):
+        self._service.reset()
+
+    def keys(self):
+        return self._service.keys()
+
+    def __contains__(self, key):
+        return key in self._service
+
+    def __len__(self):
+        return len(self._service)
+
+    def __setitem__(self, key, value):
+        self._service.set_cache(key, value)

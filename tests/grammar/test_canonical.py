@@ -1,0 +1,103 @@
+"""Canonical keys: every spelling of a schema maps to one key, and that key makes xgrammar derive
+exactly the grammar (identical EBNF) the original spelling does."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from dspark_harden.grammar.canonical import ANY_JSON, canonical_key, canonical_string
+from dspark_harden.grammar.schemas import test_schemas, variants
+
+SCHEMAS = test_schemas()
+
+
+@pytest.fixture(scope="module")
+def compiler(hf_tokenizer):
+    import xgrammar as xg
+
+    info = xg.TokenizerInfo.from_huggingface(hf_tokenizer, vocab_size=len(hf_tokenizer),
+                                             stop_token_ids=[hf_tokenizer.eos_token_id])
+    return xg.GrammarCompiler(info, cache_enabled=False)
+
+
+def _ebnf(compiler, text: str) -> str:
+    try:
+        return str(compiler.compile_json_schema(text, any_whitespace=True).grammar)
+    except Exception as exc:  # noqa: BLE001 - an error must be identical too
+        return f"error: {exc}"
+
+
+@pytest.mark.parametrize("name,schema", SCHEMAS, ids=[n for n, _ in SCHEMAS])
+def test_variants_share_one_key_with_identical_ebnf(compiler, name, schema):
+    spellings = variants(schema)
+    assert len(set(spellings)) == 4  # stock caches each separately
+    keys = {canonical_string("json", s) for s in spellings}
+    assert len(keys) == 1, keys
+    (canon,) = keys
+    reference = _ebnf(compiler, spellings[0])
+    assert not reference.startswith("error"), reference
+    assert _ebnf(compiler, canon) == reference
+    for s in spellings[1:]:
+        assert _ebnf(compiler, s) == reference
+    assert json.loads(canon) == json.loads(spellings[0])
+
+
+def test_properties_order_is_not_canonicalised(compiler):
+    a = {"type": "object", "properties": {"b": {"type": "string"}, "a": {"type": "integer"}}, "required": ["a", "b"]}
+    b = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "string"}}, "required": ["a", "b"]}
+    ka, kb = canonical_string("json", json.dumps(a)), canonical_string("json", json.dumps(b))
+    assert ka != kb
+    # ... because xgrammar really derives different grammars from them
+    assert _ebnf(compiler, ka) != _ebnf(compiler, kb)
+
+
+def test_data_values_keep_member_order_and_number_text():
+    s = '{"const": {"z": 1, "a": 1e2}, "type": "object"}'
+    assert canonical_string("json", s) == '{"const":{"z":1,"a":1e2},"type":"object"}'
+
+
+@pytest.mark.parametrize("bad", ['{"a": 1', "not json", '{"a": NaN}', '{"a": 1, "a": 2}', '"\\ud800"'])
+def test_unparsable_or_ambiguous_keys_pass_through(bad):
+    assert canonical_string("json", bad) == bad
+
+
+def test_non_json_key_types_and_any_sentinel_untouched():
+    assert canonical_key(("regex", " [a-z]+ ")) == ("regex", " [a-z]+ ")
+    assert canonical_key(("ebnf", 'root ::= "a" ')) == ("ebnf", 'root ::= "a" ')
+    assert canonical_key(("json", ANY_JSON)) == ("json", ANY_JSON)
+    # reasoning-parser variants canonicalise like their base type
+    assert canonical_key(("json:open_answer", '{ "type" : "string" }')) == ("json:open_answer", '{"type":"string"}')
+
+
+STRUCTURAL_TAGS = [
+    {"type": "structural_tag", "format": {"type": "triggered_tags", "triggers": ["<f="],
+     "tags": [{"type": "tag", "begin": "<f=a>", "end": "</f>",
+               "content": {"type": "json_schema", "json_schema": {"type": "object",
+                           "properties": {"z": {"type": "integer"}, "a": {"type": "string"}}, "required": ["z"]}}}]}},
+    {"structures": [{"begin": "<tool=x>", "end": "</tool>",
+                     "schema": {"properties": {"q": {"type": "string"}, "b": {"type": "boolean"}}, "type": "object"}}],
+     "triggers": ["<tool="]},
+]
+
+
+def _reverse(node):
+    if isinstance(node, dict):
+        return {k: (node[k] if k == "properties" else _reverse(node[k])) for k in reversed(list(node))}
+    if isinstance(node, list):
+        return [_reverse(x) for x in node]
+    return node
+
+
+@pytest.mark.parametrize("tag", STRUCTURAL_TAGS, ids=["format", "legacy"])
+def test_structural_tags_canonical_key_yields_identical_grammar(hf_tokenizer, tag):
+    from sglang.srt.constrained.xgrammar_backend import XGrammarGrammarBackend
+
+    backend = XGrammarGrammarBackend(hf_tokenizer, vocab_size=len(hf_tokenizer),
+                                     model_eos_token_ids=[hf_tokenizer.eos_token_id])
+    spellings = [json.dumps(tag), json.dumps(tag, indent=3), json.dumps(_reverse(tag))]
+    keys = {canonical_string("structural_tag", s) for s in spellings}
+    assert len(keys) == 1
+    ebnfs = {str(backend.dispatch_structural_tag(s).ctx.grammar) for s in spellings + list(keys)}
+    assert len(ebnfs) == 1
