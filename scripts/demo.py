@@ -69,7 +69,8 @@ def main() -> int:
 
         step("what the plugin did (dspark_harden_* series with a non-zero value)")
         for line in server.metrics_text().splitlines():
-            if line.startswith("dspark_harden_") and not line.rstrip().endswith(" 0.0"):
+            if (line.startswith("dspark_harden_") and not line.rstrip().endswith(" 0.0")
+                    and "_bucket{" not in line and "_created" not in line):
                 print("  " + line)
     finally:
         step("shutdown")
