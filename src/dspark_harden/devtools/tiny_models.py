@@ -92,7 +92,7 @@ def _build_once(name: str, build: Callable[[Path], None]) -> str:
         tmp = Path(tempfile.mkdtemp(prefix=f".{name}.", dir=base))
         try:
             build(tmp)
-            (tmp / ".complete").write_text(json.dumps({"recipe": RECIPE_VERSION}) + "\n")
+            (tmp / ".complete").write_text(json.dumps({"recipe": RECIPE_VERSION, "built_by_pid": os.getpid()}) + "\n")
             os.rename(tmp, final)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)

@@ -1,0 +1,219 @@
+"""The harness's own parts, without starting a server: tiny models, the CPU platform, the server lock.
+
+The platform checks run in fresh interpreters (platform resolution and ``init_backend()`` mutate
+SGLang module state for the whole process).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.harness import lock as server_lock
+from tests.plugin._proc import run_py
+
+pytestmark = pytest.mark.timeout(900)
+
+
+# --- tiny tokenizers and models -------------------------------------------------------------------
+
+
+def test_tokenizer_2048_contract(tiny_tokenizer):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_tokenizer)
+    assert len(tok) == 2048
+    assert (tok.bos_token, tok.eos_token, tok.pad_token) == ("<|endoftext|>", "<|im_end|>", "<|pad|>")
+    assert [tok.convert_tokens_to_ids(t) for t in ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|pad|>")] == [0, 1, 2, 3]
+    ids = tok.encode("<think>x = 1</think>done", add_special_tokens=False)
+    think, end_think = tok.convert_tokens_to_ids("<think>"), tok.convert_tokens_to_ids("</think>")
+    assert ids[0] == think and end_think in ids
+    # reasoning markers survive skip_special_tokens (they are added tokens, not special ones)
+    assert tok.decode(ids, skip_special_tokens=True) == "<think>x = 1</think>done"
+    text = tok.apply_chat_template(
+        [{"role": "system", "content": "s"}, {"role": "user", "content": "hi"}],
+        tokenize=False, add_generation_prompt=True,
+    )
+    assert text == "<|im_start|>system\ns<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    # byte-level: any text round-trips
+    sample = "def f(x):\n    return {'é': x ** 2}  # ✓\n"
+    assert tok.decode(tok.encode(sample, add_special_tokens=False)) == sample
+
+
+def test_tokenizer_32000_has_exact_size():
+    from transformers import AutoTokenizer
+
+    from dspark_harden.devtools.tiny_models import ensure_tokenizer
+
+    tok = AutoTokenizer.from_pretrained(ensure_tokenizer(32000))
+    assert len(tok) == 32000
+    assert tok.convert_tokens_to_ids("</think>") == 31999
+
+
+def test_bad_vocab_size_and_arch_are_rejected():
+    from dspark_harden.devtools.tiny_models import ensure_model, ensure_tokenizer
+
+    with pytest.raises(ValueError, match="vocab_size"):
+        ensure_tokenizer(100)
+    with pytest.raises(ValueError, match="unknown tiny model arch 'gpt2'"):
+        ensure_model("gpt2")
+
+
+def test_models_match_the_documented_shapes(tiny_models):
+    import transformers
+    from safetensors import safe_open
+
+    ds = json.loads(Path(tiny_models["deepseek_v3"], "config.json").read_text())
+    assert ds["architectures"] == ["DeepseekV3ForCausalLM"]
+    assert ds["rope_scaling"]["type"] == "yarn" and ds["rope_scaling"]["factor"] == 4.0
+    assert ds["rope_scaling"]["original_max_position_embeddings"] == 512
+    assert ds["moe_layer_freq"] == 1 and ds["first_k_dense_replace"] == 1
+    assert (ds["q_lora_rank"], ds["kv_lora_rank"], ds["qk_rope_head_dim"], ds["qk_nope_head_dim"], ds["v_head_dim"]) == (64, 32, 16, 32, 32)
+    assert (ds["n_routed_experts"], ds["num_experts_per_tok"], ds["n_shared_experts"]) == (4, 2, 1)
+    with safe_open(str(Path(tiny_models["deepseek_v3"], "model.safetensors")), "pt") as f:
+        keys = set(f.keys())
+        dtypes = {f.get_tensor(k).dtype for k in list(keys)[:10]}
+    assert "model.layers.1.mlp.experts.3.down_proj.weight" in keys  # layer 1 is MoE
+    assert "model.layers.0.mlp.gate_proj.weight" in keys  # layer 0 is dense
+    assert "model.layers.1.self_attn.kv_a_proj_with_mqa.weight" in keys  # MLA
+    import torch
+
+    assert dtypes == {torch.bfloat16}
+    for arch, heads_kv in (("qwen3", 2), ("llama", 4)):
+        cfg = transformers.AutoConfig.from_pretrained(tiny_models[arch])
+        assert (cfg.num_hidden_layers, cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads) == (2, 128, 4, heads_kv)
+        assert cfg.vocab_size == 2048 and cfg.eos_token_id == 2
+
+
+def test_parallel_builds_build_once_and_are_deterministic(tmp_path):
+    """Two processes racing on an empty cache: one build, same result; a second cache gets identical files."""
+    code = "from dspark_harden.devtools.tiny_models import ensure_tokenizer; print(ensure_tokenizer(512))"
+
+    def launch(cache):
+        env = dict(os.environ, DSPARK_HARDEN_MODEL_CACHE=str(cache))
+        return subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+    a = tmp_path / "a"
+    procs = [launch(a), launch(a)]
+    outs = [p.communicate(timeout=600) for p in procs]
+    assert all(p.returncode == 0 for p in procs), outs
+    paths = {o[0].strip().splitlines()[-1] for o in outs}
+    assert len(paths) == 1
+    built = Path(paths.pop())
+    marker = json.loads((built / ".complete").read_text())
+    assert marker["built_by_pid"] in {p.pid for p in procs}
+    assert not [d for d in a.iterdir() if d.is_dir() and d.name.startswith(".tokenizer-")]  # no temp dirs left
+    b = tmp_path / "b"
+    p = launch(b)
+    out, err = p.communicate(timeout=600)
+    assert p.returncode == 0, err
+    other = Path(out.strip().splitlines()[-1])
+    assert (other / "tokenizer.json").read_bytes() == (built / "tokenizer.json").read_bytes()
+
+
+# --- the CPU platform --------------------------------------------------------------------------------
+
+_PLATFORM_ENV = {"DSPARK_TEST_CPU_PLATFORM": "1", "SGLANG_PLATFORM": "dspark_test_cpu"}
+
+
+def test_cpu_platform_resolves_and_adjusts_sglang():
+    rc, res, out = run_py(
+        """
+        from sglang.srt.platforms import current_platform as p
+        import sglang.srt.model_executor.forward_batch_info as fbi
+        import sglang.srt.layers.dp_attention as dpa
+        import sglang.srt.distributed.parallel_state as ps
+        import sglang.srt.layers.logits_processor as lp
+        from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend as B
+        before = [fbi._is_cpu, dpa._is_cpu, ps._is_cpu, lp._is_cpu, dpa.memcpy_func is dpa.memcpy_cpu,
+                  "get_cpu_graph_seq_len_fill_value" in B.__dict__]
+        p.init_backend()
+        after = [fbi._is_cpu, dpa._is_cpu, ps._is_cpu, lp._is_cpu, dpa.memcpy_func is dpa.memcpy_cpu,
+                 B.get_cpu_graph_seq_len_fill_value(None), B.get_cuda_graph_seq_len_fill_value(None)]
+        emit({"cls": type(p).__name__, "oot": p.is_out_of_tree(), "attn": p.get_default_attention_backend(),
+              "key": p.get_dispatch_key_name(), "dist": p.get_torch_distributed_backend_str(),
+              "pin": p.is_pin_memory_available(), "device": str(p.get_device(0)),
+              "graphs": p.capabilities.graph_capture, "triton": p.capabilities.supports_triton,
+              "before": before, "after": after})
+        """,
+        env=_PLATFORM_ENV,
+    )
+    assert rc == 0 and res, out[-4000:]
+    assert res["cls"] == "DsparkTestCpuPlatform" and res["oot"] is True
+    assert (res["attn"], res["key"], res["dist"], res["device"]) == ("torch_native", "native", "gloo", "cpu")
+    assert res["pin"] is False and res["graphs"] is False and res["triton"] is False
+    assert res["before"] == [False, False, False, False, False, False]  # stock decides from SGLANG_USE_CPU_ENGINE
+    assert res["after"] == [True, True, True, True, True, 1, 1]
+
+
+@pytest.mark.parametrize("value, expect", [("0", "none"), (None, "none"), ("yes", "error")])
+def test_cpu_platform_is_strictly_opt_in(value, expect, monkeypatch):
+    monkeypatch.delenv("DSPARK_TEST_CPU_PLATFORM", raising=False)  # run_py inherits os.environ
+    env = {"DSPARK_TEST_CPU_PLATFORM": value} if value is not None else {}
+    rc, res, out = run_py(
+        """
+        from dspark_testsupport.cpu_platform import activate
+        try:
+            emit({"result": activate()})
+        except ValueError as exc:
+            emit({"error": str(exc)})
+        """,
+        env=env,
+    )
+    assert rc == 0 and res, out[-3000:]
+    if expect == "none":
+        assert res == {"result": None}
+    else:
+        assert "DSPARK_TEST_CPU_PLATFORM must be exactly '0' or '1'" in res["error"]
+
+
+def test_cpu_platform_surface_check_names_missing_attributes(monkeypatch):
+    from dspark_testsupport import cpu_platform
+
+    monkeypatch.setitem(cpu_platform.ADJUSTED_MODULE_ATTRS, "sglang.srt.layers.dp_attention", ("_is_cpu", "no_such_attr"))
+    with pytest.raises(AssertionError, match=r"sglang\.srt\.layers\.dp_attention\.no_such_attr"):
+        cpu_platform.check_stock_surfaces()
+
+
+# --- the server lock -----------------------------------------------------------------------------------
+
+
+def _flock_free(path: str) -> bool:
+    return subprocess.run(["flock", "-n", path, "true"]).returncode == 0
+
+
+def test_server_lock_excludes_flock_command_and_is_reentrant(tmp_path, monkeypatch):
+    path = str(tmp_path / "server.lock")
+    monkeypatch.setenv("DSPARK_SERVER_LOCK", path)
+    assert not server_lock.held()
+    with server_lock.server_lock():
+        assert not _flock_free(path)  # `flock /tmp/dspark-server.lock cmd` would wait
+        with server_lock.server_lock():  # re-entrant within this process
+            assert server_lock.held()
+        assert not _flock_free(path)
+    assert not server_lock.held()
+    assert _flock_free(path)
+
+
+def test_server_lock_times_out_with_a_clear_error(tmp_path, monkeypatch):
+    path = str(tmp_path / "server.lock")
+    monkeypatch.setenv("DSPARK_SERVER_LOCK", path)
+    monkeypatch.setenv("DSPARK_SERVER_LOCK_TIMEOUT", "1.5")
+    holder = subprocess.Popen(["flock", path, "sleep", "30"])
+    try:
+        import time
+
+        deadline = time.monotonic() + 10
+        while _flock_free(path) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        with pytest.raises(TimeoutError, match="server lock"):
+            server_lock.acquire()
+        assert not server_lock.held()
+    finally:
+        holder.kill()
+        holder.wait()
