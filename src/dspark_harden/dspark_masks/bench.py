@@ -1,0 +1,161 @@
+"""``dspark-harden bench traversal``: stock DSpark grammar-mask path vs ours, same run, same inputs.
+
+Stock: SGLang 0.5.23's own ``spec_utils.build_grammar_vocab_mask`` over ``GrammarTree.from_host``
+(Python DFS per request). Ours: the DSpark-only replacement as the patched worker calls it
+(``DSparkGrammarTree.from_linear_chain`` + ``build_grammar_vocab_mask``), on the CPU device here
+(the GPU upload is measured by tests/gpu on the H200). Both run on the same requests (real
+tokenizer, real xgrammar grammars, see :mod:`.workload`), interleaved, after a warm-up; the
+reported times are medians per verify step. ``identical`` compares every bit of every mask of
+every measured step (ours ``None`` = stock's all-ones mask) and that no grammar state changed.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+import types
+from typing import Any
+
+import torch
+
+
+def register(bench_subparsers: Any) -> None:
+    p = bench_subparsers.add_parser("traversal", help="DSpark grammar masks: stock Python DFS vs native batched traversal")
+    p.add_argument("--requests", type=int, default=64, help="requests per verify step (default 64)")
+    p.add_argument("--chain", type=int, default=8, help="draft chain length incl. the committed token (default 8)")
+    p.add_argument("--vocab", type=int, default=32000, help="tokenizer vocabulary (default 32000)")
+    p.add_argument("--steps", type=int, default=30, help="measured steps per path (default 30)")
+    p.add_argument("--mix", choices=("json", "all"), default="json",
+                   help="grammar mix: json (JSON schemas + a regex, default) or all (adds an EBNF grammar with "
+                        "free-text identifiers, where xgrammar's own fills dominate)")
+    p.add_argument("--engine", default=None, help="traversal engine (default: DSPARK_HARDEN_GRAMMAR_TRAVERSAL or auto)")
+    p.add_argument("--threads", type=int, default=None, help="threads for threads/level engines")
+    p.add_argument("--all-engines", action="store_true", help="also time every available engine (extra JSON key)")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(func=main)
+
+
+def _settings():
+    from ..core.manager import make_manager, settings_for
+
+    return settings_for(make_manager())
+
+
+def run(requests: int = 64, chain: int = 8, vocab: int = 32000, steps: int = 30, engine=None, threads=None,
+        all_engines: bool = False, mix: str = "json") -> dict:
+    if requests <= 0 or chain <= 1 or steps <= 0:
+        raise SystemExit("--requests and --steps must be positive and --chain at least 2")
+    from sglang.srt.speculative import spec_utils
+
+    from . import feature as feat
+    from . import integration as I
+    from .traversal import ENGINES, batch_traverse_available
+    from .workload import GrammarFactory, matcher_state
+
+    if engine is None or threads is None:
+        s = _settings()
+        engine = engine or s[feat.ENGINE]
+        threads = threads or s[feat.THREADS]
+    factory = GrammarFactory(vocab=vocab, pad=64, mix=mix)
+    wl = factory.workload(requests, chain, seed=1234)
+    before = [matcher_state(r.grammar) for r in wl.reqs]
+    bs = requests
+    nxt = torch.full((bs, chain), -1, dtype=torch.int64)
+    nxt[:, :-1] = torch.arange(1, chain, dtype=torch.int64)
+    sib = torch.full((bs, chain), -1, dtype=torch.int64)
+    words = (wl.vocab_size + 31) // 32
+    all_ones = torch.full((bs * chain, words), -1, dtype=torch.int32)
+
+    def stock_step():
+        info = types.SimpleNamespace(vocab_size=wl.vocab_size, grammar_mask=object())
+        tree = spec_utils.GrammarTree.from_host(nxt, sib, wl.draft)
+        gm = spec_utils.build_grammar_vocab_mask(reqs=wl.reqs, tree=tree, sampling_info=info, device="cpu", barrier=None)
+        return None if gm is None else gm.vocab_mask
+
+    tree_cls = I.build_tree_class(spec_utils.GrammarTree)
+    ours_build = I.build_vocab_mask_function(spec_utils.build_grammar_vocab_mask, {})
+
+    def make_ours(eng):
+        I.reset_runtime()
+        I.configure(eng, threads)
+
+        def ours_step():
+            info = types.SimpleNamespace(vocab_size=wl.vocab_size, grammar_mask=object())
+            tree = tree_cls.from_linear_chain(wl.draft)
+            return ours_build(reqs=wl.reqs, tree=tree, sampling_info=info, device="cpu", barrier=None)
+
+        return ours_step
+
+    def settle(result):
+        """Outside the timed region: keep a copy of the mask and release the slot as the worker's
+        ``apply`` would after masking the logits (neither path applies masks here: the logits live
+        on the GPU in a server, see tests/gpu)."""
+        if result is None or isinstance(result, torch.Tensor):
+            return result
+        mask = result.vocab_mask.clone()
+        result._pipe.consumed(result._ticket)
+        return mask
+
+    def measure(fns, n):
+        times = [[] for _ in fns]
+        masks = [[] for _ in fns]
+        for _ in range(n):
+            for i, fn in enumerate(fns):
+                t0 = time.perf_counter()
+                m = fn()
+                times[i].append(time.perf_counter() - t0)
+                masks[i].append(settle(m))
+        return times, masks
+
+    ours = make_ours(engine)
+    chosen = I.runtime().traverser.engine
+    measure([stock_step, ours], 2)  # warm-up (xgrammar caches, allocator, thread pools)
+    times, masks = measure([stock_step, ours], steps)
+    def same(a, b):
+        a = all_ones if a is None else a
+        b = all_ones if b is None else b
+        return a.shape == b.shape and torch.equal(a, b)
+
+    identical = all(same(s, o) for s, o in zip(masks[0], masks[1]))
+    identical = identical and [matcher_state(r.grammar) for r in wl.reqs] == before
+    stock_ms = statistics.median(times[0]) * 1e3
+    harden_ms = statistics.median(times[1]) * 1e3
+    result = {
+        "requests": requests,
+        "chain": chain,
+        "stock_ms": round(stock_ms, 3),
+        "harden_ms": round(harden_ms, 3),
+        "speedup": round(stock_ms / harden_ms, 2) if harden_ms > 0 else float("inf"),
+        "identical": bool(identical),
+    }
+    if all_engines:
+        extra = {"engine": chosen, "vocab_size": wl.vocab_size, "mix": mix, "engines_ms": {}}
+        for eng in ENGINES:
+            if eng == "auto" or (eng == "batch" and not batch_traverse_available()):
+                continue
+            fn = make_ours(eng)
+            measure([fn], 2)
+            t, m = measure([stock_step, fn], max(3, steps // 2))
+            extra["engines_ms"][eng] = {
+                "stock_ms": round(statistics.median(t[0]) * 1e3, 3),
+                "ms": round(statistics.median(t[1]) * 1e3, 3),
+                "identical": all(same(s, o) for s, o in zip(m[0], m[1])),
+            }
+        result["detail"] = extra
+    I.reset_runtime()
+    return result
+
+
+def main(args) -> int:
+    result = run(args.requests, args.chain, args.vocab, args.steps, args.engine, args.threads, args.all_engines, args.mix)
+    if args.json:
+        print(json.dumps(result))
+    else:
+        print(f"DSpark grammar masks, {result['requests']} requests x {result['chain']}-node chains")
+        print(f"  stock build_grammar_vocab_mask : {result['stock_ms']:.3f} ms/step")
+        print(f"  dspark-harden                  : {result['harden_ms']:.3f} ms/step")
+        print(f"  speedup {result['speedup']}x, identical masks: {result['identical']}")
+        for eng, v in result.get("detail", {}).get("engines_ms", {}).items():
+            print(f"  engine {eng:8s}: {v['ms']:.3f} ms (stock {v['stock_ms']:.3f}), identical {v['identical']}")
+    return 0 if result["identical"] else 1

@@ -1,0 +1,347 @@
+"""Batched native traversal of DSpark's linear draft chains (CPU side, pure torch + xgrammar).
+
+DSpark verifies one linear chain per request: node 0 is the already committed token and node
+``i``'s only child is ``i + 1``. Stock SGLang 0.5.23 (``spec_utils.generate_token_bitmask`` ->
+``traverse_tree``) walks every chain with a Python DFS that calls ``fill_vocab_mask`` /
+``accept_token`` / ``rollback`` one node at a time. Here one call per verify step walks every
+active chain natively and yields **exactly** the stock bitmask:
+
+* rows of requests without an active matcher, rows before a matcher's root, the row of a rejected
+  node (token outside the parent's mask or ``>= vocab_size``) and every row after it, and the row of
+  a node whose token terminated the grammar (and every row after it) are all-ones (``-1``), because
+  stock allocates the mask with ``-1`` and never fills those rows;
+* every other row is the matcher's ``fill_next_token_bitmask`` after accepting the chain up to
+  that node.
+
+xgrammar's native ``traverse_draft_tree`` writes **zero** rows for rejected and terminated nodes
+(measured on 0.2.7); the scalar/threads/batch-API engines repair exactly those rows (at most one per
+chain) so the result equals stock bit for bit. Matchers are left exactly as found (native traversal
+rolls back; the level engine rolls back what it accepted).
+
+Engines (``DSPARK_HARDEN_GRAMMAR_TRAVERSAL``):
+
+``scalar``   ``GrammarMatcher.traverse_draft_tree`` per chain, in a plain loop.
+``threads``  the same, chains split over a persistent thread pool (the native call releases the GIL).
+``level``    level-synchronous: per depth one ``BatchGrammarMatcher.batch_fill_next_token_bitmask``
+             (native thread pool), a bit test of the next draft token, one ``batch_accept_token``;
+             one ``batch_rollback`` at the end.
+``batch``    ``BatchGrammarMatcher.batch_traverse_draft_tree`` (not in xgrammar 0.2.7; used only when
+             the installed xgrammar has it, after a start-up equivalence probe against ``scalar``).
+``auto``     ``batch`` when available, else the measured default (see docs/dspark_masks.md).
+
+Nothing here imports SGLang; :mod:`.resolve` turns SGLang grammar objects into :class:`Job` s.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Optional, Sequence
+
+import numpy as np
+import torch
+import xgrammar as xgr
+
+ENGINES = ("auto", "scalar", "threads", "level", "batch")
+
+
+class TraversalError(RuntimeError):
+    """The native traversal could not produce a complete, stock-equivalent mask (fail closed)."""
+
+
+@dataclass
+class Job:
+    """One chain to traverse: batch ``row``, the xgrammar ``matcher`` in its current state, the
+    chain position ``root`` whose row is filled from that state, and ``end`` (exclusive): the first
+    node that stock rejects before looking at the grammar (a token ``>= vocab_size``), else the
+    chain length. ``rid`` names the request in errors."""
+
+    row: int
+    matcher: Any
+    root: int
+    end: int
+    rid: str = "?"
+
+
+def batch_traverse_available() -> bool:
+    return callable(getattr(xgr.BatchGrammarMatcher, "batch_traverse_draft_tree", None))
+
+
+def chain_end(tokens: Sequence[int], start: int, vocab_size: int, rid: str) -> int:
+    """First index ``>= start`` whose draft token stock rejects unconditionally (``>= vocab_size``),
+    else ``len(tokens)``. A negative draft token has no stock meaning (stock would index the mask
+    from the end): fail closed."""
+    for i in range(start, len(tokens)):
+        tok = tokens[i]
+        if tok < 0:
+            raise TraversalError(f"request {rid}: negative draft token {tok} at chain position {i}")
+        if tok >= vocab_size:
+            return i
+    return len(tokens)
+
+
+class _ChainLinks:
+    """Cached ``retrieve_next_token`` / ``retrieve_next_sibling`` of a linear chain of length n."""
+
+    def __init__(self) -> None:
+        self._cache: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def get(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        links = self._cache.get(n)
+        if links is None:
+            nxt = torch.full((n,), -1, dtype=torch.int64)
+            if n > 1:
+                nxt[:-1] = torch.arange(1, n, dtype=torch.int64)
+            sib = torch.full((n,), -1, dtype=torch.int64)
+            links = self._cache[n] = (nxt, sib)
+        return links
+
+
+class ChainTraverser:
+    """Fills the stock-equivalent DSpark grammar bitmask for a batch of linear chains.
+
+    ``traverse(jobs, draft, out, vocab_size)``: ``draft`` is the (bs, L) int64 CPU draft-token
+    tensor (column 0 = committed token), ``out`` a contiguous (>= bs*L, words) int32 CPU tensor;
+    rows ``[0, bs*L)`` are overwritten (all-ones where stock leaves them untouched).
+    """
+
+    def __init__(self, engine: str = "auto", threads: int = 2) -> None:
+        if engine not in ENGINES:
+            raise ValueError(f"unknown traversal engine {engine!r}; expected one of {ENGINES}")
+        if threads <= 0:
+            raise ValueError(f"traversal threads must be positive, got {threads}")
+        if engine == "batch" and not batch_traverse_available():
+            raise TraversalError(
+                "traversal engine 'batch' needs xgrammar.BatchGrammarMatcher.batch_traverse_draft_tree, "
+                "which the installed xgrammar does not have"
+            )
+        if engine == "auto":
+            engine = "batch" if batch_traverse_available() else DEFAULT_ENGINE
+        self.engine = engine
+        self.threads = threads
+        self._links = _ChainLinks()
+        self._pool: Optional[ThreadPoolExecutor] = None
+        self._batch: Optional[Any] = None
+        self._lock = threading.Lock()
+        if engine in ("level", "batch"):
+            self._batch = xgr.BatchGrammarMatcher(max_threads=threads)
+        if engine == "threads" and threads > 1:
+            self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="dspark-grammar")
+        if engine == "batch":
+            probe_batch_engine(self)
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+
+    # ------------------------------------------------------------------------------------------
+    def traverse(self, jobs: Sequence[Job], draft: torch.Tensor, out: torch.Tensor, vocab_size: int) -> None:
+        bs, chain = draft.shape
+        _check_buffers(draft, out, bs, chain, vocab_size)
+        with self._lock:  # one step at a time per traverser (buffers and native pools are shared)
+            # numpy, not torch: a torch fill of this size is an OpenMP parallel region, which stalls
+            # for milliseconds whenever one of its threads is descheduled on a busy host
+            out[: bs * chain].numpy().fill(-1)
+            live = [j for j in jobs if j.end > j.root and not j.matcher.is_terminated()]
+            if not live:
+                return
+            seen = set()
+            for j in live:
+                if j.row in seen:
+                    raise TraversalError(f"request {j.rid}: batch row {j.row} assigned to two matchers")
+                seen.add(j.row)
+                if not (0 <= j.row < bs and 0 <= j.root < j.end <= chain):
+                    raise TraversalError(
+                        f"request {j.rid}: job row={j.row} root={j.root} end={j.end} outside batch {bs}x{chain}"
+                    )
+            if self.engine == "level":
+                # rows of chains the level walk stops early stay -1 from the fill above
+                self._level(live, draft, out, chain)
+                return
+            if self.engine == "batch":
+                self._batch_api(live, draft, out, chain)
+            elif self.engine == "threads" and self._pool is not None and len(live) > 1:
+                n = min(self.threads, len(live))
+                futures = [self._pool.submit(self._scalar, live[k::n], draft, out, chain) for k in range(n)]
+                for f in futures:
+                    f.result()
+            else:
+                self._scalar(live, draft, out, chain)
+            _repair_native_rows(live, draft, out, chain)
+
+    # ------------------------------------------------------------------------------------------
+    def _scalar(self, jobs: Sequence[Job], draft: torch.Tensor, out: torch.Tensor, chain: int) -> None:
+        for j in jobs:
+            n = j.end - j.root
+            nxt, sib = self._links.get(n)
+            base = j.row * chain
+            done = j.matcher.traverse_draft_tree(
+                nxt, sib, draft[j.row, j.root : j.end], out[base + j.root : base + j.end]
+            )
+            if not done:
+                raise TraversalError(f"request {j.rid}: native draft-tree traversal did not complete")
+
+    def _batch_api(self, jobs: Sequence[Job], draft: torch.Tensor, out: torch.Tensor, chain: int) -> None:
+        # Companion-xgrammar API (seed-contracts.md §4.5): 1-D shared chain links, 2-D draft tokens,
+        # bitmask rows = batch * nodes, ``indices`` = batch row per matcher, root positions per
+        # matcher; rows of unlisted batch entries are set to all-ones. Tokens at or after a job's
+        # ``end`` must not be seen by the matcher, so such tokens are replaced by an out-of-vocab id
+        # in a scratch copy (the node is then rejected, and repaired like any rejected node).
+        nxt, sib = self._links.get(chain)
+        tokens = draft
+        if any(j.end < chain for j in jobs):
+            tokens = draft.clone()
+            for j in jobs:
+                if j.end < chain:
+                    tokens[j.row, j.end :] = np.iinfo(np.int32).max
+        results = self._batch.batch_traverse_draft_tree(
+            [j.matcher for j in jobs], nxt, sib, tokens, out[: draft.shape[0] * chain],
+            indices=[j.row for j in jobs], root_positions=[j.root for j in jobs],
+        )
+        for j, ok in zip(jobs, results):
+            if not ok:
+                raise TraversalError(f"request {j.rid}: native batch draft-tree traversal did not complete")
+        # Stock never fills rows before a root or from a stock-rejected token on: whatever the
+        # batch API wrote there (contract: nothing before the root, a zero row at the rejected
+        # placeholder), reset them to all-ones.
+        for j in jobs:
+            base = j.row * chain
+            if j.root:
+                out[base : base + j.root].numpy().fill(-1)
+            if j.end < chain:
+                out[base + j.end : base + chain].numpy().fill(-1)
+
+    def _level(self, jobs: Sequence[Job], draft: torch.Tensor, out: torch.Tensor, chain: int) -> None:
+        """Level-synchronous walk: stock semantics by construction (no repair needed)."""
+        bits = out.numpy()
+        toks = draft.numpy()
+        pos = [j.root for j in jobs]
+        accepted = [0] * len(jobs)
+        active = list(range(len(jobs)))
+        batch = self._batch
+        try:
+            while active:
+                batch.batch_fill_next_token_bitmask(
+                    [jobs[k].matcher for k in active], out, [jobs[k].row * chain + pos[k] for k in active]
+                )
+                step_k, step_tok = [], []
+                for k in active:
+                    j = jobs[k]
+                    node = pos[k] + 1
+                    if node >= j.end:
+                        continue
+                    tok = int(toks[j.row, node])
+                    if (int(bits[j.row * chain + pos[k], tok >> 5]) >> (tok & 31)) & 1:
+                        step_k.append(k)
+                        step_tok.append(tok)
+                if not step_k:
+                    break
+                ok = batch.batch_accept_token([jobs[k].matcher for k in step_k], step_tok)
+                active = []
+                refused = None
+                for k, tok, good in zip(step_k, step_tok, ok):
+                    if not good:
+                        refused = refused or (jobs[k], tok)
+                        continue
+                    accepted[k] += 1
+                    pos[k] += 1
+                    if not jobs[k].matcher.is_terminated():
+                        active.append(k)
+                if refused is not None:
+                    raise TraversalError(
+                        f"request {refused[0].rid}: matcher refused draft token {refused[1]} that its own "
+                        f"mask allows (incomplete traversal)"
+                    )
+        finally:
+            rolled = [(jobs[k].matcher, accepted[k]) for k in range(len(jobs)) if accepted[k]]
+            if rolled:
+                xgr.BatchGrammarMatcher.batch_rollback([m for m, _ in rolled], [n for _, n in rolled])
+
+
+def _check_buffers(draft: torch.Tensor, out: torch.Tensor, bs: int, chain: int, vocab_size: int) -> None:
+    if draft.device.type != "cpu" or draft.dtype != torch.int64 or not draft.is_contiguous() or draft.dim() != 2:
+        raise TraversalError(f"draft tokens must be a contiguous 2-D int64 CPU tensor, got {tuple(draft.shape)} {draft.dtype} {draft.device}")
+    words = (vocab_size + 31) // 32
+    if (
+        out.device.type != "cpu" or out.dtype != torch.int32 or not out.is_contiguous() or out.dim() != 2
+        or out.shape[1] != words or out.shape[0] < bs * chain
+    ):
+        raise TraversalError(
+            f"bitmask must be a contiguous int32 CPU tensor of at least ({bs * chain}, {words}) rows for "
+            f"vocab {vocab_size}, got {tuple(out.shape)} {out.dtype} {out.device}"
+        )
+
+
+def _repair_native_rows(jobs: Sequence[Job], draft: torch.Tensor, out: torch.Tensor, chain: int) -> None:
+    """Native traversal zeroes the row of a rejected or terminating node; stock leaves it all-ones.
+
+    For each chain walk the nodes after the root: node i is accepted iff its token's bit is set in
+    row i-1 (filled by the native call); the first rejected node, or the first accepted node whose
+    token is one of the matcher's stop tokens (xgrammar terminates exactly on accepting a stop
+    token), gets its row reset to -1. Rows after it were never written (they hold the -1 fill).
+    """
+    bits = out.numpy()
+    toks = draft.numpy()
+    for j in jobs:
+        stop = None
+        base = j.row * chain
+        for i in range(j.root + 1, j.end):
+            tok = int(toks[j.row, i])
+            if not (int(bits[base + i - 1, tok >> 5]) >> (tok & 31)) & 1:
+                bits[base + i].fill(-1)
+                break
+            if stop is None:
+                stop = stop_tokens(j.matcher)
+            if tok in stop:
+                bits[base + i].fill(-1)
+                break
+
+
+_STOPS: dict = {}  # id(matcher) -> (weakref to the matcher, frozenset of its stop token ids)
+
+
+def stop_tokens(matcher: Any) -> frozenset:
+    """A matcher's stop token ids (fixed at construction; cached per live matcher object —
+    GrammarMatcher is not hashable, so the cache is keyed by id and checked by weak reference)."""
+    entry = _STOPS.get(id(matcher))
+    if entry is not None and entry[0]() is matcher:
+        return entry[1]
+    if len(_STOPS) > 8192:
+        for key in [k for k, (ref, _) in _STOPS.items() if ref() is None]:
+            del _STOPS[key]
+    stops = frozenset(matcher.stop_token_ids)
+    _STOPS[id(matcher)] = (weakref.ref(matcher), stops)
+    return stops
+
+
+def probe_batch_engine(traverser: ChainTraverser) -> None:
+    """Before trusting ``batch_traverse_draft_tree`` (absent from stock xgrammar), check that it
+    matches the scalar engine bit for bit on a small grammar with accepted, rejected and
+    terminating chains. Raises :class:`TraversalError` on any difference."""
+    vocab = ["a", "b", "{", "}", "\"", ":", " ", "1", "2", "<eos>"]
+    info = xgr.TokenizerInfo(vocab, vocab_size=len(vocab), stop_token_ids=[9])
+    compiled = xgr.GrammarCompiler(info).compile_grammar('root ::= "{" ("a" | "b")* "}"')
+    chains = [[0, 2, 0, 1, 3, 9, 0, 0], [0, 2, 7, 0, 0, 0, 0, 0], [0, 2, 3, 9, 1, 0, 0, 0], [0, 0, 0, 2, 0, 3, 9, 9]]
+    draft = torch.tensor(chains, dtype=torch.int64)
+    bs, chain = draft.shape
+    mk = lambda: [xgr.GrammarMatcher(compiled) for _ in range(bs)]  # noqa: E731
+    jobs_a = [Job(r, m, 0 if r < 3 else 2, chain, f"probe{r}") for r, m in enumerate(mk())]
+    jobs_b = [Job(r, m, 0 if r < 3 else 2, chain, f"probe{r}") for r, m in enumerate(mk())]
+    want = torch.empty((bs * chain, 1), dtype=torch.int32)
+    got = torch.empty_like(want)
+    ref = ChainTraverser("scalar")
+    ref.traverse(jobs_a, draft, want, len(vocab))
+    traverser._batch_api([j for j in jobs_b], draft, got.fill_(-1), chain)
+    _repair_native_rows(jobs_b, draft, got, chain)
+    if not torch.equal(want, got):
+        raise TraversalError(
+            "xgrammar.BatchGrammarMatcher.batch_traverse_draft_tree does not reproduce the scalar traversal "
+            "on the start-up probe; refusing to use it (set DSPARK_HARDEN_GRAMMAR_TRAVERSAL=scalar)"
+        )
+
+
+# The engine `auto` picks when the batch API is absent: chosen by measurement (docs/dspark_masks.md).
+DEFAULT_ENGINE = "scalar"
