@@ -428,6 +428,40 @@ declare(
     ),
 )
 
+# ------------------------------------------------------------------------------------------
+# DSpark grammar masks (feature "dspark-masks"): src/dspark_harden/dspark_masks/; documented in
+# docs/metrics.md "DSpark grammar masks". Emitted per DSpark verify step that has a grammar.
+DSPARK_MASK_PHASES = ("barrier", "buffer_wait", "draft_copy_wait", "resolution", "traversal", "mask_upload", "total")
+DSPARK_MASK_OUTCOMES = ("masked", "thinking_only")
+declare(
+    Family(
+        "dspark_harden_dspark_mask_phase_seconds", "histogram",
+        "Host seconds per DSpark grammar-mask step phase: barrier (upstream FSM advance), buffer_wait "
+        "(slot's previous upload still reading the pinned buffer), draft_copy_wait (D2H of the draft chain), "
+        "resolution (grammar objects -> matchers/roots), traversal (native batched traversal), mask_upload "
+        "(H2D enqueue on the copy stream), total.",
+        labels=("dp_rank", "phase"), feature="dspark-masks", roles=("scheduler",),
+        precreate=tuple((DP_RANK, p) for p in DSPARK_MASK_PHASES),
+        aggregation="sum by (phase) (rate(..._sum[5m])); keep dp_rank to compare ranks",
+    ),
+    Family(
+        "dspark_harden_dspark_mask_active_matchers", "gauge",
+        "Grammar matchers traversed in the latest DSpark verify step (requests in thinking phase without "
+        "a think-end inside the draft are not active).",
+        labels=("dp_rank",), multiprocess_mode="mostrecent", feature="dspark-masks", roles=("scheduler",),
+        precreate=((DP_RANK,),),
+        aggregation="sum over dp_rank for the fleet; per rank as is",
+    ),
+    Family(
+        "dspark_harden_dspark_mask_steps_total", "counter",
+        "DSpark verify steps with a grammar by outcome: masked (mask uploaded and applied) or thinking_only "
+        "(no active matcher: no mask, logits untouched).",
+        labels=("dp_rank", "outcome"), feature="dspark-masks", roles=("scheduler",),
+        precreate=tuple((DP_RANK, o) for o in DSPARK_MASK_OUTCOMES),
+        aggregation="sum by (outcome) (rate(...))",
+    ),
+)
+
 
 # ------------------------------------------------------------------------------------------
 # runtime: lazily created prometheus_client objects

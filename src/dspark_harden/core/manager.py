@@ -25,6 +25,7 @@ BUILTIN_FEATURE_MODULES: list[str] = [
     "dspark_harden.health.feature",
     "dspark_harden.grammar.feature",
     "dspark_harden.dp2.feature",
+    "dspark_harden.dspark_masks.feature",
 ]
 
 

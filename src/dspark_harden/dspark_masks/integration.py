@@ -298,8 +298,8 @@ def _observe(phases: dict, active: int, outcome: str) -> None:
         hist = metrics.get("dspark_harden_dspark_mask_phase_seconds")
         for phase in PHASE_LABELS:
             if phase in phases:
-                hist.labels(phase, dp).observe(max(0.0, phases[phase]))
+                hist.labels(dp, phase).observe(max(0.0, phases[phase]))
         metrics.get("dspark_harden_dspark_mask_active_matchers").labels(dp).set(active)
-        metrics.get("dspark_harden_dspark_mask_steps_total").labels(outcome, dp).inc()
+        metrics.get("dspark_harden_dspark_mask_steps_total").labels(dp, outcome).inc()
     except Exception:  # noqa: BLE001 - metrics must never break a decode step
         logger.debug("dspark mask metrics failed", exc_info=True)
