@@ -110,6 +110,9 @@ def test_records_only_on_first_attention_tp_rank(tp, dp, dpa, rank, expected):
 
     args = SimpleNamespace(tp_size=tp, dp_size=dp, enable_dp_attention=dpa)
     assert phases.records_here(args, rank) is expected
+    if dpa:  # the form sglang 0.5.23 resolves "--dp-size N --enable-dp-attention" into
+        resolved = SimpleNamespace(tp_size=tp, dp_size=1, attn_dp_size=dp, enable_dp_attention=True)
+        assert phases.records_here(resolved, rank) is expected
 
 
 def test_phase_targets_match_the_declared_phases():

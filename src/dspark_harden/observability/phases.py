@@ -159,16 +159,25 @@ def records_here(server_args: Any, tp_rank: Optional[int]) -> bool:
     if server_args is None or tp_rank is None:
         return True
     tp = int(getattr(server_args, "tp_size", 1) or 1)
-    dp = int(getattr(server_args, "dp_size", 1) or 1)
-    attn_tp = max(1, tp // dp) if getattr(server_args, "enable_dp_attention", False) else tp
+    # sglang 0.5.23 resolves "--dp-size N --enable-dp-attention" into attn_dp_size=N, dp_size=1
+    attn_dp = int(getattr(server_args, "attn_dp_size", 0) or 0)
+    if attn_dp <= 1:
+        dp = int(getattr(server_args, "dp_size", 1) or 1)
+        attn_dp = dp if getattr(server_args, "enable_dp_attention", False) else 1
+    attn_tp = max(1, tp // attn_dp)
     return tp_rank % attn_tp == 0
 
 
 def timed(stock: Callable, phase: str) -> Callable:
-    """Wrap ``stock`` (a plain function taking ``self``) so each call is recorded under ``phase``."""
-    rec_get = recorder
-    idx = metrics.SCHEDULER_PHASES.index(phase)
+    """Wrap ``stock`` (a plain function taking ``self``) so each call is recorded under ``phase``.
+
+    The hot path is inlined (no method call per observation): two clock reads, three list
+    updates, one comparison with the next flush time.
+    """
+    rec = recorder()
+    i = rec.index(phase)
     clock = time.perf_counter
+    seconds, calls, longest = rec.seconds, rec.calls, rec.max  # mutated in place by flush()
 
     @functools.wraps(stock)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
@@ -176,8 +185,15 @@ def timed(stock: Callable, phase: str) -> Callable:
         try:
             return stock(*args, **kwargs)
         finally:
-            now = clock()
-            rec_get().observe(idx, now - t0, now)
+            if rec.enabled:
+                now = clock()
+                dt = now - t0
+                seconds[i] += dt
+                calls[i] += 1
+                if dt > longest[i]:
+                    longest[i] = dt
+                if now >= rec._next_flush:
+                    rec.flush(now)
 
     wrapper.__dspark_phase__ = phase
     return wrapper
