@@ -29,11 +29,25 @@ def dp_label() -> str:
         return "none"
 
 
+def _is_group_leader() -> bool:
+    """Only the first attention-TP/CP rank of a DP group counts (its peers get the same requests
+    by broadcast; counting them too would multiply every message)."""
+    try:
+        from sglang.srt.runtime_context import get_parallel
+
+        par = get_parallel()
+        return (getattr(par, "attn_tp_rank", 0) or 0) == 0 and (getattr(par, "attn_cp_rank", 0) or 0) == 0
+    except Exception:  # noqa: BLE001
+        return True
+
+
 def build_handle_batch_generate_request(stock):
     def handle_batch_generate_request(self, recv_req):
         size = len(recv_req)
         label = dp_label()
         logger.debug("dspark-harden: DP rank %s received one batch message with %d request(s)", label, size)
+        if not _is_group_leader():
+            return stock(self, recv_req)
         try:
             metrics.get("dspark_harden_scheduler_batch_messages_total").labels(label).inc()
             metrics.get("dspark_harden_scheduler_batch_message_requests").labels(label).observe(size)
