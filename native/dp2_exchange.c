@@ -581,6 +581,14 @@ int dspark_dp2_exchange(dspark_dp2_channel *ch, const int64_t *local, int64_t *o
         stats->arrival_skew_ns = start > peer_arrival ? start - peer_arrival : peer_arrival - start;
         stats->post_latest_arrival_ns = finish > latest ? finish - latest : 0;
         stats->futex_waits = futex_waits;
+        const uint64_t v[4] = {stats->total_ns, stats->peer_wait_ns, stats->arrival_skew_ns,
+                               stats->post_latest_arrival_ns};
+        stats->acc_calls += 1;
+        stats->acc_futex_waits += futex_waits;
+        for (int i = 0; i < 4; ++i) {
+            stats->acc_sum_ns[i] += v[i];
+            if (v[i] > stats->acc_max_ns[i]) stats->acc_max_ns[i] = v[i];
+        }
     }
     return DSPARK_DP2_OK;
 }

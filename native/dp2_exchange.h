@@ -54,6 +54,14 @@ typedef struct {
     uint64_t arrival_skew_ns;        /* |own arrival - peer arrival| */
     uint64_t post_latest_arrival_ns; /* finish - max(own arrival, peer arrival) */
     uint32_t futex_waits;            /* futex waits this call (0 when the spin sufficed) */
+    uint32_t reserved;
+    /* Accumulated by every successful call until the caller resets them (metrics flush), so the
+     * hot path needs no per-call work in Python. Index: 0 total, 1 peer_wait, 2 arrival_skew,
+     * 3 post_latest_arrival. */
+    uint64_t acc_calls;
+    uint64_t acc_futex_waits;
+    uint64_t acc_sum_ns[4];
+    uint64_t acc_max_ns[4];
 } dspark_dp2_stats;
 
 int dspark_dp2_abi_version(void);

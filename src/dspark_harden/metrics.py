@@ -464,6 +464,74 @@ declare(
 
 
 # ------------------------------------------------------------------------------------------
+# native DP2 exchange (feature "dp2-native-exchange"): src/dspark_harden/dp2/; documented in
+# docs/metrics.md "Native DP2 exchange". Values are accumulated in-process per call and flushed
+# at most once per second (dspark_harden.dp2.channels), so the hot path never touches prometheus.
+DP2_CHANNELS = ("mlp", "verify_tier")
+DP2_PHASES = ("call_total", "exchange_total", "peer_wait", "arrival_skew", "post_latest_arrival")
+DP2_ERROR_CODES = (
+    "timeout", "peer_died", "peer_closed", "poisoned", "sequence_divergence", "lapped",
+    "ownership_changed", "used_after_fork", "mismatch", "caller_error", "futex", "clock",
+    "missing_arrival", "unlink", "closed", "python_check",
+)
+declare(
+    Family(
+        "dspark_harden_dp2_exchange_calls_total", "counter",
+        "Native DP2 exchanges completed by this rank, per channel (mlp: MLPSyncBatchInfo.all_gather; "
+        "verify_tier: DSpark's verify-tier gather). Both ranks advance in lockstep.",
+        labels=("channel", "dp_rank"), feature="dp2-native-exchange", roles=("scheduler",),
+        precreate=tuple((c, DP_RANK) for c in DP2_CHANNELS),
+        aggregation="per rank; the two ranks' counts differ by at most the unflushed window",
+    ),
+    Family(
+        "dspark_harden_dp2_exchange_seconds_total", "counter",
+        "Seconds summed over exchanges by phase: call_total (whole hardened call incl. Python), "
+        "exchange_total (native call), peer_wait (after publishing, waiting for the peer), "
+        "arrival_skew (|own arrival - peer arrival|), post_latest_arrival (finish - later arrival).",
+        labels=("channel", "dp_rank", "phase"), feature="dp2-native-exchange", roles=("scheduler",),
+        precreate=tuple((c, DP_RANK, p) for c in DP2_CHANNELS for p in DP2_PHASES),
+        aggregation="rate(...) / rate(calls_total) = mean per call; keep dp_rank (do not sum ranks)",
+    ),
+    Family(
+        "dspark_harden_dp2_exchange_max_seconds", "gauge",
+        "Longest single exchange per phase in the latest flush window (1 s).",
+        labels=("channel", "dp_rank", "phase"), multiprocess_mode="mostrecent",
+        feature="dp2-native-exchange", roles=("scheduler",),
+        precreate=tuple((c, DP_RANK, p) for c in DP2_CHANNELS for p in DP2_PHASES),
+        aggregation="max by (channel, phase) (max_over_time(...[5m])); never sum",
+    ),
+    Family(
+        "dspark_harden_dp2_exchange_futex_waits_total", "counter",
+        "Futex sleeps while waiting for the peer (0 per call when the short spin sufficed).",
+        labels=("channel", "dp_rank"), feature="dp2-native-exchange", roles=("scheduler",),
+        precreate=tuple((c, DP_RANK) for c in DP2_CHANNELS),
+        aggregation="rate by (channel, dp_rank)",
+    ),
+    Family(
+        "dspark_harden_dp2_exchange_errors_total", "counter",
+        "Exchange failures by code (see docs/dp2.md); any error stops both ranks (no gloo fallback).",
+        labels=("channel", "dp_rank", "code"), feature="dp2-native-exchange", roles=("scheduler",),
+        precreate=tuple((c, DP_RANK, e) for c in DP2_CHANNELS for e in DP2_ERROR_CODES),
+        aggregation="sum by (code); alert on any increase",
+    ),
+    Family(
+        "dspark_harden_dp2_exchange_sequence", "gauge",
+        "Sequence number of the latest completed exchange (as of the latest flush).",
+        labels=("channel", "dp_rank"), multiprocess_mode="mostrecent",
+        feature="dp2-native-exchange", roles=("scheduler",),
+        aggregation="per rank; the two ranks of a channel should be within the flush window",
+    ),
+    Family(
+        "dspark_harden_dp2_exchange_enabled", "gauge",
+        "1 while the channel is open in this rank (set at startup), 0 after close.",
+        labels=("channel", "dp_rank"), multiprocess_mode="mostrecent",
+        feature="dp2-native-exchange", roles=("scheduler",),
+        aggregation="min by (channel): 1 only when every rank has it open",
+    ),
+)
+
+
+# ------------------------------------------------------------------------------------------
 # runtime: lazily created prometheus_client objects
 #
 # Multiprocess safety: prometheus_client picks its value class (in-process vs per-process mmap

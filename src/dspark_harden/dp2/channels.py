@@ -33,56 +33,49 @@ def config_digest(channel: str, width: int, fields: tuple, geometry: tuple) -> i
 
 
 class _Acc:
-    """In-process accumulation of one channel's per-call stats; flushed to Prometheus <= 1/s."""
+    """Per-channel metrics: the native call accumulates its own phase sums/maxima in the stats
+    struct; Python adds only the whole-call time. Flushed to Prometheus at most once per second."""
 
-    __slots__ = ("channel", "label", "export", "calls", "futex", "sums", "maxes", "seq", "deadline")
+    __slots__ = ("channel", "label", "export", "stats", "call_sum", "call_max", "deadline")
 
-    def __init__(self, channel: str, label: str, export: bool):
-        self.channel, self.label, self.export = channel, label, export
-        self.calls = self.futex = self.seq = 0
-        self.sums = [0.0] * 5
-        self.maxes = [0.0] * 5
+    def __init__(self, channel: str, label: str, export: bool, stats):
+        self.channel, self.label, self.export, self.stats = channel, label, export, stats
+        self.call_sum = self.call_max = 0.0
         self.deadline = time.perf_counter() + FLUSH_INTERVAL_S
 
-    def record(self, stats, call_s: float, now: float) -> None:
-        vals = (
-            call_s,
-            stats.total_ns * 1e-9,
-            stats.peer_wait_ns * 1e-9,
-            stats.arrival_skew_ns * 1e-9,
-            stats.post_latest_arrival_ns * 1e-9,
-        )
-        sums, maxes = self.sums, self.maxes
-        for i in range(5):
-            v = vals[i]
-            sums[i] += v
-            if v > maxes[i]:
-                maxes[i] = v
-        self.calls += 1
-        self.futex += stats.futex_waits
-        self.seq = stats.sequence
+    def record(self, call_s: float, now: float) -> None:
+        self.call_sum += call_s
+        if call_s > self.call_max:
+            self.call_max = call_s
         if now >= self.deadline:
             self.flush(now)
 
     def flush(self, now: Optional[float] = None) -> None:
         self.deadline = (now if now is not None else time.perf_counter()) + FLUSH_INTERVAL_S
-        if not self.export or not self.calls:
+        st = self.stats
+        calls = st.acc_calls
+        sums = [self.call_sum] + [st.acc_sum_ns[i] * 1e-9 for i in range(4)]
+        maxes = [self.call_max] + [st.acc_max_ns[i] * 1e-9 for i in range(4)]
+        futex = st.acc_futex_waits
+        st.acc_calls = st.acc_futex_waits = 0
+        for i in range(4):
+            st.acc_sum_ns[i] = 0
+            st.acc_max_ns[i] = 0
+        self.call_sum = self.call_max = 0.0
+        if not self.export or not calls:
             return
         from .. import metrics
 
         ch, dp = self.channel, self.label
-        metrics.get("dspark_harden_dp2_exchange_calls_total").labels(ch, dp).inc(self.calls)
-        if self.futex:
-            metrics.get("dspark_harden_dp2_exchange_futex_waits_total").labels(ch, dp).inc(self.futex)
+        metrics.get("dspark_harden_dp2_exchange_calls_total").labels(ch, dp).inc(calls)
+        if futex:
+            metrics.get("dspark_harden_dp2_exchange_futex_waits_total").labels(ch, dp).inc(futex)
         secs = metrics.get("dspark_harden_dp2_exchange_seconds_total")
         mx = metrics.get("dspark_harden_dp2_exchange_max_seconds")
         for i, phase in enumerate(PHASES):
-            secs.labels(ch, dp, phase).inc(self.sums[i])
-            mx.labels(ch, dp, phase).set(self.maxes[i])
-        metrics.get("dspark_harden_dp2_exchange_sequence").labels(ch, dp).set(self.seq)
-        self.calls = self.futex = 0
-        self.sums = [0.0] * 5
-        self.maxes = [0.0] * 5
+            secs.labels(ch, dp, phase).inc(sums[i])
+            mx.labels(ch, dp, phase).set(maxes[i])
+        metrics.get("dspark_harden_dp2_exchange_sequence").labels(ch, dp).set(st.sequence)
 
     def error(self, name: str) -> None:
         self.flush()
@@ -125,7 +118,7 @@ class Dp2Runtime:
                 spin_ns=self.spin_ns, config_digest=digest, out_tensor=out_tensor,
             )
             self.channels[name] = ch
-            self.accs[name] = _Acc(name, self.dp_label, self.export)
+            self.accs[name] = _Acc(name, self.dp_label, self.export, ch.stats)
             if self.export:
                 from .. import metrics
 

@@ -100,29 +100,47 @@ def _make_packer(schema: Schema):
     return ns["pack"]
 
 
+POOL = 512  # result tensors allocated per batch (each handed out once, never reused)
+
+
 class MlpSync:
-    """Replacement body of ``MLPSyncBatchInfo.all_gather`` for one process."""
+    """Replacement body of ``MLPSyncBatchInfo.all_gather`` for one process.
+
+    Hot path per call: one C-level ``itemgetter`` packs the row from the instance dict, the
+    native exchange writes both rows straight into the next never-reused slot of a preallocated
+    ``[POOL, 2, width]`` int64 tensor (that slot becomes ``tp0_info_cpu``), one ``ffi.unpack``
+    yields the Python ints the gathered fields are derived from.
+    """
 
     def __init__(self, dp_attn_module: Any, schema: Schema):
+        import operator
+
         import torch
+
+        from .native import ERRBUF, _check, ffi, lib
 
         self._dp_attn = dp_attn_module
         self._torch = torch
+        self._ffi, self._lib, self._check, self._errbuf = ffi, lib, _check, ERRBUF
         self.schema = schema
         self.width = w = schema.width
         self.pack = _make_packer(schema)
+        self._getter = operator.itemgetter(*schema.columns)
         c = {name: i for i, name in enumerate(schema.columns)}
         self._i = (
             c["num_tokens"], c["num_tokens_for_logprob"], c["can_run_decode_cuda_graph"],
             c["is_extend_in_batch"], c["can_run_prefill_cuda_graph"], c["prefill_cuda_graph_max_prefix_len"],
             c["can_run_draft_cuda_graph"], c["is_health_check"], c["attention_pairs"], c["local_forward_mode"],
         )
-        self.stage = torch.zeros((2, w), dtype=torch.int64)
+        self._fallback_t = torch.tensor(schema.fallback, dtype=torch.int64)
         self.channel: Optional[Channel] = None
         self._group: Any = None
         self._act: Any = None
-        self._act_vals = (1, 1)
+        self._act_p: Any = None
         self._acc = None
+        self._pool: list = []
+        self._pool_i = POOL
+        self._pool_p: Any = None
         from sglang.srt.observability.metrics_collector import DPCooperationInfo
 
         self._coop = DPCooperationInfo
@@ -131,9 +149,16 @@ class MlpSync:
     def open(self, runtime=RUNTIME) -> Channel:
         geometry = (2, 1, 1)
         digest = config_digest("mlp", self.width, self.schema.columns + self.schema.fallback, geometry)
-        self.channel = runtime.open("mlp", width=self.width, digest=digest, out_tensor=self.stage)
+        self.channel = runtime.open("mlp", width=self.width, digest=digest)
         self._acc = runtime.accs["mlp"]
         return self.channel
+
+    def _refill(self) -> None:
+        base = self._torch.empty((POOL, 2, self.width), dtype=self._torch.int64)
+        self._pool = list(base.unbind(0))
+        self._pool_p = self._ffi.cast("int64_t *", base.data_ptr())
+        self._pool_base = base  # keeps the pointer valid even after every view is dropped
+        self._pool_i = 0
 
     def _fail(self, message: str) -> Dp2Error:
         ch = self.channel
@@ -144,8 +169,8 @@ class MlpSync:
         return exc
 
     def _check_call(self, info: Any, group: Any, use_all_reduce: bool) -> None:
-        if self.channel is None:
-            raise Dp2Error(-1, "dp2: MLPSyncBatchInfo.all_gather called before the native channel was opened")
+        if self.channel is None or self.channel.closed:
+            raise Dp2Error(-1, "dp2: MLPSyncBatchInfo.all_gather called without an open native channel")
         if use_all_reduce:
             raise self._fail(
                 "MLPSyncBatchInfo.all_gather asked for the WORLD all-reduce path (elastic EP); the native DP2 "
@@ -162,43 +187,65 @@ class MlpSync:
             self._group = group
 
     def _active(self) -> tuple:
+        """Stock masks rows whose ``tp_group.active_ranks_cpu`` entry is 0 (a shorter mask means all active)."""
         act = self._dp_attn.get_parallel().tp_group.active_ranks_cpu
         if act is not self._act:
             self._act = act
+            self._act_p = (
+                self._ffi.cast("int32_t *", act.data_ptr())
+                if act.dtype == self._torch.int32 and act.is_contiguous() and act.numel() >= 2 and act.device.type == "cpu"
+                else None
+            )
+        p = self._act_p
+        if p is not None:
+            return p[0], p[1]
         vals = act.tolist()
-        if len(vals) < 2:
-            return (1, 1)
-        return (vals[0], vals[1])
+        return (1, 1) if len(vals) < 2 else (vals[0], vals[1])
 
     # -- hot path -----------------------------------------------------------------------------
     def __call__(self, info: Any, device: Any, group: Any, use_all_reduce: bool = False) -> None:
         t0 = time.perf_counter()
-        if group is not self._group or use_all_reduce or self.channel is None:
+        ch = self.channel
+        if group is not self._group or use_all_reduce or ch is None:
             self._check_call(info, group, use_all_reduce)
+            ch = self.channel
         if info.num_dp_ranks != 2 or info.tp_size != 1 or info.cp_size != 1:
             raise self._fail(
                 f"MLPSyncBatchInfo geometry dp={info.num_dp_ranks} attn_tp={info.tp_size} cp={info.cp_size}; "
                 f"the native DP2 exchange needs 2/1/1"
             )
-        row = self.pack(info)
-        try:
-            v = self.channel.exchange(row)
-        except Dp2Error as exc:
-            RUNTIME.record_error("mlp", exc)
-            raise
         w = self.width
+        try:
+            ch._local[0:w] = self._getter(info.__dict__)
+        except TypeError:  # a field holds a non-int (e.g. a numpy scalar): convert like stock does
+            ch._local[0:w] = self.pack(info)
+        i = self._pool_i
+        if i >= POOL:
+            self._refill()
+            i = 0
+        self._pool_i = i + 1
+        out_p = self._pool_p + i * 2 * w
+        rc = self._lib.dspark_dp2_exchange(ch._h, ch._local, out_p, ch.stats, ch._err, self._errbuf)
+        if rc:
+            try:
+                self._check(rc, ch._err, "dspark_dp2_exchange")
+            except Dp2Error as exc:
+                RUNTIME.record_error("mlp", exc)
+                raise
+        v = self._ffi.unpack(out_p, 2 * w)
+        tp0 = self._pool[i]
+        self._pool[i] = None  # handed out: never reused
         a0, a1 = self._active()
         if not (a0 and a1):
             fb = list(self.schema.fallback)
-            fbt = self._torch.tensor(fb, dtype=self._torch.int64)
             if not a0:
                 v[0:w] = fb
-                self.stage[0] = fbt
+                tp0[0] = self._fallback_t
             if not a1:
                 v[w : 2 * w] = fb
-                self.stage[1] = fbt
+                tp0[1] = self._fallback_t
         i_nt, i_nl, i_dcg, i_ext, i_pcg, i_pfx, i_dr, i_hc, i_ap, i_fm = self._i
-        info.tp0_info_cpu = self.stage.clone()
+        info.tp0_info_cpu = tp0
         info.global_num_tokens = [v[i_nt], v[w + i_nt]]
         info.global_num_tokens_for_logprob = [v[i_nl], v[w + i_nl]]
         info.can_run_decode_cuda_graph = bool(min(v[i_dcg], v[w + i_dcg]))
@@ -208,11 +255,11 @@ class MlpSync:
         info.can_run_draft_cuda_graph = bool(min(v[i_dr], v[w + i_dr]))
         info.any_health_check = bool(max(v[i_hc], v[w + i_hc]))
         info.global_attention_pairs = [v[i_ap], v[w + i_ap]]
-        now = time.perf_counter()
-        info.sync_wait_seconds = now - t0
         if self._dp_attn._ENABLE_METRICS_DP_ATTENTION:
             info.dp_cooperation_info = self._coop.create([v[i_fm], v[w + i_fm]])
-        self._acc.record(self.channel.stats, now - t0, now)
+        now = time.perf_counter()
+        info.sync_wait_seconds = now - t0
+        self._acc.record(now - t0, now)
 
 
 MLP: Optional[MlpSync] = None

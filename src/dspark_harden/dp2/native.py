@@ -15,11 +15,18 @@ from .._dp2_native import ffi, lib
 EXPECTED_ABI = 1
 ERRBUF = 512
 
-if lib.dspark_dp2_abi_version() != EXPECTED_ABI or lib.DSPARK_DP2_ABI_VERSION != EXPECTED_ABI:
-    raise ImportError(
-        f"dspark_harden._dp2_native ABI {lib.dspark_dp2_abi_version()} does not match the Python wrapper "
-        f"(expects {EXPECTED_ABI}); rebuild with `pip install -e .`"
-    )
+
+
+def verify_abi(compiled: int, header: int) -> None:
+    """Refuse a library whose compiled ABI stamp (or header constant) differs from this wrapper's."""
+    if compiled != EXPECTED_ABI or header != EXPECTED_ABI:
+        raise ImportError(
+            f"dspark_harden._dp2_native ABI {compiled} does not match the Python wrapper (expects "
+            f"{EXPECTED_ABI}, header says {header}); rebuild with `pip install -e .`"
+        )
+
+
+verify_abi(lib.dspark_dp2_abi_version(), lib.DSPARK_DP2_ABI_VERSION)
 
 # code -> stable name (metric label values; docs/dp2.md lists each with its meaning)
 CODE_NAMES = {

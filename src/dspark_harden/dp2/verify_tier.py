@@ -60,7 +60,7 @@ class VerifyTierSync:
         if v[1] != CHANNEL_MAGIC or v[3] != CHANNEL_MAGIC:
             raise self._fail(f"verify-tier channel magic mismatch: got {v[1]:#x} / {v[3]:#x}, want {CHANNEL_MAGIC:#x}")
         now = time.perf_counter()
-        self._acc.record(self.channel.stats, now - t0, now)
+        self._acc.record(now - t0, now)
         return [v[0], v[2]]
 
 
