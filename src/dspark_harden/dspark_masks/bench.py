@@ -159,3 +159,34 @@ def main(args) -> int:
         for eng, v in result.get("detail", {}).get("engines_ms", {}).items():
             print(f"  engine {eng:8s}: {v['ms']:.3f} ms (stock {v['stock_ms']:.3f}), identical {v['identical']}")
     return 0 if result["identical"] else 1
+
+
+def native_engine_times(requests: int = 64, chain: int = 8, vocab: int = 32000, steps: int = 30,
+                        threads=(2, 4, 8)) -> dict:
+    """Our engines only, no SGLang (for the GPU host, which has none): median ms per step of each
+    engine on the same :class:`~.workload.NativeFactory` batch, after checking that every engine
+    produces the scalar engine's masks bit for bit."""
+    from .traversal import ChainTraverser
+    from .workload import NativeFactory, native_jobs
+
+    factory = NativeFactory(vocab=vocab, pad=64)
+    matchers, roots, draft = factory.batch(requests, chain, seed=7)
+    V = factory.vocab_size
+    words = (V + 31) // 32
+    ref = torch.empty((requests * chain, words), dtype=torch.int32)
+    ChainTraverser("scalar").traverse(native_jobs(matchers, roots, draft, V), draft, ref, V)
+    out = {"requests": requests, "chain": chain, "vocab_size": V, "engines_ms": {}}
+    configs = [("scalar", 1)] + [(e, n) for e in ("threads", "level") for n in threads]
+    for eng, n in configs:
+        t = ChainTraverser(eng, threads=n)
+        buf = torch.empty_like(ref)
+        times = []
+        for i in range(steps + 3):
+            t0 = time.perf_counter()
+            t.traverse(native_jobs(matchers, roots, draft, V), draft, buf, V)
+            if i >= 3:
+                times.append(time.perf_counter() - t0)
+        out["engines_ms"][f"{eng}x{n}"] = {"ms": round(statistics.median(times) * 1e3, 3),
+                                           "identical": bool(torch.equal(buf, ref))}
+        t.close()
+    return out

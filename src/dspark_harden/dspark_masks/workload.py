@@ -168,3 +168,83 @@ def matcher_state(grammar: Any) -> Optional[tuple]:
         return (wrapper,)
     m = inner.matcher
     return (wrapper, m._debug_print_internal_state(), m.is_terminated(), tuple(inner.accepted_tokens))
+
+
+class NativeFactory:
+    """The same grammar mix compiled with xgrammar directly (no SGLang: the GPU machine has none).
+
+    ``batch(bs, chain, seed)`` returns per-row matchers (``None`` = no grammar), per-row roots (a
+    root > 0 stands for a reasoning request whose think-end token sits at that chain position) and
+    the (bs, chain) draft, with valid continuations, invalid and out-of-vocab tokens and stop tokens
+    at random depths, and matchers already terminated.
+    """
+
+    def __init__(self, vocab: int = 32000, pad: int = 64) -> None:
+        import xgrammar as xgr
+        from transformers import AutoTokenizer
+
+        from ..devtools.tiny_models import ensure_tokenizer
+
+        self.tokenizer = AutoTokenizer.from_pretrained(ensure_tokenizer(vocab))
+        self.vocab_size = len(self.tokenizer) + pad
+        self.eos_id = self.tokenizer.convert_tokens_to_ids("<|im_end|>")
+        info = xgr.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=self.vocab_size, stop_token_ids=[self.eos_id])
+        compiler = xgr.GrammarCompiler(info)
+        self.compiled = []
+        for kind, spec, instance in SCHEMAS:
+            if kind == "json":
+                cg = compiler.compile_json_schema(spec)
+            elif kind == "regex":
+                cg = compiler.compile_regex(spec)
+            else:
+                cg = compiler.compile_grammar(spec)
+            ids = self.tokenizer.encode(instance, add_special_tokens=False) + [self.eos_id]
+            self.compiled.append((cg, ids))
+        self._xgr = xgr
+
+    def batch(self, bs: int, chain: int, seed: int = 0):
+        rng = random.Random(seed)
+        V = self.vocab_size
+        matchers, roots, rows = [], [], []
+        for _ in range(bs):
+            cg, ids = self.compiled[rng.randrange(len(self.compiled))]
+            if rng.random() < 0.1:
+                matchers.append(None)
+                roots.append(0)
+                rows.append([rng.randrange(V) for _ in range(chain)])
+                continue
+            m = self._xgr.GrammarMatcher(cg, max_rollback_tokens=200)
+            k = rng.randint(0, len(ids))
+            for t in ids[:k]:
+                if not m.accept_token(t):
+                    raise RuntimeError("instance token refused by its own grammar")
+            root = rng.randrange(chain) if rng.random() < 0.2 else 0
+            row = [rng.randrange(V) for _ in range(root)] + [ids[k - 1] if k else 7] + ids[k : k + chain - root - 1]
+            while len(row) < chain:
+                row.append(rng.randrange(V))
+            if rng.random() < 0.3 and chain > 1:
+                p = rng.randrange(1, chain)
+                c = rng.random()
+                row[p] = V + rng.randrange(64) if c < 0.15 else (self.eos_id if c < 0.3 else rng.randrange(V))
+            matchers.append(m)
+            roots.append(root)
+            rows.append(row[:chain])
+        return matchers, roots, torch.tensor(rows, dtype=torch.int64)
+
+
+def native_jobs(matchers, roots, draft: torch.Tensor, vocab_size: int) -> list:
+    """Traversal jobs for :class:`NativeFactory` batches, read from ``draft`` (e.g. a pipeline's
+    pinned host copy)."""
+    from .traversal import Job, chain_end
+
+    toks = draft.tolist()
+    jobs = []
+    for row, (m, root) in enumerate(zip(matchers, roots)):
+        if m is None:
+            continue
+        end = chain_end(toks[row], root + 1, vocab_size, f"row{row}")
+        # stock rejects a chain at the first out-of-vocab token before the root too
+        if any(t >= vocab_size for t in toks[row][1 : root + 1]):
+            continue
+        jobs.append(Job(row=row, matcher=m, root=root, end=end, rid=f"row{row}"))
+    return jobs
