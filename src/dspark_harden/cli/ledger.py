@@ -70,27 +70,40 @@ def env_main(args) -> int:
     return 0
 
 
-def patch_rows() -> list[dict]:
-    """Every patch any feature declares, for every role, as if all features were enabled."""
-    pm = make_manager()
+def all_enabled_settings(pm) -> Settings:
+    """Default settings with every feature switch on (the ledger shows every patch)."""
     specs = all_setting_specs(pm)
     values = {s.name: s.default for s in specs}
-    # ledger shows all patches: pretend every feature switch is on
     for group in pm.hook.dspark_features():
         for feat in group or []:
             if feat.switch:
                 values[feat.switch] = True
-    settings = Settings(values=values, specs={s.name: s for s in specs})
-    rows: dict[str, dict] = {}
+    return Settings(values=values, specs={s.name: s for s in specs})
+
+
+def declared_patches(pm=None) -> list:
+    """Every patch any feature declares, for every role, as if all features were enabled (one per key)."""
+    pm = pm or make_manager()
+    settings = all_enabled_settings(pm)
+    seen: dict = {}
     for role in Role:
         for group in pm.hook.dspark_patches(role=role, settings=settings):
             for p in group or []:
-                row = rows.setdefault(p.key, {
-                    "target": p.key, "feature": p.feature, "kind": p.kind.value,
-                    "roles": sorted(r.value for r in p.roles), "fingerprint": p.fingerprint,
-                    "versions": p.versions, "why": p.why, "retire_when": p.retire_when,
-                })
-    return sorted(rows.values(), key=lambda r: (r["feature"], r["target"]))
+                seen.setdefault(p.key, p)
+    return list(seen.values())
+
+
+def patch_rows() -> list[dict]:
+    """The patch ledger rows."""
+    rows = [
+        {
+            "target": p.key, "feature": p.feature, "kind": p.kind.value,
+            "roles": sorted(r.value for r in p.roles), "fingerprint": p.fingerprint,
+            "versions": p.versions, "why": p.why, "retire_when": p.retire_when,
+        }
+        for p in declared_patches()
+    ]
+    return sorted(rows, key=lambda r: (r["feature"], r["target"]))
 
 
 def patches_main(args) -> int:

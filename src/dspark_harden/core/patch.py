@@ -250,14 +250,20 @@ class Patch:
                     self._rebound.append((module, name, old))
 
     # -- verification -----------------------------------------------------------------------
-    def live_check(self) -> Optional[str]:
-        """None when our replacement is live at the target (possibly under other wrappers)."""
+    def _resolve_for_check(self) -> tuple:
         if not self.applied:
-            return "not applied"
+            return None, "", "not applied"
         try:
             owner, attr = resolve_owner(self.target)
         except PatchError as exc:
-            return str(exc)
+            return None, "", str(exc)
+        return owner, attr, None
+
+    def live_check(self) -> Optional[str]:
+        """None when our replacement is live at the target (possibly under other wrappers)."""
+        owner, attr, problem = self._resolve_for_check()
+        if problem:
+            return problem
         raw = raw_attr(owner, attr)
         if isinstance(raw, _Inherited):
             raw = raw.value
@@ -319,12 +325,9 @@ class RoutePatch(Patch):
         self.replacement = None
 
     def live_check(self) -> Optional[str]:
-        if not self.applied:
-            return "not applied"
-        try:
-            owner, attr = resolve_owner(self.target)
-        except PatchError as exc:
-            return str(exc)
+        owner, attr, problem = self._resolve_for_check()
+        if problem:
+            return problem
         app = getattr(owner, attr, None)
         routes = self._routes(app) if app is not None else []
         ours = [r for r in routes if getattr(r, "endpoint", None) is self.replacement]
