@@ -8,9 +8,9 @@ import json
 import pytest
 
 from dspark_harden.grammar.canonical import ANY_JSON, canonical_key, canonical_string
-from dspark_harden.grammar.schemas import test_schemas, variants
+from dspark_harden.grammar.schemas import all_test_schemas, variants
 
-SCHEMAS = test_schemas()
+SCHEMAS = all_test_schemas()
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,298 @@
+"""Persistent disk cache: real files, real flock locks, real concurrent processes.
+
+- 4 processes x 64 grammars at once: one native compile per key across all processes, every
+  entry valid, the byte ledger equals the sum of entry sizes (also while pruning to a limit);
+- corruption fuzz (>= 200 mutations: truncation, bit flips, overwrites, appended bytes, swapped
+  entries, foreign-scope entries, checksummed-but-invalid payloads, empty files): each is
+  rejected with an error naming the file, nothing is compiled over it, served or deleted;
+- another tokenizer gets another namespace (no reuse); pruning skips entries another holder
+  has locked and reports when it cannot get under the limit; an invalid ledger stops startup.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import random
+import stat
+
+import pytest
+
+from dspark_harden.grammar import disk, xgr
+
+from .conftest import persistent_backend, service_for
+
+N_GRAMMARS = 64
+N_PROCS = 4
+
+
+def regexes(n: int = N_GRAMMARS) -> list[str]:
+    return [f"(id|key)-[a-z]{{1,{i % 9 + 1}}}[0-9]{{{i // 9 + 1}}}(_x{i})?" for i in range(n)]
+
+
+def _compiler(tok, root, *, ratio: float = 0.7, max_bytes: int = 1 << 40):
+    import xgrammar as xg
+
+    info = xg.TokenizerInfo.from_huggingface(tok, vocab_size=len(tok), stop_token_ids=[tok.eos_token_id])
+    scope = xgr.scope_for(info, vocab_size=len(tok), override_stop_tokens=None, compiler={"test": True})
+    ns = disk.Namespace(str(root), scope, max_bytes=max_bytes)
+    return xgr.PersistentCompiler(xg.GrammarCompiler(info, cache_enabled=False), info, ns,
+                                  xgr.Policy(load_ratio=ratio))
+
+
+def _worker(idx: int, root: str, max_bytes: int, barrier, q) -> None:
+    try:
+        from transformers import AutoTokenizer
+
+        from dspark_harden.devtools.tiny_models import ensure_tokenizer
+
+        tok = AutoTokenizer.from_pretrained(ensure_tokenizer(2048))
+        pc = _compiler(tok, root, max_bytes=max_bytes)
+        order = list(enumerate(regexes()))
+        random.Random(idx).shuffle(order)
+        barrier.wait(timeout=300)
+        out = {}
+        for i, rx in order:
+            cg = pc.compile_regex(rx)
+            res = xgr.take_resolution()
+            out[i] = (res.source, str(cg.grammar))
+        pc.flush()
+        q.put((idx, out, None))
+    except BaseException as exc:  # noqa: BLE001
+        q.put((idx, None, f"{type(exc).__name__}: {exc}"))
+
+
+def _run_procs(root, max_bytes=1 << 40):
+    ctx = mp.get_context("spawn")
+    barrier, q = ctx.Barrier(N_PROCS), ctx.Queue()
+    procs = [ctx.Process(target=_worker, args=(i, str(root), max_bytes, barrier, q)) for i in range(N_PROCS)]
+    for p in procs:
+        p.start()
+    results = [q.get(timeout=600) for _ in procs]
+    for p in procs:
+        p.join(timeout=60)
+    assert all(err is None for _, _, err in results), [err for _, _, err in results]
+    assert all(p.exitcode == 0 for p in procs)
+    return {idx: out for idx, out, _ in results}
+
+
+def _only_namespace(root):
+    (path,) = disk.namespaces(str(root))
+    return disk.Namespace.open_existing(path)
+
+
+@pytest.mark.timeout(900)
+def test_four_processes_64_grammars(hf_tokenizer, cache_dir):
+    results = _run_procs(cache_dir)
+    ns = _only_namespace(cache_dir)
+    import xgrammar as xg
+
+    info = xg.TokenizerInfo.from_huggingface(hf_tokenizer, vocab_size=len(hf_tokenizer),
+                                             stop_token_ids=[hf_tokenizer.eos_token_id])
+    ref = xg.GrammarCompiler(info, cache_enabled=False)
+    for i, rx in enumerate(regexes()):
+        sources = [results[p][i][0] for p in range(N_PROCS)]
+        assert sources.count("compile") == 1, (rx, sources)  # one native compile per key, host-wide
+        assert set(sources) <= {"compile", "disk", "local_compile"}
+        expected = str(ref.compile_regex(rx).grammar)
+        assert all(results[p][i][1] == expected for p in range(N_PROCS)), rx
+    ok, bad = ns.verify_all()
+    assert (ok, bad) == (N_GRAMMARS, [])
+    sizes = [e.stat().st_size for e in ns.iter_entries()]
+    assert ns.read_ledger() == sum(sizes) == ns.scan_bytes()
+    assert ns.temp_files() == []
+    for e in ns.iter_entries():
+        assert stat.S_IMODE(os.stat(e.path).st_mode) == 0o600
+
+
+@pytest.mark.timeout(900)
+def test_ledger_exact_while_four_processes_prune(hf_tokenizer, cache_dir, tmp_path):
+    # learn the full size first, then run with a hard limit of a third of it
+    probe = tmp_path / "probe"
+    pc = _compiler(hf_tokenizer, probe)
+    for rx in regexes():
+        pc.compile_regex(rx)
+    pc.flush()
+    full = pc.ns.scan_bytes()
+    limit = full // 3
+    _run_procs(cache_dir, max_bytes=limit)
+    ns = _only_namespace(cache_dir)
+    assert ns.read_ledger() == ns.scan_bytes() <= limit
+    ok, bad = ns.verify_all()
+    assert bad == [] and 0 < ok < N_GRAMMARS
+
+
+def _mutations(rng: random.Random, data: bytes, others: list[bytes], foreign: bytes, crafted: list[bytes]):
+    out = []
+    for _ in range(6):
+        out.append(("truncate", data[: rng.randrange(0, len(data))]))
+    for _ in range(8):
+        pos = rng.randrange(len(data) * 8)
+        b = bytearray(data)
+        b[pos // 8] ^= 1 << (pos % 8)
+        out.append(("bitflip", bytes(b)))
+    for _ in range(4):
+        b = bytearray(data)
+        start = rng.randrange(len(b))
+        for j in range(start, min(len(b), start + rng.randrange(1, 16))):
+            b[j] = (b[j] + rng.randrange(1, 256)) % 256
+        out.append(("overwrite", bytes(b)))
+    out.append(("append", data + os.urandom(rng.randrange(1, 64))))
+    out.append(("empty", b""))
+    out.append(("zeros", bytes(len(data))))
+    for other in others[:2]:
+        out.append(("swap", other))
+    out.append(("foreign_scope", foreign))
+    out.extend(("crafted", c) for c in crafted)
+    return out
+
+
+def test_corruption_fuzz_rejected_naming_file_nothing_served(hf_tokenizer, cache_dir, tmp_path):
+    ser = _compiler(hf_tokenizer, cache_dir, ratio=1e9)
+    mark = _compiler(hf_tokenizer, cache_dir, ratio=1e-9)
+    keys = regexes(8)
+    for i, rx in enumerate(keys):
+        (ser if i % 2 == 0 else mark).compile_regex(rx)
+    ser.flush()
+    mark.flush()
+    ns = ser.ns
+    key_hex = {rx: disk.key_digest(["regex", rx]) for rx in keys}
+    originals = {rx: open(ns.entry_path(key_hex[rx]), "rb").read() for rx in keys}
+    kinds = {rx: disk.decode_entry("x", originals[rx], ns.scope_hex, key_hex[rx]).kind for rx in keys}
+    assert sorted(kinds.values()) == [1, 1, 1, 1, 2, 2, 2, 2]
+    other_scope = "ab" * 32
+
+    fresh = _compiler(hf_tokenizer, cache_dir)  # a "restarted" process over the same directory
+    rng = random.Random(20261130)
+    total = 0
+    for rx in keys:
+        path = ns.entry_path(key_hex[rx])
+        data = originals[rx]
+        entry = disk.decode_entry(path, data, ns.scope_hex, key_hex[rx])
+        foreign = disk.encode_entry(other_scope, key_hex[rx], entry.kind, entry.payload)
+        if entry.kind == disk.KIND_MARKER:
+            crafted = [
+                disk.encode_entry(ns.scope_hex, key_hex[rx], disk.KIND_MARKER, bytes([99]) + entry.payload[1:]),
+                disk.encode_entry(ns.scope_hex, key_hex[rx], disk.KIND_MARKER, bytes(25)),
+                disk.encode_entry(ns.scope_hex, key_hex[rx], disk.KIND_MARKER, entry.payload + b"x"),
+            ]
+        else:
+            crafted = [
+                disk.encode_entry(ns.scope_hex, key_hex[rx], disk.KIND_SERIALIZED, b'{"not": "a grammar"}'),
+                disk.encode_entry(ns.scope_hex, key_hex[rx], disk.KIND_SERIALIZED, entry.payload[: len(entry.payload) // 2]),
+                disk.encode_entry(ns.scope_hex, key_hex[rx], 7, entry.payload),
+            ]
+        others = [originals[o] for o in keys if o != rx and kinds[o] == kinds[rx]]
+        for kind, mutated in _mutations(rng, data, others, foreign, crafted):
+            assert mutated != data, kind
+            with open(path, "wb") as fh:
+                fh.write(mutated)
+            before = fresh.native_compiles
+            with pytest.raises(disk.CorruptEntryError) as info:
+                fresh.compile_regex(rx)
+            msg = str(info.value)
+            assert path in msg and disk.CORRUPT_MARK in msg, (kind, msg)
+            assert fresh.native_compiles == before, f"{kind}: compiled over a corrupt entry"
+            with open(path, "rb") as fh:
+                assert fh.read() == mutated, f"{kind}: the corrupt entry was rewritten or deleted"
+            total += 1
+        with open(path, "wb") as fh:
+            fh.write(data)
+    assert total >= 200
+    fresh.flush()
+    assert fresh.native_compiles == 0
+    # intact entries still serve
+    for rx in keys:
+        fresh.compile_regex(rx)
+        assert xgr.take_resolution().source == ("disk" if kinds[rx] == 1 else "local_compile")
+
+
+def test_corrupt_entry_fails_request_visibly_and_is_not_cached(hf_tokenizer, cache_dir):
+    from sglang.srt.constrained.base_grammar_backend import InvalidGrammarObject
+
+    first = persistent_backend(hf_tokenizer, cache_dir, DSPARK_HARDEN_GRAMMAR_DISK_LOAD_RATIO="1e9")
+    service_for(first).lookup(("regex", "[0-9]+z"), False)[0].result(timeout=120)
+    first.grammar_compiler.flush()
+    ns = first.grammar_compiler.ns
+    (entry,) = list(ns.iter_entries())
+    good = open(entry.path, "rb").read()
+    with open(entry.path, "r+b") as fh:
+        fh.seek(100)
+        fh.write(b"\x00\xff")
+    backend = persistent_backend(hf_tokenizer, cache_dir)
+    svc = service_for(backend)
+    value = svc.lookup(("regex", "[0-9]+z"), False)[0].result(timeout=120)
+    assert isinstance(value, InvalidGrammarObject)
+    assert entry.path in value.error_message and "checksum" in value.error_message
+    assert ("regex", "[0-9]+z") not in svc and backend.grammar_compiler.native_compiles == 0
+    with open(entry.path, "wb") as fh:  # the operator repairs it
+        fh.write(good)
+    ok = svc.lookup(("regex", "[0-9]+z"), False)[0].result(timeout=120)
+    assert not isinstance(ok, InvalidGrammarObject)
+
+
+def test_other_tokenizer_gets_its_own_namespace(hf_tokenizer, cache_dir):
+    from transformers import AutoTokenizer
+
+    from dspark_harden.devtools.tiny_models import ensure_tokenizer
+
+    a = persistent_backend(hf_tokenizer, cache_dir)
+    a.grammar_compiler.compile_regex("[a-f]{4}")
+    a.grammar_compiler.flush()
+    other = AutoTokenizer.from_pretrained(ensure_tokenizer(32000))
+    b = persistent_backend(other, cache_dir)
+    assert b.grammar_compiler.ns.path != a.grammar_compiler.ns.path
+    b.grammar_compiler.compile_regex("[a-f]{4}")
+    assert xgr.take_resolution().source == "compile" and b.grammar_compiler.native_compiles == 1
+    assert len(disk.namespaces(str(cache_dir))) == 2
+
+
+def test_prune_skips_locked_entries_and_reports_failure(hf_tokenizer, cache_dir):
+    pc = _compiler(hf_tokenizer, cache_dir)
+    for rx in regexes(6):
+        pc.compile_regex(rx)
+    pc.flush()
+    ns = pc.ns
+    held = disk.key_digest(["regex", regexes(6)[0]])
+    lock = ns.entry_lock(held)  # a separate open file description: conflicts like another process
+    lock.acquire()
+    try:
+        res = ns.prune(0)
+        assert res.skipped_locked == 1 and not res.ok and res.removed == 5
+        assert os.path.exists(ns.entry_path(held))
+        assert ns.read_ledger() == ns.scan_bytes() == os.stat(ns.entry_path(held)).st_size
+        # a publish that cannot get under the hard limit is withdrawn and reported
+        small = disk.Namespace(ns.root, ns.scope, max_bytes=1)
+        data = open(ns.entry_path(held), "rb").read()
+        new_key = "cd" * 32
+        with pytest.raises(disk.PruneError, match="could not prune below its hard limit"):
+            small.publish(new_key, disk.encode_entry(ns.scope_hex, new_key, 1, data[disk.HEADER_SIZE:-32]))
+        assert not os.path.exists(ns.entry_path(new_key))
+        assert ns.read_ledger() == ns.scan_bytes()
+    finally:
+        lock.release()
+
+
+def test_invalid_ledger_stops_startup_naming_the_file(hf_tokenizer, cache_dir):
+    pc = _compiler(hf_tokenizer, cache_dir)
+    with open(pc.ns.ledger_path, "wb") as fh:
+        fh.write(b"garbage")
+    with pytest.raises(disk.LedgerError, match=pc.ns.ledger_path):
+        _compiler(hf_tokenizer, cache_dir)
+
+
+def test_marker_policy_and_peer_compiles_locally(hf_tokenizer, cache_dir):
+    pc = _compiler(hf_tokenizer, cache_dir, ratio=1e-9)
+    pc.compile_regex("m[a-z]+")
+    pc.flush()
+    ns = pc.ns
+    key = disk.key_digest(["regex", "m[a-z]+"])
+    data = open(ns.entry_path(key), "rb").read()
+    entry = disk.decode_entry("x", data, ns.scope_hex, key)
+    assert entry.kind == disk.KIND_MARKER and len(data) == disk.HEADER_SIZE + 25 + 32
+    m = entry.marker
+    assert m.reason in ("slow_load", "predicted_slow") and m.compile_ns > 0
+    peer = _compiler(hf_tokenizer, cache_dir)
+    peer.compile_regex("m[a-z]+")
+    res = xgr.take_resolution()
+    assert res.source == "local_compile" and "deserialize" not in res.phases and peer.native_compiles == 1
