@@ -64,6 +64,7 @@ def _notify_bound(role: Role, report: binder.BindReport) -> None:
     except Exception as exc:  # noqa: BLE001 - fail closed: a feature could not start
         msg = f"dspark-harden refuses to start ({role.value}): starting a feature failed: {type(exc).__name__}: {exc}"
         logger.critical(msg)
+        report.errors.append(msg)  # so `dspark-harden check` (which reads the report) fails too
         raise binder.BindError(msg, report) from exc
 
 
