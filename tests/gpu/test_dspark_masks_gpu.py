@@ -86,9 +86,12 @@ def test_pipeline_masks_equal_cpu_path_while_compute_stream_is_busy(native, engi
     traverser.close()
 
 
-def _stress(pipe: MaskPipeline, steps: int, *, bs=4, chain=4, vocab=32 * 64, seed=0, sleep_max=40_000):
-    """Step-specific ids and masks; the consumer reads after a random delay. Returns the steps whose
-    consumed mask was not that step's (overwritten while held) or whose draft copy was wrong."""
+def _stress(pipe: MaskPipeline, steps: int, *, side_consumer: bool, bs=4, chain=4, vocab=32 * 64, seed=0,
+            sleep_max=40_000):
+    """Step-specific ids and masks; the consumer reads after a random delay, either on the compute
+    stream or on a side stream (e.g. a sampling stream: then begin()'s wait on the compute stream
+    does not order the next uploads after it, only mask_consumed does). Returns the steps whose
+    consumed mask was not that step's (overwritten while held) and those whose draft copy was wrong."""
     rng = random.Random(seed)
     words = (vocab + 31) // 32
     rows = bs * chain
@@ -97,6 +100,8 @@ def _stress(pipe: MaskPipeline, steps: int, *, bs=4, chain=4, vocab=32 * 64, see
     base_ids = torch.arange(bs * chain, dtype=torch.int64, device=DEV).view(bs, chain)
     row_ids = torch.arange(rows, dtype=torch.int32).view(rows, 1)
     col_ids = torch.arange(words, dtype=torch.int32).view(1, words)
+    compute = torch.cuda.current_stream(DEV)
+    side = torch.cuda.Stream(DEV)
     bad_drafts = []
     for step in range(steps):
         if rng.random() < 0.5:
@@ -111,9 +116,12 @@ def _stress(pipe: MaskPipeline, steps: int, *, bs=4, chain=4, vocab=32 * 64, see
             return True
 
         mask = pipe.finish(ticket, fill, vocab)
-        torch.cuda._sleep(rng.randrange(sleep_max))  # consumer still busy: it reads later
-        results[step].copy_(mask)
-        pipe.consumed(ticket)
+        consumer = side if side_consumer else compute
+        with torch.cuda.stream(consumer):
+            consumer.wait_stream(compute)  # compute already waits on mask_ready
+            torch.cuda._sleep(rng.randrange(sleep_max))  # consumer still busy: it reads later
+            results[step].copy_(mask)
+            pipe.consumed(ticket)  # records mask_consumed on the consumer's stream
     torch.cuda.synchronize(DEV)
     expected = (row_ids * 131 + col_ids).to(DEV)
     got = results - torch.arange(steps, dtype=torch.int32, device=DEV).view(steps, 1, 1) * 7919
@@ -121,9 +129,10 @@ def _stress(pipe: MaskPipeline, steps: int, *, bs=4, chain=4, vocab=32 * 64, see
     return wrong, bad_drafts
 
 
-def test_slot_never_overwritten_while_its_consumer_holds_it_10k_steps():
+@pytest.mark.parametrize("side_consumer", [False, True], ids=["compute-stream-consumer", "side-stream-consumer"])
+def test_slot_never_overwritten_while_its_consumer_holds_it_10k_steps(side_consumer):
     pipe = MaskPipeline(DEV, capacity=4)
-    wrong, bad_drafts = _stress(pipe, 10_000)
+    wrong, bad_drafts = _stress(pipe, 10_000, side_consumer=side_consumer)
     assert pipe.steps == 10_000
     assert not bad_drafts, f"draft copies not ordered after their producer at steps {bad_drafts[:10]}"
     assert not wrong, f"{len(wrong)} consumed masks were overwritten, first steps {wrong[:10]}"
@@ -138,8 +147,9 @@ class _NoConsumerWait(MaskPipeline):
 
 
 def test_stress_detects_overwrite_when_the_consumer_wait_is_missing():
-    """The stress check is not vacuous: without the mask_consumed wait, masks are overwritten."""
-    wrong, _ = _stress(_NoConsumerWait(DEV, capacity=4), 300, sleep_max=400_000)
+    """The stress check is not vacuous: with a side-stream consumer and without the mask_consumed
+    wait, masks are overwritten before the consumer reads them."""
+    wrong, _ = _stress(_NoConsumerWait(DEV, capacity=4), 300, side_consumer=True, sleep_max=2_000_000)
     assert wrong, "expected overwritten masks without the mask_consumed wait"
 
 
