@@ -280,6 +280,10 @@ class SGLangServer:
                     stage = "/health_generate"
                     continue
                 self.ready_seconds = time.monotonic() - self._t0
+                sys.stderr.write(
+                    f"[harness] SGLang server {self.config.name!r} ready in {self.ready_seconds:.0f}s "
+                    f"(pid {self.pid}, {self.url}, workdir {self.workdir})\n"
+                )
                 return self
             time.sleep(1.0)
         self.stop()
@@ -433,7 +437,9 @@ def start_expect_failure(config: ServerConfig, timeout: Optional[float] = None) 
             rc = server.wait_exit(timeout=2.0)
             if rc is not None:
                 server.stop()  # reap leftovers of the group, release the lock
-                return rc, server.log_text()
+                log = server.log_text()
+                server.remove_workdir()
+                return rc, log
             if server._http_ok("/model_info", timeout=5):
                 server.stop()
                 raise ServerError(server._failure("started, but it was expected to refuse to start"))
