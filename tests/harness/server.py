@@ -58,6 +58,9 @@ _SCRUB_ENV = (
     "PYTEST_CURRENT_TEST",
 )
 
+#: SGLANG_PLUGINS for a stock server: an allow-list that names no installed plugin
+STOCK_PLUGINS = "dspark_harden_disabled_for_stock_comparison"
+
 PLUGIN_ACTIVE_RE = re.compile(r"dspark-harden \S+ active in (\w+) process \(pid (\d+)\)")
 
 LOG_TAIL_CHARS = 20000
@@ -111,7 +114,7 @@ class ServerConfig:
     extra_args: tuple = ()
     #: extra environment for the server tree (wins over the defaults below)
     env: tuple = ()
-    #: SGLANG_PLUGINS value; None leaves it unset (stock SGLang, no plugin)
+    #: SGLANG_PLUGINS value; None: stock SGLang, no general plugin at all (see STOCK_PLUGINS)
     plugins: Optional[str] = "dspark_harden"
     name: str = "sglang"
 
@@ -225,7 +228,9 @@ class SGLangServer:
             ncpu = os.cpu_count() or 1
             env["SGLANG_CPU_OMP_THREADS_BIND"] = "|".join(str(i % ncpu) for i in range(self.config.ranks))
         if self.config.plugins is None:
-            env.pop("SGLANG_PLUGINS", None)
+            # Unset or empty SGLANG_PLUGINS means "load every installed plugin" (dspark_harden
+            # included); an allow-list naming no installed plugin is what gives stock SGLang.
+            env["SGLANG_PLUGINS"] = STOCK_PLUGINS
         else:
             env["SGLANG_PLUGINS"] = self.config.plugins
         env.update(dict(self.config.env))

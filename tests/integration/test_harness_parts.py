@@ -217,3 +217,54 @@ def test_server_lock_times_out_with_a_clear_error(tmp_path, monkeypatch):
     finally:
         holder.kill()
         holder.wait()
+
+
+# --- server command line and environment ----------------------------------------------------------
+
+
+def test_server_command_and_environment(tmp_path, monkeypatch):
+    from tests.harness.server import DP2_CONFIG, STOCK_PLUGINS, SGLangServer, ServerConfig
+
+    monkeypatch.setenv("DSPARK_HARDEN_GRAMMAR", "0")  # a developer's export must not leak into servers
+    monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", "/nonexistent")
+    monkeypatch.setenv("DSPARK_HARDEN_ROLE", "main")
+    server = SGLangServer(DP2_CONFIG.with_env(DSPARK_TESTFEATURE="1"))
+    server.workdir, server.port = tmp_path, 12345
+    cmd = server.command()
+    joined = " ".join(cmd)
+    for flag in ("--device cpu", "--attention-backend torch_native", "--sampling-backend pytorch",
+                 "--disable-cuda-graph", "--max-total-tokens 8192", "--grammar-backend xgrammar",
+                 "--constrained-json-disable-any-whitespace", "--enable-metrics", "--sleep-on-idle",
+                 "--tp-size 2", "--dp-size 2", "--enable-dp-attention", "--port 12345", "--host 127.0.0.1"):
+        assert flag in joined, flag
+    assert cmd[1:3] == ["-m", "sglang.launch_server"]
+    env = server.environment()
+    assert env["SGLANG_PLUGINS"] == "dspark_harden"
+    assert (env["DSPARK_TEST_CPU_PLATFORM"], env["SGLANG_PLATFORM"]) == ("1", "dspark_test_cpu")
+    assert env["SGLANG_CPU_OMP_THREADS_BIND"] == "0|1"
+    assert env["SGLANG_PYSPY_DUMP_BEFORE_CRASH"] == env["SGLANG_CUDA_COREDUMP_BEFORE_CRASH"] == "0"
+    assert env["TMPDIR"] == str(tmp_path / "tmp") and (tmp_path / "tmp").is_dir()
+    assert env["DSPARK_TESTFEATURE"] == "1"
+    for leaked in ("DSPARK_HARDEN_GRAMMAR", "PROMETHEUS_MULTIPROC_DIR", "DSPARK_HARDEN_ROLE"):
+        assert leaked not in env
+    single = SGLangServer(ServerConfig(arch="qwen3", plugins=None))
+    single.workdir, single.port = tmp_path, 1
+    env = single.environment()
+    assert env["SGLANG_PLUGINS"] == STOCK_PLUGINS and "SGLANG_CPU_OMP_THREADS_BIND" not in env
+    assert "--tp-size" not in single.command() and "--enable-dp-attention" not in single.command()
+
+
+def test_stock_server_allow_list_loads_no_plugin():
+    """What ServerConfig(plugins=None) sets really keeps dspark_harden out (unset would load it)."""
+    from tests.harness.server import STOCK_PLUGINS
+
+    code = """
+        from sglang.srt.plugins import load_plugins
+        load_plugins()
+        from dspark_harden.core import binder
+        emit({"loaded": binder.STATE.report is not None})
+    """
+    rc, res, out = run_py(code, env={"SGLANG_PLUGINS": STOCK_PLUGINS, "DSPARK_HARDEN_ROLE": "main"})
+    assert rc == 0 and res == {"loaded": False}, out[-3000:]
+    rc, res, out = run_py(code, env={"SGLANG_PLUGINS": "dspark_harden", "DSPARK_HARDEN_ROLE": "main"})
+    assert rc == 0 and res == {"loaded": True}, out[-3000:]
