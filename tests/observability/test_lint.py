@@ -64,6 +64,20 @@ def test_promtool_accepts_the_plugin_export(exported):
     assert lint.promtool_check(exported) == []
 
 
+def test_promtool_findings_are_classified():
+    if not shutil.which("promtool"):
+        pytest.fail("promtool is missing: run `make install` (Debian package prometheus)")
+    findings = lint.promtool_check(BAD)
+    problems = [f for f in findings if f.level == lint.PROBLEM]
+    notes = [f for f in findings if f.level == lint.NOTE]
+    assert any("dspark_harden_latency_ms" in f.message for f in problems), findings
+    assert notes and all("sglang:" in f.where for f in notes)
+    assert all(f.level == lint.PROBLEM for f in lint.promtool_check(BAD, own_only=False))
+    broken = lint.promtool_check("dspark_harden_x{ 1\n")
+    assert broken and all(f.level == lint.PROBLEM for f in broken), broken
+    assert "dspark_harden_latency_ms" in lint.own_subset(BAD) and "sglang:" not in lint.own_subset(BAD)
+
+
 BAD = """\
 # HELP dspark_harden_latency_ms Latency.
 # TYPE dspark_harden_latency_ms gauge
