@@ -448,10 +448,10 @@ class Namespace:
         dest = os.path.join(self.quarantine, f"{os.path.basename(path)}.{int(time.time())}")
         key_hex = os.path.basename(path)[: -len(ENTRY_SUFFIX)]
         with self.entry_lock(key_hex):
-            size = os.stat(path).st_size
             os.replace(path, dest)
         with self.ledger_lock():
-            self._write_ledger(self.read_ledger() - size)
+            # rescan: a corrupted entry may no longer have the size the ledger accounted for
+            self._write_ledger(self.scan_bytes())
         return dest
 
 
