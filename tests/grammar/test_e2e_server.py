@@ -1,0 +1,88 @@
+"""End to end: a real SGLang 0.5.23 server on CPU (tiny Qwen3, test-only CPU platform, see
+tests/harness) with the plugin active serves JSON-schema requests whose outputs parse and
+validate; a restarted server over the same disk cache resolves every schema from disk (serialized
+entry or compile-locally marker) without a fresh compile.
+
+Stand-in: the model has random weights (no DeepSeek V4 here), so schemas are bounded (enums,
+booleans, small integer ranges) and whitespace is disabled for the outputs to terminate."""
+
+from __future__ import annotations
+
+import json
+import re
+from concurrent.futures import ThreadPoolExecutor
+
+import jsonschema
+import pytest
+
+from tests.harness.server import ServerConfig
+
+pytestmark = pytest.mark.server
+
+SCHEMAS = [
+    {"type": "object", "properties": {"ok": {"type": "boolean"}, "color": {"enum": ["red", "green", "blue"]}},
+     "required": ["ok", "color"]},
+    {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9},
+                                      "tag": {"enum": ["a", "b"]}}, "required": ["n", "tag"]},
+    {"type": "object", "properties": {"items": {"type": "array", "items": {"type": "boolean"}, "minItems": 1,
+                                                "maxItems": 3}}, "required": ["items"]},
+]
+
+
+def _spellings(schema):
+    return [json.dumps(schema), json.dumps(schema, indent=2), json.dumps(dict(reversed(list(schema.items()))))]
+
+
+def _lookups(server) -> dict:
+    out = {}
+    for line in server.metrics_text().splitlines():
+        m = re.match(r'dspark_harden_grammar_lookups_total\{([^}]*)\}\s+([0-9.e+]+)', line)
+        if m:
+            source = re.search(r'source="([a-z_]+)"', m.group(1)).group(1)
+            out[source] = out.get(source, 0.0) + float(m.group(2))
+    return out
+
+
+def _run_requests(server):
+    jobs = [(schema, text) for schema in SCHEMAS for text in _spellings(schema)]
+
+    def one(job):
+        schema, text = job
+        r = server.post("/generate", {"text": "Answer in JSON:", "sampling_params": {
+            "max_new_tokens": 96, "temperature": 0.0, "json_schema": text}}, timeout=300)
+        assert r.status_code == 200, r.text[:2000]
+        return schema, r.json()
+
+    with ThreadPoolExecutor(len(jobs)) as pool:
+        results = list(pool.map(one, jobs))
+    for schema, body in results:
+        assert body["meta_info"]["finish_reason"]["type"] == "stop", body
+        jsonschema.validate(json.loads(body["text"]), schema)
+    return results
+
+
+def test_json_schema_requests_validate_and_restart_serves_from_disk(sglang_server, tmp_path):
+    from dspark_harden.grammar import disk
+
+    cache = tmp_path / "grammar-cache"
+    config = ServerConfig(arch="qwen3", name="grammar-e2e",
+                          env=(("DSPARK_HARDEN_GRAMMAR_DISK_DIR", str(cache)),))
+    first = sglang_server(config)
+    assert "scheduler" in first.plugin_roles()
+    _run_requests(first)
+    before = _lookups(first)
+    # 9 requests over 3 canonical schemas: exactly 3 native compiles, the rest joined or hit
+    assert before.get("compile", 0) == 3, before
+    assert sum(before.values()) == 9, before
+    first.stop()
+
+    (ns_path,) = disk.namespaces(str(cache))
+    ns = disk.Namespace.open_existing(ns_path)
+    ok, bad = ns.verify_all()
+    assert ok == 3 and bad == [] and ns.read_ledger() == ns.scan_bytes()
+
+    second = sglang_server(config)
+    _run_requests(second)
+    after = _lookups(second)
+    assert after.get("compile", 0) == 0, after
+    assert after.get("disk", 0) + after.get("local_compile", 0) == 3, after
