@@ -225,3 +225,14 @@ def test_invalid_limits_rejected(hf_tokenizer):
         args.update(kw)
         with pytest.raises(ValueError, match="positive"):
             GrammarService(backend, **args)
+
+
+def test_submit_failure_fails_every_waiter_and_is_not_cached(hf_tokenizer, cache_dir):
+    backend = persistent_backend(hf_tokenizer, cache_dir)
+    svc = service_for(backend)
+    svc.pool.shutdown(wait=True)
+    f, hit = svc.lookup(("regex", "q+"), False)
+    assert not hit
+    with pytest.raises(RuntimeError, match="shutdown"):
+        f.result(timeout=10)
+    assert len(svc) == 0 and ("regex", "q+") not in svc._inflight

@@ -155,7 +155,11 @@ class GrammarService:
         deadline = None if self.timeout_s is None else time.monotonic() + self.timeout_s
         req = RequestFuture(deadline, self.timeout_s, str(ckey[0]))
         if owner:
-            task = self.pool.submit(self._compile, ckey, require_reasoning)
+            try:
+                task = self.pool.submit(self._compile, ckey, require_reasoning)
+            except BaseException as exc:  # noqa: BLE001 - e.g. pool shut down: fail, never hang joiners
+                task = Future()
+                task.set_exception(exc)
             task.add_done_callback(lambda f, ckey=ckey, inf=inf: self._finish(ckey, inf, f))
         shared_source = None if owner else "inflight"
         # Outside the lock: a finished future runs the callback right here.
