@@ -118,3 +118,26 @@ def test_hardened_verify_tier_gather_matches_stock():
         assert res["mismatches"] == [], f"rank {rank}: {res['mismatches']}"
     assert "verify tier must be >= -1, got -2" in results[0]["refused"]
     assert "poisoned" in results[1]["refused"] and "verify tier must be >= -1" in results[1]["refused"]
+
+
+def _misuse_worker(rank: int, port: int, session: str) -> dict:
+    w = init_worker(rank, port, session)
+    rng = random.Random(rank)
+    out = {}
+    w.sync(random_info(w.dp_attn, rng, rank), "cpu", w.group)  # one good step
+    try:
+        # rank 0 is asked for the elastic WORLD all-reduce path, rank 1 makes a normal call
+        w.sync(random_info(w.dp_attn, rng, rank), "cpu", w.group, use_all_reduce=(rank == 0))
+        out["second"] = "no error"
+    except Exception as exc:  # noqa: BLE001
+        out["second"] = f"{getattr(exc, 'name', type(exc).__name__)}|{exc}"
+    w.runtime.close_all()
+    w.dist.destroy_process_group()
+    return out
+
+
+@pytest.mark.timeout(900)
+def test_unservable_call_poisons_both_ranks():
+    r0, r1 = run_pair(_misuse_worker, (), timeout=800)
+    assert r0["second"].startswith("caller_error|") and "WORLD all-reduce path" in r0["second"], r0
+    assert r1["second"].startswith("poisoned|") and "WORLD all-reduce path" in r1["second"], r1

@@ -218,7 +218,12 @@ class MlpSync:
         try:
             ch._local[0:w] = self._getter(info.__dict__)
         except TypeError:  # a field holds a non-int (e.g. a numpy scalar): convert like stock does
-            ch._local[0:w] = self.pack(info)
+            try:
+                ch._local[0:w] = self.pack(info)
+            except (TypeError, ValueError, OverflowError) as exc:
+                raise self._fail(f"MLPSyncBatchInfo row cannot be packed as int64: {exc}") from None
+        except OverflowError as exc:
+            raise self._fail(f"MLPSyncBatchInfo row value out of int64 range: {exc}") from None
         i = self._pool_i
         if i >= POOL:
             self._refill()
