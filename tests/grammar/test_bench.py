@@ -1,0 +1,36 @@
+"""`dspark-harden bench grammar --json` prints exactly the issue's shape; compile counts (not
+times: those are for the bench to report) are exact: stock compiles once per request, the service
+once per canonically distinct schema."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+
+@pytest.mark.timeout(1200)
+def test_bench_grammar_json_shape_and_counts(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "-m", "dspark_harden", "bench", "grammar", "--json", "--vocab", "2048",
+         "--duplicates", "1", "--dir", str(tmp_path / "cache")],
+        capture_output=True, text=True, timeout=1100,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert set(result) == {"requests", "distinct_schemas", "stock_compiles", "harden_compiles", "cold_s",
+                           "warm_restart_s", "per_schema"}
+    from dspark_harden.grammar.schemas import BENCH_SCHEMAS
+
+    assert result["distinct_schemas"] == len(BENCH_SCHEMAS)
+    assert result["requests"] == 4 * len(BENCH_SCHEMAS)
+    assert result["stock_compiles"] == result["requests"]
+    assert result["harden_compiles"] == result["distinct_schemas"]
+    assert isinstance(result["cold_s"], float) and isinstance(result["warm_restart_s"], float)
+    assert [p["name"] for p in result["per_schema"]] == [n for n, _ in BENCH_SCHEMAS]
+    for p in result["per_schema"]:
+        assert set(p) == {"name", "compile_s", "warm_s", "stored"}
+        assert p["stored"] in ("serialized", "marker")
+        assert p["compile_s"] > 0 and p["warm_s"] > 0
