@@ -26,14 +26,18 @@ def test_live_schema_matches_stock():
     assert list(schema.fallback) == info._get_fallback_tensor("cpu").tolist()
 
 
-def test_extra_stock_column_is_refused():
+@pytest.mark.parametrize("extra, message", [
+    (0, r"columns \[11\] of the 12-wide row come from fields this version of dspark-harden does not know"),
+    (5, r"an all-zero instance packs \[0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 5\]"),
+])
+def test_extra_stock_column_is_refused(extra, message):
     @dataclasses.dataclass
     class Wider(dp_attn.MLPSyncBatchInfo):
         def _get_local_tensor(self, device, dtype=torch.int64):
             base = super()._get_local_tensor(device, dtype)
-            return torch.cat([base, torch.tensor([5], dtype=dtype)])
+            return torch.cat([base, torch.tensor([extra], dtype=dtype)])
 
-    with pytest.raises(SchemaError, match=r"columns \[11\] of the 12-wide row"):
+    with pytest.raises(SchemaError, match=message):
         live_schema(Wider)
 
 
