@@ -37,6 +37,7 @@
 #define DP2_MAGIC UINT64_C(0x5044324b52415053) /* "SPARK2DP" little-endian bytes */
 #define DP2_CACHELINE 64
 #define DP2_MSG_LEN 256
+#define DP2_PURE_SPIN_NS UINT64_C(5000)
 
 _Static_assert(ATOMIC_INT_LOCK_FREE == 2, "32-bit atomics must be lock-free");
 _Static_assert(ATOMIC_LLONG_LOCK_FREE == 2, "64-bit atomics must be lock-free");
@@ -501,15 +502,20 @@ int dspark_dp2_exchange(dspark_dp2_channel *ch, const int64_t *local, int64_t *o
     uint64_t peer_seq = atomic_load_explicit(&peer->published_seq, memory_order_acquire);
     if (peer_seq < seq && ch->spin_ns > 0) {
         uint64_t spin_until = published_at + ch->spin_ns;
+        /* first a short pure spin (the peer is usually running on another CPU and arrives within
+         * a few microseconds), then keep polling but yield the CPU between polls: on a crowded
+         * host the peer may share our CPU and must be let run before the futex wait */
+        uint64_t pure_until = published_at + (ch->spin_ns < DP2_PURE_SPIN_NS ? ch->spin_ns : DP2_PURE_SPIN_NS);
         unsigned iter = 0;
+        int yielding = 0;
         while ((peer_seq = atomic_load_explicit(&peer->published_seq, memory_order_acquire)) < seq) {
             cpu_relax();
             if ((++iter & 15u) == 0) {
-                if (now_ns() >= spin_until) break;
+                uint64_t t = now_ns();
+                if (t >= spin_until) break;
                 if (atomic_load_explicit(&h->error_code, memory_order_relaxed) != 0) break;
-                /* on a crowded host the peer may share our CPU: let it run instead of burning the
-                 * whole spin budget before the futex wait */
-                sched_yield();
+                if (!yielding && t >= pure_until) yielding = 1;
+                if (yielding) sched_yield();
             }
         }
     }
