@@ -30,6 +30,7 @@ import hashlib
 import importlib.metadata
 import json
 import logging
+import os
 import queue
 import threading
 import time
@@ -325,7 +326,7 @@ class PersistentCompiler:
         return data, "serialized", phases
 
     def _publish_locked(self, key_hex: str, cg: Any, compile_s: float, fn: Callable[[], Any]) -> None:
-        if self.ns.read(key_hex) is not None:
+        if os.path.exists(self.ns.entry_path(key_hex)):
             return  # published meanwhile (cannot happen while we hold the lock, kept defensive)
         data, stored, phases = self.decide(cg, compile_s, key_hex, fn)
         tw = time.perf_counter()
