@@ -292,14 +292,27 @@ def _dp_label() -> str:
     return ctx.dp_label if ctx is not None else "none"
 
 
+_CHILDREN: dict = {}
+
+
 def _observe(phases: dict, active: int, outcome: str) -> None:
     try:
         dp = _dp_label()
-        hist = metrics.get("dspark_harden_dspark_mask_phase_seconds")
-        for phase in PHASE_LABELS:
-            if phase in phases:
-                hist.labels(dp, phase).observe(max(0.0, phases[phase]))
-        metrics.get("dspark_harden_dspark_mask_active_matchers").labels(dp).set(active)
-        metrics.get("dspark_harden_dspark_mask_steps_total").labels(dp, outcome).inc()
+        kids = _CHILDREN.get(dp)
+        if kids is None:
+            hist = metrics.get("dspark_harden_dspark_mask_phase_seconds")
+            steps = metrics.get("dspark_harden_dspark_mask_steps_total")
+            kids = _CHILDREN[dp] = (
+                {p: hist.labels(dp, p) for p in PHASE_LABELS},
+                metrics.get("dspark_harden_dspark_mask_active_matchers").labels(dp),
+                {o: steps.labels(dp, o) for o in OUTCOMES},
+            )
+        hists, gauge, counters = kids
+        for phase, value in phases.items():
+            h = hists.get(phase)
+            if h is not None:
+                h.observe(max(0.0, value))
+        gauge.set(active)
+        counters[outcome].inc()
     except Exception:  # noqa: BLE001 - metrics must never break a decode step
         logger.debug("dspark mask metrics failed", exc_info=True)

@@ -67,6 +67,7 @@ def resolve_jobs(reqs: Sequence[Any], draft: torch.Tensor, vocab_size: int) -> t
     bad = body >= vocab_size
     first_bad = np.where(bad.any(axis=1), bad.argmax(axis=1) + 1, chain)
     negative = body < 0
+    any_negative = bool(negative.any())
     jobs: list[Job] = []
     with_grammar = 0
     for row, req in enumerate(reqs):
@@ -106,7 +107,7 @@ def resolve_jobs(reqs: Sequence[Any], draft: torch.Tensor, vocab_size: int) -> t
                 f"grammar traversal (XGrammarGrammar or ReasonerGrammarObject wrapping it)"
             )
         end = int(first_bad[row])
-        if negative[row, root : end - 1].any():
+        if any_negative and negative[row, root : end - 1].any():
             col = int(np.argmax(negative[row, root : end - 1])) + root + 1
             raise TraversalError(f"request {_rid(req)}: negative draft token {int(toks[row, col])} at chain position {col}")
         jobs.append(Job(row=row, matcher=matcher, root=root, end=end, rid=_rid(req)))

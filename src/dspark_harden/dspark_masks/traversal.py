@@ -122,6 +122,7 @@ class ChainTraverser:
         self.engine = engine
         self.threads = threads
         self._links = _ChainLinks()
+        self._views: dict = {}
         self._pool: Optional[ThreadPoolExecutor] = None
         self._batch: Optional[Any] = None
         self._lock = threading.Lock()
@@ -142,12 +143,8 @@ class ChainTraverser:
         bs, chain = draft.shape
         _check_buffers(draft, out, bs, chain, vocab_size)
         with self._lock:  # one step at a time per traverser (buffers and native pools are shared)
-            # numpy, not torch: a torch fill of this size is an OpenMP parallel region, which stalls
-            # for milliseconds whenever one of its threads is descheduled on a busy host
-            out[: bs * chain].numpy().fill(-1)
-            live = [j for j in jobs if j.end > j.root and not j.matcher.is_terminated()]
-            if not live:
-                return
+            bits = out[: bs * chain].numpy()
+            live = [j for j in jobs if j.end > j.root]
             seen = set()
             for j in live:
                 if j.row in seen:
@@ -157,31 +154,62 @@ class ChainTraverser:
                     raise TraversalError(
                         f"request {j.rid}: job row={j.row} root={j.root} end={j.end} outside batch {bs}x{chain}"
                     )
+            # Every row the traversal does not write must read all-ones, as in stock's fresh -1 mask.
+            # numpy, not torch: a torch fill of this size is an OpenMP parallel region, which stalls
+            # for milliseconds whenever one of its threads is descheduled on a busy host. The level
+            # engine writes only visited rows, so it needs the whole buffer; the native engines
+            # write [root, end) up to the first rejected node and the repair fills the rest.
+            if self.engine == "level" or not live:
+                bits.fill(-1)
+            else:
+                covered = np.zeros(bs * chain, dtype=bool)
+                for j in live:
+                    covered[j.row * chain + j.root : j.row * chain + j.end] = True
+                bits[~covered] = -1
+            if not live:
+                return
             if self.engine == "level":
-                # rows of chains the level walk stops early stay -1 from the fill above
-                self._level(live, draft, out, chain)
+                # stock fills nothing for a matcher terminated at its root; rows of chains the level
+                # walk stops early stay -1 from the fill above
+                live = [j for j in live if not j.matcher.is_terminated()]
+                if live:
+                    self._level(live, draft, out, chain)
                 return
             if self.engine == "batch":
                 self._batch_api(live, draft, out, chain)
-            elif self.engine == "threads" and self._pool is not None and len(live) > 1:
-                n = min(self.threads, len(live))
-                futures = [self._pool.submit(self._scalar, live[k::n], draft, out, chain) for k in range(n)]
-                for f in futures:
-                    f.result()
             else:
-                self._scalar(live, draft, out, chain)
+                rows_d, rows_o = self._row_views(draft, out, bs, chain)
+                if self.engine == "threads" and self._pool is not None and len(live) > 1:
+                    n = min(self.threads, len(live))
+                    futures = [self._pool.submit(self._scalar, live[k::n], rows_d, rows_o) for k in range(n)]
+                    for f in futures:
+                        f.result()
+                else:
+                    self._scalar(live, rows_d, rows_o)
             _repair_native_rows(live, draft, out, chain)
 
+    def _row_views(self, draft: torch.Tensor, out: torch.Tensor, bs: int, chain: int):
+        """Per-row views of the draft and mask buffers, cached per buffer: the pipeline reuses two
+        pinned slots, so the views are made once per slot (a cached view keeps its storage alive,
+        so a data pointer in the key can never belong to another, newer buffer)."""
+        key = (draft.data_ptr(), bs, chain, out.data_ptr(), out.shape[1])
+        views = self._views.get(key)
+        if views is None:
+            if len(self._views) >= 8:
+                self._views.pop(next(iter(self._views)))
+            views = self._views[key] = (draft.unbind(0), out[: bs * chain].view(bs, chain, -1).unbind(0))
+        return views
+
     # ------------------------------------------------------------------------------------------
-    def _scalar(self, jobs: Sequence[Job], draft: torch.Tensor, out: torch.Tensor, chain: int) -> None:
+    def _scalar(self, jobs: Sequence[Job], rows_d: Sequence[torch.Tensor], rows_o: Sequence[torch.Tensor]) -> None:
+        """``rows_d[r]`` / ``rows_o[r]``: batch row r's draft tokens and (chain, words) mask rows
+        (views made by one ``unbind`` each, cheaper than slicing per job)."""
         for j in jobs:
-            n = j.end - j.root
-            nxt, sib = self._links.get(n)
-            base = j.row * chain
-            done = j.matcher.traverse_draft_tree(
-                nxt, sib, draft[j.row, j.root : j.end], out[base + j.root : base + j.end]
-            )
-            if not done:
+            nxt, sib = self._links.get(j.end - j.root)
+            d, o = rows_d[j.row], rows_o[j.row]
+            if j.root or j.end < len(d):
+                d, o = d[j.root : j.end], o[j.root : j.end]
+            if not j.matcher.traverse_draft_tree(nxt, sib, d, o):
                 raise TraversalError(f"request {j.rid}: native draft-tree traversal did not complete")
 
     def _batch_api(self, jobs: Sequence[Job], draft: torch.Tensor, out: torch.Tensor, chain: int) -> None:
@@ -276,28 +304,39 @@ def _check_buffers(draft: torch.Tensor, out: torch.Tensor, bs: int, chain: int, 
 
 
 def _repair_native_rows(jobs: Sequence[Job], draft: torch.Tensor, out: torch.Tensor, chain: int) -> None:
-    """Native traversal zeroes the row of a rejected or terminating node; stock leaves it all-ones.
+    """Native traversal zeroes the row of a rejected or terminating node, and the root row of a
+    matcher that was already terminated, and leaves the rows after it untouched (stale: the buffer
+    is reused); stock leaves all of them all-ones. This resets rows [first such node, end).
 
-    For each chain walk the nodes after the root: node i is accepted iff its token's bit is set in
-    row i-1 (filled by the native call); the first rejected node, or the first accepted node whose
-    token is one of the matcher's stop tokens (xgrammar terminates exactly on accepting a stop
-    token), gets its row reset to -1. Rows after it were never written (they hold the -1 fill).
+    Node i (root < i < end) is accepted iff its token's bit is set in row i-1 (as filled by the
+    native call) and every earlier node was accepted; the first rejected node, or the first accepted
+    node whose token is one of the matcher's stop tokens (xgrammar terminates exactly on accepting
+    a stop token), is the cut. A matcher terminated before the step leaves an all-zero root row and
+    rejects its first child: then the cut is the root (a non-terminated all-zero root row is a
+    genuine fill and stays).
     """
     bits = out.numpy()
-    toks = draft.numpy()
+    toks = draft.tolist()
     for j in jobs:
-        stop = None
         base = j.row * chain
-        for i in range(j.root + 1, j.end):
-            tok = int(toks[j.row, i])
+        row = toks[j.row]
+        root, end = j.root, j.end
+        cut = None
+        stop = None
+        for i in range(root + 1, end):
+            tok = row[i]
             if not (int(bits[base + i - 1, tok >> 5]) >> (tok & 31)) & 1:
-                bits[base + i].fill(-1)
+                cut = i
                 break
             if stop is None:
                 stop = stop_tokens(j.matcher)
             if tok in stop:
-                bits[base + i].fill(-1)
+                cut = i
                 break
+        if (cut == root + 1 or end == root + 1) and not bits[base + root].any() and j.matcher.is_terminated():
+            cut = root
+        if cut is not None:
+            bits[base + cut : base + end] = -1
 
 
 _STOPS: dict = {}  # id(matcher) -> (weakref to the matcher, frozenset of its stop token ids)

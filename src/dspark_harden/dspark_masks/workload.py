@@ -94,7 +94,11 @@ class GrammarFactory:
         return obj
 
     def workload(self, bs: int, chain: int, seed: int = 0, *, no_grammar: float = 0.1, reasoning: float = 0.2,
-                 corrupt: float = 0.3) -> Workload:
+                 corrupt: float = 0.3, tail: float = 1.0) -> Workload:
+        """``corrupt``: fraction of grammar chains with one invalid / out-of-vocab / stop token at a
+        random depth; ``tail``: fraction whose accepted prefix is drawn from the whole instance (so
+        the chain may run into the end of the instance and the stop token: termination mid-chain);
+        the others continue inside the instance (a draft model that follows the grammar)."""
         rng = random.Random(seed)
         V = self.vocab_size
         reqs, rows, kinds = [], [], []
@@ -108,8 +112,8 @@ class GrammarFactory:
                 continue
             g = base.copy()
             kind = "plain"
-            # prefix already accepted (possibly the whole instance, even the eos: terminated)
-            k = rng.randint(0, len(ids))
+            # prefix already accepted (with `tail`: possibly the whole instance, even the eos)
+            k = rng.randint(0, len(ids)) if rng.random() < tail else rng.randint(0, max(0, len(ids) - chain))
             thinking = roll < no_grammar + reasoning
             if thinking:
                 obj = self.reasoner(g, reasoning=True)
