@@ -37,7 +37,6 @@
 #define DP2_MAGIC UINT64_C(0x5044324b52415053) /* "SPARK2DP" little-endian bytes */
 #define DP2_CACHELINE 64
 #define DP2_MSG_LEN 256
-#define DP2_PURE_SPIN_NS UINT64_C(5000)
 
 _Static_assert(ATOMIC_INT_LOCK_FREE == 2, "32-bit atomics must be lock-free");
 _Static_assert(ATOMIC_LLONG_LOCK_FREE == 2, "64-bit atomics must be lock-free");
@@ -66,6 +65,7 @@ typedef struct {
     _Atomic int32_t pid;      /* 0 = unowned */
     _Atomic uint32_t state;   /* 0 never attached, 1 attached, 2 closed */
     _Atomic uint64_t start_time; /* /proc/<pid>/stat field 22 of the owner */
+    _Atomic int32_t cpu;         /* CPU the owner last published from (spin policy hint) */
     uint64_t arrival_ns[2];
     int64_t payload[2][DSPARK_DP2_MAX_WIDTH];
 } dp2_rank_block;
@@ -420,6 +420,7 @@ int dspark_dp2_open(const char *session_id, const char *channel, int rank, int w
     char state = '?';
     if (proc_start_time(ch->owner_pid, &st, &state) != 0) st = 0; /* no /proc: pid-only liveness */
     atomic_store(&mine->start_time, st);
+    atomic_store(&mine->cpu, -1);
     atomic_store(&mine->state, ST_ATTACHED);
     int peer_attached = atomic_load(&peer->pid) > 0;
     flock(fd, LOCK_UN);
@@ -493,6 +494,8 @@ int dspark_dp2_exchange(dspark_dp2_channel *ch, const int64_t *local, int64_t *o
     const int slot = (int)(seq & 1u);
     memcpy(mine->payload[slot], local, (size_t)w * sizeof(int64_t));
     mine->arrival_ns[slot] = start;
+    const int my_cpu = sched_getcpu();
+    atomic_store_explicit(&mine->cpu, my_cpu, memory_order_relaxed);
     atomic_store_explicit(&mine->published_seq, seq, memory_order_seq_cst);
     atomic_fetch_add_explicit(&mine->epoch, 1, memory_order_seq_cst);
     if (atomic_load_explicit(&mine->waiters, memory_order_seq_cst) != 0) futex_wake_all(&mine->epoch);
@@ -502,20 +505,16 @@ int dspark_dp2_exchange(dspark_dp2_channel *ch, const int64_t *local, int64_t *o
     uint64_t peer_seq = atomic_load_explicit(&peer->published_seq, memory_order_acquire);
     if (peer_seq < seq && ch->spin_ns > 0) {
         uint64_t spin_until = published_at + ch->spin_ns;
-        /* first a short pure spin (the peer is usually running on another CPU and arrives within
-         * a few microseconds), then keep polling but yield the CPU between polls: on a crowded
-         * host the peer may share our CPU and must be let run before the futex wait */
-        uint64_t pure_until = published_at + (ch->spin_ns < DP2_PURE_SPIN_NS ? ch->spin_ns : DP2_PURE_SPIN_NS);
+        /* Busy-poll for the peer. If the peer last ran on our CPU it cannot make progress while we
+         * spin: yield between polls so it runs. Otherwise spin without yielding (a yield on a busy
+         * host can hand our CPU to an unrelated task for a whole time slice). */
         unsigned iter = 0;
-        int yielding = 0;
         while ((peer_seq = atomic_load_explicit(&peer->published_seq, memory_order_acquire)) < seq) {
             cpu_relax();
             if ((++iter & 15u) == 0) {
-                uint64_t t = now_ns();
-                if (t >= spin_until) break;
+                if (now_ns() >= spin_until) break;
                 if (atomic_load_explicit(&h->error_code, memory_order_relaxed) != 0) break;
-                if (!yielding && t >= pure_until) yielding = 1;
-                if (yielding) sched_yield();
+                if (my_cpu >= 0 && atomic_load_explicit(&peer->cpu, memory_order_relaxed) == my_cpu) sched_yield();
             }
         }
     }

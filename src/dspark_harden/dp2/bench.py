@@ -28,7 +28,20 @@ def _summary(ns: list) -> dict:
     }
 
 
-def _worker(rank: int, port: int, session: str, iters: int, spin_us: int) -> dict:
+def _pin(rank: int) -> list:
+    """Pin rank r to the r-th allowed CPU (two schedulers of a DP2 deployment run on their own
+    cores); returns the CPU set used. Both the gloo and the native measurement run pinned."""
+    import os
+
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) >= 2:
+        os.sched_setaffinity(0, {cpus[rank % len(cpus)]})
+    return sorted(os.sched_getaffinity(0))
+
+
+def _worker(rank: int, port: int, session: str, iters: int, spin_us: int, pin: bool = True) -> dict:
+    if pin:
+        _pin(rank)
     w = init_worker(rank, port, session, spin_us=spin_us)
     torch, dist, group = w.torch, w.dist, w.group
     from sglang.srt.distributed.utils import all_gather_single
@@ -92,8 +105,8 @@ def _worker(rank: int, port: int, session: str, iters: int, spin_us: int) -> dic
     return {"gloo": gloo, "native": native, "stock": stock_t, "harden": harden_t, "bad": bad, "n": len(inputs)}
 
 
-def run(iters: int, spin_us: int = 50) -> dict:
-    r0, r1 = run_pair(_worker, (iters, spin_us))
+def run(iters: int, spin_us: int = 50, pin: bool = True) -> dict:
+    r0, r1 = run_pair(_worker, (iters, spin_us, pin))
     native, gloo = _summary(r0["native"]), _summary(r0["gloo"])
     stock, harden = _summary(r0["stock"]), _summary(r0["harden"])
     return {
@@ -115,7 +128,7 @@ def main(args) -> int:
     if args.iters <= 0:
         print("dspark-harden bench dp2: --iters must be positive", file=sys.stderr)
         return 2
-    res = run(args.iters, args.spin_us)
+    res = run(args.iters, args.spin_us, not args.no_pin)
     mismatches = res.pop("_mismatches")
     if args.json:
         print(json.dumps(res))

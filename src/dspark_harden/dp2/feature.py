@@ -178,6 +178,8 @@ def dspark_cli(subparsers, bench_subparsers):
     p.add_argument("--iters", type=int, default=5000, help="exchanges per measurement (default 5000)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--spin-us", type=int, default=50, help="native spin budget before futex wait (default 50)")
+    p.add_argument("--no-pin", action="store_true",
+                   help="do not pin the two processes to different CPUs (default: pinned, like two schedulers on their own cores)")
 
     def run(args):
         from .bench import main

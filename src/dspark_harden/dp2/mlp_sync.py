@@ -238,9 +238,15 @@ class MlpSync:
                 RUNTIME.record_error("mlp", exc)
                 raise
         v = self._ffi.unpack(out_p, 2 * w)
-        tp0 = self._pool[i]
-        self._pool[i] = None  # handed out: never reused
-        a0, a1 = self._active()
+        pool = self._pool
+        tp0 = pool[i]
+        pool[i] = None  # handed out: never reused
+        act = self._dp_attn.get_parallel().tp_group.active_ranks_cpu
+        if act is self._act and self._act_p is not None:
+            ap = self._act_p
+            a0, a1 = ap[0], ap[1]
+        else:
+            a0, a1 = self._active()
         if not (a0 and a1):
             fb = list(self.schema.fallback)
             if not a0:
@@ -263,8 +269,13 @@ class MlpSync:
         if self._dp_attn._ENABLE_METRICS_DP_ATTENTION:
             info.dp_cooperation_info = self._coop.create([v[i_fm], v[w + i_fm]])
         now = time.perf_counter()
-        info.sync_wait_seconds = now - t0
-        self._acc.record(now - t0, now)
+        d = info.sync_wait_seconds = now - t0
+        acc = self._acc
+        acc.call_sum += d
+        if d > acc.call_max:
+            acc.call_max = d
+        if now >= acc.deadline:
+            acc.flush(now)
 
 
 MLP: Optional[MlpSync] = None
