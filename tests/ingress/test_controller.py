@@ -25,7 +25,7 @@ from dspark_harden.core.patch import Role
 from dspark_harden.core.settings import Settings
 from dspark_harden.ingress import controller as C
 from dspark_harden.ingress import feature as F
-from dspark_harden.ingress.harness import Endpoints, Peer, build_controller, make_batch, make_request
+from dspark_harden.ingress.harness import Endpoints, Peer, build_controller, close_controller, make_batch, make_request
 
 
 def bind(atomic=True, loop=True, poll_ms=100):
@@ -41,8 +41,17 @@ def rig(_tmp_path, dp=2, **kw):
     eps = Endpoints.new(dp, tempfile.mkdtemp(prefix="dpc-"))
     ctrl = build_controller(eps, dp_size=dp, **kw)
     peer = Peer(eps).open()
+    _KEEP.append((ctrl, peer))  # never left to the GC mid-test (zmq term() could block)
     time.sleep(0.2)  # let the IPC connections establish
     return ctrl, peer
+
+
+_KEEP: list = []
+
+
+def close(ctrl, peer):
+    close_controller(ctrl)
+    peer.close()
 
 
 def drain(peer, timeout_ms=500):
@@ -71,6 +80,7 @@ def test_stock_sends_a_routed_batch_item_by_item_ours_sends_one_message(tmp_path
     stock = drain(peer)
     assert [who for who, _ in stock] == [1] * 64
     assert all(isinstance(m, TokenizedGenerateReqInput) for _, m in stock)
+    close(ctrl, peer)
 
     bind()
     ctrl, peer = rig(tmp_path / "ours")

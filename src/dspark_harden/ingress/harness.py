@@ -98,6 +98,16 @@ def build_controller(
     return ctrl
 
 
+def close_controller(ctrl: Any) -> None:
+    """Close a harness controller's sockets with linger 0 and terminate its context (a context
+    left to the garbage collector may block in ``term()`` on unsent messages)."""
+    socks = [ctrl.recv_from_tokenizer, *ctrl.workers, getattr(ctrl, "_dspark_reject_sock", None)]
+    for sock in socks:
+        if sock is not None:
+            sock.close(linger=0)
+    ctrl.context.term()
+
+
 @dataclass
 class Peer:
     """The tokenizer and scheduler ends of a harness controller, in this process."""
