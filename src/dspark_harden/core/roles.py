@@ -39,13 +39,14 @@ def _dp_rank_of(server_args: Any, tp_rank: Optional[int], dp_rank: Optional[int]
         return dp_rank
     if server_args is None or tp_rank is None:
         return None
-    dp_size = getattr(server_args, "dp_size", 1) or 1
-    if dp_size <= 1:
+    # 0.5.23 resolves --dp-size N --enable-dp-attention into attn_dp_size (dp_size may read 1)
+    attn_dp = getattr(server_args, "attn_dp_size", None) or 0
+    if not attn_dp and getattr(server_args, "enable_dp_attention", False):
+        attn_dp = getattr(server_args, "dp_size", 1) or 1
+    if attn_dp <= 1:
         return None
-    if getattr(server_args, "enable_dp_attention", False):
-        attn_tp = max(1, server_args.tp_size // dp_size)
-        return tp_rank // attn_tp
-    return None
+    attn_tp = max(1, server_args.tp_size // attn_dp)
+    return tp_rank // attn_tp
 
 
 def detect_context(forced: Optional[str] = None) -> ProcessContext:
