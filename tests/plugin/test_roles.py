@@ -50,3 +50,17 @@ def test_load_is_reentrant():
         env={"DSPARK_HARDEN_ROLE": "controller"},
     )
     assert rc == 0 and result == {"same": True, "n": result["n"], "n2": result["n"]}, out[-3000:]
+
+
+def test_dp_attention_rank_from_server_args():
+    """Real ServerArgs fields: 0.5.23 keeps the DP-attention degree in attn_dp_size."""
+    from types import SimpleNamespace as Args
+
+    from dspark_harden.core.roles import _dp_rank_of
+
+    assert _dp_rank_of(Args(attn_dp_size=2, tp_size=2), 1, None) == 1
+    assert _dp_rank_of(Args(attn_dp_size=2, tp_size=4), 3, None) == 1
+    assert _dp_rank_of(Args(enable_dp_attention=True, dp_size=2, tp_size=2), 1, None) == 1
+    assert _dp_rank_of(Args(dp_size=2, tp_size=1), 0, None) is None  # DP without attention DP
+    assert _dp_rank_of(Args(attn_dp_size=1, tp_size=2), 1, 5) == 5  # explicit rank wins
+    assert _dp_rank_of(None, None, None) is None
