@@ -28,15 +28,18 @@ def lock_path() -> str:
     return os.environ.get("DSPARK_SERVER_LOCK") or DEFAULT_LOCK
 
 
-def _timeout() -> float:
-    raw = os.environ.get("DSPARK_SERVER_LOCK_TIMEOUT", "3600")
+def env_seconds(name: str, default: str) -> float:
+    """A positive number of seconds from the environment (strict, error names the variable)."""
+    from dspark_harden.core.settings import positive_float
+
     try:
-        value = float(raw)
-    except ValueError:
-        raise ValueError(f"DSPARK_SERVER_LOCK_TIMEOUT must be a number of seconds, got {raw!r}") from None
-    if not value > 0:
-        raise ValueError(f"DSPARK_SERVER_LOCK_TIMEOUT must be positive, got {raw!r}")
-    return value
+        return positive_float(os.environ.get(name, default))
+    except ValueError as exc:
+        raise ValueError(f"{name} (seconds) {exc}") from None
+
+
+def _timeout() -> float:
+    return env_seconds("DSPARK_SERVER_LOCK_TIMEOUT", "3600")
 
 
 def acquire() -> None:

@@ -71,14 +71,7 @@ class ServerError(RuntimeError):
 
 
 def ready_timeout() -> float:
-    raw = os.environ.get("DSPARK_SERVER_READY_TIMEOUT", "600")
-    try:
-        value = float(raw)
-    except ValueError:
-        raise ValueError(f"DSPARK_SERVER_READY_TIMEOUT must be a number of seconds, got {raw!r}") from None
-    if not value > 0:
-        raise ValueError(f"DSPARK_SERVER_READY_TIMEOUT must be positive, got {raw!r}")
-    return value
+    return _lock.env_seconds("DSPARK_SERVER_READY_TIMEOUT", "600")
 
 
 def free_port(span: int = 16) -> int:
