@@ -9,7 +9,7 @@ VENV="${DSPARK_VENV:-$HOME/.cache/dspark-harden/venv}"
 PY="${PYTHON:-python3}"
 SGLANG_REQ="sglang==0.5.23"
 # runtime + test requirements that are not pulled by sglang itself
-EXTRA_REQS=(cffi pyzmq prometheus-client filelock "pluggy>=1.5" packaging "pytest>=8,<9" "pytest-forked>=1.6" pytest-timeout jsonschema setuptools wheel)
+EXTRA_REQS=(cffi pyzmq prometheus-client filelock "pluggy>=1.5" packaging "pytest>=8,<9" "pytest-forked>=1.6" pytest-timeout jsonschema numpy "setuptools>=77" wheel)
 STAMP="$VENV/.dspark-harden-venv"
 WANT="$(printf '%s\n' "$SGLANG_REQ" "${EXTRA_REQS[@]}" | sha256sum | cut -c1-16)"
 
