@@ -25,4 +25,4 @@ check: install
 	SGLANG_PLUGINS=dspark_harden $(VENV)/bin/dspark-harden check
 
 clean:
-	rm -rf build src/*.egg-info src/dspark_harden/_dp2_native*.so src/dspark_harden/_dp2_native.c .pytest_cache
+	rm -rf build src/*.egg-info src/dspark_harden/_dp2_native*.so src/dspark_harden/_dp2_native.c src/dspark_harden/_traverse_native*.so src/dspark_harden/_traverse_native.c .pytest_cache

@@ -1,7 +1,7 @@
-"""Build hook: compiles the native DP2 exchange with cffi (out-of-line API mode).
+"""Build hook: compiles the native modules with cffi (out-of-line API mode).
 
-The cffi builder lives beside the C sources in native/ (see native/build_dp2.py).
+The cffi builders live beside the C sources in native/ (see native/build.py).
 """
 from setuptools import setup
 
-setup(cffi_modules=["native/build_dp2.py:ffibuilder"])
+setup(cffi_modules=["native/build.py:dp2_ffibuilder", "native/build.py:traverse_ffibuilder"])

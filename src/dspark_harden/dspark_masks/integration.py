@@ -118,6 +118,7 @@ class DSparkMaskRuntime:
 
     def build(self, *, reqs, ticket: Ticket, sampling_info, device, barrier) -> Optional["PipelinedGrammarMask"]:
         t0 = time.perf_counter()
+        self.traverser.prewake()
         if barrier is not None:
             barrier()  # upstream FSM advance of the previous result (single authority)
         t1 = time.perf_counter()
@@ -147,7 +148,7 @@ class DSparkMaskRuntime:
 
         def fill(draft: torch.Tensor, mask: torch.Tensor) -> bool:
             r0 = time.perf_counter()
-            jobs, _ = resolve_jobs(reqs, draft, vocab_size)
+            jobs, _ = resolve_jobs(reqs, draft, vocab_size, clip_end=not self.traverser.clips_end)
             r1 = time.perf_counter()
             info["resolution"] = r1 - r0
             info["active"] = len(jobs)

@@ -55,19 +55,26 @@ def _describe(obj: Any) -> str:
     return f"{t.__module__}.{t.__qualname__}"
 
 
-def resolve_jobs(reqs: Sequence[Any], draft: torch.Tensor, vocab_size: int) -> tuple[list[Job], int]:
+def resolve_jobs(reqs: Sequence[Any], draft: torch.Tensor, vocab_size: int, *,
+                 clip_end: bool = True) -> tuple[list[Job], int]:
     """Return the traversal jobs for this step and the number of requests that carry a grammar
-    object at all (stock builds a mask whenever that number is non-zero)."""
+    object at all (stock builds a mask whenever that number is non-zero).
+
+    ``clip_end=False`` (the native engine, which finds out-of-vocab and negative draft tokens
+    itself) leaves every job's ``end`` at the chain length and skips that scan here."""
     XGrammarGrammar, ReasonerGrammarObject = _classes()
     bs, chain = draft.shape
     if len(reqs) != bs:
         raise TraversalError(f"{len(reqs)} requests for a draft batch of {bs} rows")
     toks = draft.numpy()
-    body = toks[:, 1:]
-    bad = body >= vocab_size
-    first_bad = np.where(bad.any(axis=1), bad.argmax(axis=1) + 1, chain)
-    negative = body < 0
-    any_negative = bool(negative.any())
+    if clip_end:
+        body = toks[:, 1:]
+        bad = body >= vocab_size
+        first_bad = np.where(bad.any(axis=1), bad.argmax(axis=1) + 1, chain)
+        negative = body < 0
+        any_negative = bool(negative.any())
+    else:
+        first_bad, any_negative = None, False
     jobs: list[Job] = []
     with_grammar = 0
     for row, req in enumerate(reqs):
@@ -106,7 +113,7 @@ def resolve_jobs(reqs: Sequence[Any], draft: torch.Tensor, vocab_size: int) -> t
                 f"request {_rid(req)}: grammar object {_describe(g)} is not supported by the native DSpark "
                 f"grammar traversal (XGrammarGrammar or ReasonerGrammarObject wrapping it)"
             )
-        end = int(first_bad[row])
+        end = int(first_bad[row]) if clip_end else chain
         if any_negative and negative[row, root : end - 1].any():
             col = int(np.argmax(negative[row, root : end - 1])) + root + 1
             raise TraversalError(f"request {_rid(req)}: negative draft token {int(toks[row, col])} at chain position {col}")

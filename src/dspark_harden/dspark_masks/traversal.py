@@ -20,20 +20,24 @@ rolls back; the level engine rolls back what it accepted).
 
 Engines (``DSPARK_HARDEN_GRAMMAR_TRAVERSAL``):
 
-``scalar``   ``GrammarMatcher.traverse_draft_tree`` per chain, in a plain loop.
+``native``   ``GrammarMatcher.traverse_draft_tree`` per chain, called through the TVM FFI C ABI from a
+             persistent pool of native threads without the GIL, repair in C (:mod:`.native`).
+``scalar``   ``GrammarMatcher.traverse_draft_tree`` per chain, in a plain Python loop.
 ``threads``  the same, chains split over a persistent thread pool (the native call releases the GIL).
 ``level``    level-synchronous: per depth one ``BatchGrammarMatcher.batch_fill_next_token_bitmask``
              (native thread pool), a bit test of the next draft token, one ``batch_accept_token``;
              one ``batch_rollback`` at the end.
 ``batch``    ``BatchGrammarMatcher.batch_traverse_draft_tree`` (not in xgrammar 0.2.7; used only when
              the installed xgrammar has it, after a start-up equivalence probe against ``scalar``).
-``auto``     ``batch`` when available, else the measured default (see docs/dspark_masks.md).
+``auto``     ``batch`` when available, else ``native`` when the native module binds, else ``scalar``
+             (measured, see docs/dspark_masks.md).
 
 Nothing here imports SGLang; :mod:`.resolve` turns SGLang grammar objects into :class:`Job` s.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 import weakref
 from concurrent.futures import ThreadPoolExecutor
@@ -44,7 +48,9 @@ import numpy as np
 import torch
 import xgrammar as xgr
 
-ENGINES = ("auto", "scalar", "threads", "level", "batch")
+logger = logging.getLogger("dspark_harden.dspark_masks")
+
+ENGINES = ("auto", "native", "scalar", "threads", "level", "batch")
 
 
 class TraversalError(RuntimeError):
@@ -119,6 +125,10 @@ class ChainTraverser:
             )
         if engine == "auto":
             engine = "batch" if batch_traverse_available() else DEFAULT_ENGINE
+            if engine == "native" and native_unavailable_reason():
+                logger.warning("dspark-harden: native draft traversal unavailable (%s); using 'scalar'",
+                               native_unavailable_reason())
+                engine = "scalar"
         self.engine = engine
         self.threads = threads
         self._links = _ChainLinks()
@@ -126,6 +136,9 @@ class ChainTraverser:
         self._pool: Optional[ThreadPoolExecutor] = None
         self._batch: Optional[Any] = None
         self._lock = threading.Lock()
+        self._native: Optional[Any] = None
+        if engine == "native":
+            self._native = self._open_native()
         if engine in ("level", "batch"):
             self._batch = xgr.BatchGrammarMatcher(max_threads=threads)
         if engine == "threads" and threads > 1:
@@ -133,7 +146,28 @@ class ChainTraverser:
         if engine == "batch":
             probe_batch_engine(self)
 
+    def _open_native(self):
+        from .native import NativeTraversal
+
+        return NativeTraversal(self.threads)
+
+    @property
+    def clips_end(self) -> bool:
+        """True when the engine finds each chain's first out-of-vocab draft token itself (native):
+        :func:`~.resolve.resolve_jobs` may then skip that scan."""
+        return self.engine == "native"
+
+    def prewake(self) -> None:
+        """Called at the start of a verify step's mask build: native workers wake up while the
+        caller runs the barrier and resolves jobs (no-op for the other engines)."""
+        native = self._native
+        if native is not None and not native.stale():
+            native.prewake()
+
     def close(self) -> None:
+        if self._native is not None:
+            self._native.close()
+            self._native = None
         if self._pool is not None:
             self._pool.shutdown(wait=True)
             self._pool = None
@@ -143,13 +177,22 @@ class ChainTraverser:
         bs, chain = draft.shape
         _check_buffers(draft, out, bs, chain, vocab_size)
         with self._lock:  # one step at a time per traverser (buffers and native pools are shared)
-            bits = out[: bs * chain].numpy()
             live = [j for j in jobs if j.end > j.root]
-            seen = set()
+            if self.engine == "native":
+                # validation (rows, ranges, shared matchers), all-ones prefill and repair run in C
+                if self._native.stale():
+                    self._native = self._open_native()  # forked: worker threads stay in the parent
+                self._native.run(live, draft, out, bs, chain, vocab_size)
+                return
+            bits = out[: bs * chain].numpy()
+            seen, matchers = set(), set()
             for j in live:
                 if j.row in seen:
                     raise TraversalError(f"request {j.rid}: batch row {j.row} assigned to two matchers")
+                if id(j.matcher) in matchers:
+                    raise TraversalError(f"request {j.rid}: its GrammarMatcher is shared with another batch row")
                 seen.add(j.row)
+                matchers.add(id(j.matcher))
                 if not (0 <= j.row < bs and 0 <= j.root < j.end <= chain):
                     raise TraversalError(
                         f"request {j.rid}: job row={j.row} root={j.root} end={j.end} outside batch {bs}x{chain}"
@@ -382,5 +425,11 @@ def probe_batch_engine(traverser: ChainTraverser) -> None:
         )
 
 
+def native_unavailable_reason():
+    from .native import unavailable_reason
+
+    return unavailable_reason()
+
+
 # The engine `auto` picks when the batch API is absent: chosen by measurement (docs/dspark_masks.md).
-DEFAULT_ENGINE = "scalar"
+DEFAULT_ENGINE = "native"

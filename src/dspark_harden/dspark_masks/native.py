@@ -1,0 +1,152 @@
+"""Python side of the native draft-chain traversal (``dspark_harden._traverse_native``, cffi API mode).
+
+The C module (native/draft_traverse.c) calls xgrammar's own ``GrammarMatcher.traverse_draft_tree``
+through the TVM FFI C ABI — the entry point xgrammar's Python binding calls — from a persistent pool
+of native threads, with the GIL released (cffi releases it around the call), and applies the
+stock-equivalence repair (rejected / terminating nodes, terminated roots) in C. One call per
+verify step; see :class:`~.traversal.ChainTraverser` (engine ``native``).
+"""
+
+from __future__ import annotations
+
+import os
+import weakref
+from typing import Any, Optional, Sequence
+
+import torch
+
+from .traversal import Job, TraversalError
+
+try:
+    from .._traverse_native import ffi, lib
+except ImportError as exc:  # pragma: no cover - only without the built extension
+    ffi = lib = None
+    IMPORT_ERROR: Optional[str] = f"dspark_harden._traverse_native is not built: {exc}"
+else:
+    IMPORT_ERROR = None
+
+ABI_VERSION = 2
+# How long woken workers spin for the step they were woken for: covers the barrier, job resolution
+# and the draft-copy wait that separate the wake-up from the traversal (a few hundred us at most).
+PREWAKE_SPIN_US = 3000
+
+
+def unavailable_reason() -> Optional[str]:
+    if IMPORT_ERROR:
+        return IMPORT_ERROR
+    if lib.DSH_TRAV_ABI_VERSION != ABI_VERSION:
+        return (f"dspark_harden._traverse_native ABI {lib.DSH_TRAV_ABI_VERSION} does not match the Python wrapper "
+                f"(expects {ABI_VERSION}); rebuild the package")
+    return None
+
+
+def tvm_ffi_library() -> str:
+    """Path of the TVM FFI shared library loaded in this process (the instance xgrammar's objects
+    and types live in)."""
+    import xgrammar  # noqa: F401 - loads libtvm_ffi
+
+    try:
+        with open("/proc/self/maps") as fh:
+            for line in fh:
+                path = line.split()[-1] if line.count(" ") >= 5 else ""
+                if os.path.basename(path).startswith("libtvm_ffi.so"):
+                    return path
+    except OSError:
+        pass
+    from tvm_ffi import libinfo
+
+    return libinfo.find_libtvm_ffi()
+
+
+def _probe_matcher() -> Any:
+    import xgrammar as xgr
+
+    info = xgr.TokenizerInfo(["a", "b"], vocab_size=2, stop_token_ids=[1])
+    return xgr.GrammarMatcher(xgr.GrammarCompiler(info).compile_grammar('root ::= "a"'))
+
+
+def _handle(matcher: Any) -> int:
+    return matcher._handle.__chandle__()
+
+
+class NativeTraversal:
+    """A bound native traversal with ``threads`` native threads (the calling thread included)."""
+
+    def __init__(self, threads: int) -> None:
+        reason = unavailable_reason()
+        if reason:
+            raise TraversalError(reason)
+        probe = _probe_matcher()
+        out = ffi.new("dsh_trav **")
+        err = ffi.new("char[]", lib.DSH_TRAV_ERRBUF_MIN)
+        rc = lib.dsh_trav_open(tvm_ffi_library().encode(), ffi.cast("void *", _handle(probe)), threads, out, err,
+                               len(err))
+        if rc:
+            raise TraversalError(f"native traversal could not bind to xgrammar: {ffi.string(err).decode(errors='replace')}")
+        self._t = out[0]
+        self.threads = threads
+        self._pid = os.getpid()
+        self._err = err
+        self._failed = ffi.new("int32_t *")
+        self._cache: dict = {}  # id(matcher) -> see _entry
+        self._finalizer = weakref.finalize(self, NativeTraversal._close_handle, self._t, self._pid)
+
+    @staticmethod
+    def _close_handle(handle, pid) -> None:
+        # worker threads exist only in the opening process; a forked child just drops the handle
+        if os.getpid() == pid:
+            lib.dsh_trav_close(handle)
+
+    def close(self) -> None:
+        self._finalizer()
+
+    def prewake(self, spin_us: int = PREWAKE_SPIN_US) -> None:
+        """Wake the worker threads ahead of :meth:`run` (they spin up to ``spin_us`` for it)."""
+        if os.getpid() == self._pid:
+            lib.dsh_trav_prewake(self._t, spin_us)
+
+    def stale(self) -> bool:
+        """True in a forked child of the process that opened this traversal."""
+        return os.getpid() != self._pid
+
+    def _entry(self, matcher: Any):
+        """(weakref, handle as void *, stop ids as int32[] or NULL, count), cached per live matcher
+        (GrammarMatcher is not hashable: keyed by id, checked by weak reference)."""
+        entry = self._cache.get(id(matcher))
+        if entry is not None and entry[0]() is matcher:
+            return entry
+        if len(self._cache) > 8192:
+            for key in [k for k, e in self._cache.items() if e[0]() is None]:
+                del self._cache[key]
+        stops = list(matcher.stop_token_ids)
+        entry = (weakref.ref(matcher), ffi.cast("void *", _handle(matcher)),
+                 ffi.new("int32_t[]", stops) if stops else ffi.NULL, len(stops))
+        self._cache[id(matcher)] = entry
+        return entry
+
+    def run(self, jobs: Sequence[Job], draft: torch.Tensor, out: torch.Tensor, bs: int, chain: int,
+            vocab_size: int) -> None:
+        """Fill ``out[:bs*chain]``; a job's ``end`` is clipped in C at its first draft token
+        ``>= vocab_size`` (so :func:`~.resolve.resolve_jobs` may leave it at ``chain``)."""
+        if os.getpid() != self._pid:
+            raise TraversalError("native traversal used after fork; create a new ChainTraverser in this process")
+        n = len(jobs)
+        cj = ffi.new("dsh_trav_job[]", n) if n else ffi.NULL
+        cache, entry = self._cache, self._entry
+        for i, j in enumerate(jobs):
+            m = j.matcher
+            e = cache.get(id(m))
+            if e is None or e[0]() is not m:
+                e = entry(m)
+            c = cj[i]
+            c.matcher, c.stop, c.n_stop = e[1], e[2], e[3]
+            c.row, c.root, c.end = j.row, j.root, j.end
+        rc = lib.dsh_trav_run(
+            self._t, cj, n, ffi.cast("const int64_t *", draft.data_ptr()), bs, chain, vocab_size,
+            ffi.cast("int32_t *", out.data_ptr()), out.shape[1], self._failed, self._err, len(self._err),
+        )
+        if rc:
+            msg = ffi.string(self._err).decode(errors="replace")
+            k = self._failed[0]
+            who = f"request {jobs[k].rid}" if 0 <= k < n else "native traversal"
+            raise TraversalError(f"{who}: {msg}")
