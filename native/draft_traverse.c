@@ -412,12 +412,17 @@ static int validate_and_prefill(dsh_trav_job *jobs, int32_t n, const int64_t *dr
         qsort(ptrs, (size_t)n, sizeof(void *), cmp_ptr);
         for (int32_t i = 1; i < n; i++)
             if (ptrs[i] == ptrs[i - 1]) {
-                for (int32_t a = 0; a < n; a++)
+                int32_t first = -1, second = -1;
+                for (int32_t a = 0; a < n && second < 0; a++)
                     if (jobs[a].matcher == ptrs[i]) {
-                        *failed = a;
-                        break;
+                        if (first < 0)
+                            first = a;
+                        else
+                            second = a;
                     }
-                fmt(err, errlen, "one GrammarMatcher is shared by two batch rows (traversed concurrently)");
+                *failed = second;
+                fmt(err, errlen, "its GrammarMatcher is shared with batch row %d (rows are traversed concurrently)",
+                    jobs[first].row);
                 rc = DSH_TRAV_E_ARG;
                 break;
             }

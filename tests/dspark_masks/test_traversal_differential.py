@@ -15,7 +15,7 @@ from dspark_harden.dspark_masks.resolve import UnsupportedGrammarError, resolve_
 from dspark_harden.dspark_masks.traversal import ChainTraverser, TraversalError, batch_traverse_available
 from dspark_harden.dspark_masks.workload import GrammarFactory, Req, matcher_state
 
-ENGINES = ["scalar", "threads", "level"] + (["batch"] if batch_traverse_available() else [])
+ENGINES = ["native", "scalar", "threads", "level"] + (["batch"] if batch_traverse_available() else [])
 
 
 @pytest.fixture(scope="module")
@@ -52,7 +52,8 @@ def stock_mask(reqs, draft, vocab_size):
 def ours_mask(traverser, reqs, draft, vocab_size):
     bs, chain = draft.shape
     out = torch.full((bs * chain, (vocab_size + 31) // 32), 12345, dtype=torch.int32)  # garbage: all overwritten
-    jobs, _ = resolve_jobs(reqs, draft, vocab_size)
+    # as the runtime does: the native engine clips each chain at its first out-of-vocab token itself
+    jobs, _ = resolve_jobs(reqs, draft, vocab_size, clip_end=not traverser.clips_end)
     traverser.traverse(jobs, draft, out, vocab_size)
     return out
 

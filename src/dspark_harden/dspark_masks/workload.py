@@ -217,7 +217,7 @@ class NativeFactory:
                 roots.append(0)
                 rows.append([rng.randrange(V) for _ in range(chain)])
                 continue
-            m = self._xgr.GrammarMatcher(cg, max_rollback_tokens=200)
+            m = self._xgr.GrammarMatcher(cg)  # rollback history is unlimited in xgrammar 0.2
             k = rng.randint(0, len(ids))
             for t in ids[:k]:
                 if not m.accept_token(t):
