@@ -86,7 +86,7 @@ def test_native_c_source_compiles_standalone_strict(tmp_path):
     assert res.returncode == 0, res.stderr
 
 
-@pytest.mark.parametrize("threads", [2, 4])
+@pytest.mark.parametrize("threads", [2, 4, 16])
 def test_thread_count_never_changes_a_bit_over_many_random_steps(threads):
     """300 randomized steps (valid, invalid, out-of-vocab, stop tokens, terminated matchers, roots
     inside the chain) through the same native traversal: identical to the single-threaded scalar

@@ -32,7 +32,7 @@ def native():
     return NativeFactory(vocab=32000, pad=64)
 
 
-@pytest.mark.parametrize("engine", ["scalar", "threads", "level"])
+@pytest.mark.parametrize("engine", ["native", "scalar", "threads", "level"])
 def test_pipeline_masks_equal_cpu_path_while_compute_stream_is_busy(native, engine):
     """Each step: the compute stream sleeps, then writes the step's verify ids (so the D2H must wait
     for it), begin(); the compute stream sleeps again (target verify); finish() traverses and

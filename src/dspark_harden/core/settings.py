@@ -44,6 +44,23 @@ def positive_int(raw: str) -> int:
     return value
 
 
+def int_range(lo: int, hi: int) -> Callable[[str], int]:
+    """An integer in [lo, hi]."""
+
+    def parse(raw: str) -> int:
+        try:
+            value = int(raw.strip(), 10)
+        except ValueError:
+            raise ValueError(f"must be an integer in [{lo}, {hi}], got {raw!r}") from None
+        if not lo <= value <= hi:
+            raise ValueError(f"must be an integer in [{lo}, {hi}], got {raw!r}")
+        return value
+
+    parse.__doc__ = f"integer in [{lo}, {hi}]"
+    parse.bad_examples = ("", str(lo - 1), str(hi + 1), "1.5", "abc")
+    return parse
+
+
 def nonneg_int(raw: str) -> int:
     try:
         value = int(raw.strip(), 10)

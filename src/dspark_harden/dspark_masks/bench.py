@@ -194,7 +194,7 @@ def native_engine_times(requests: int = 64, chain: int = 8, vocab: int = 32000, 
     ref = torch.empty((requests * chain, words), dtype=torch.int32)
     ChainTraverser("scalar").traverse(native_jobs(matchers, roots, draft, V), draft, ref, V)
     out = {"requests": requests, "chain": chain, "vocab_size": V, "engines_ms": {}}
-    configs = [("scalar", 1)] + [(e, n) for e in ("threads", "level") for n in threads]
+    configs = [("scalar", 1), ("native", 1)] + [(e, n) for e in ("native", "threads", "level") for n in threads]
     for eng, n in configs:
         t = ChainTraverser(eng, threads=n)
         buf = torch.empty_like(ref)

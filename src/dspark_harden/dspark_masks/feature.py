@@ -18,7 +18,7 @@ from typing import Any
 from ..core.feature import Feature
 from ..core.hookspecs import hookimpl
 from ..core.patch import Kind, Patch, Role
-from ..core.settings import Setting, choice, flag01, positive_int
+from ..core.settings import Setting, choice, flag01, int_range
 from .traversal import ENGINES
 
 FEATURE = "dspark-masks"
@@ -48,6 +48,12 @@ def _available(settings: Any):
         import xgrammar  # noqa: F401
     except Exception as exc:  # noqa: BLE001
         return f"xgrammar is not importable: {exc}"
+    if settings[ENGINE] == "native":
+        from .traversal import native_unavailable_reason
+
+        reason = native_unavailable_reason()
+        if reason:
+            return f"{ENGINE}=native: {reason}"
     if settings[ENGINE] == "batch":
         from .traversal import batch_traverse_available
 
@@ -65,12 +71,13 @@ def dspark_settings():
                 "1: DSpark verify steps build their grammar masks with one batched native traversal and a "
                 "double-buffered copy-stream upload (scheduler processes). 0: stock Python DFS.", feature=f),
         Setting(ENGINE, choice(*ENGINES), "auto",
-                "Traversal engine: auto (xgrammar's batch_traverse_draft_tree when installed, else the "
-                "measured default 'scalar'), scalar, threads, level, batch. See docs/dspark_masks.md.",
-                feature=f),
-        Setting(THREADS, positive_int, 2,
-                "Threads for the 'threads' engine (Python pool; the native call releases the GIL) and native "
-                "threads of xgrammar's BatchGrammarMatcher for 'level'/'batch'.", feature=f),
+                "Traversal engine: auto (xgrammar's batch_traverse_draft_tree when installed, else 'native' "
+                "when its module binds, else 'scalar'), native, scalar, threads, level, batch. See "
+                "docs/dspark_masks.md.", feature=f),
+        Setting(THREADS, int_range(1, 64), 2,
+                "Threads per scheduler process for the traversal: native threads of the 'native' engine "
+                "(the calling thread included), the Python pool of 'threads', xgrammar's "
+                "BatchGrammarMatcher pool for 'level'/'batch'.", feature=f),
     ]
 
 
