@@ -14,6 +14,7 @@
  */
 #define _GNU_SOURCE
 #include "dp2_exchange.h"
+#include "spin.h"
 
 #include <errno.h>
 #include <fcntl.h>
@@ -154,14 +155,6 @@ static long futex_wait(_Atomic uint32_t *addr, uint32_t expected, uint64_t timeo
 
 static void futex_wake_all(_Atomic uint32_t *addr) {
     syscall(SYS_futex, (uint32_t *)addr, FUTEX_WAKE, INT32_MAX, NULL, NULL, 0);
-}
-
-static inline void cpu_relax(void) {
-#if defined(__x86_64__) || defined(__i386__)
-    __builtin_ia32_pause();
-#elif defined(__aarch64__)
-    __asm__ __volatile__("yield");
-#endif
 }
 
 static const char *code_name(int code) {

@@ -15,6 +15,7 @@
 #include <unistd.h>
 
 #include "tvm_ffi_abi.h"
+#include "spin.h"
 
 /* how long the caller spins for helpers finishing their last job before sleeping on `done` */
 #define SPIN_DONE_NS 2000000LL
@@ -268,14 +269,6 @@ static long long now_ns(void) {
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
     return (long long)ts.tv_sec * 1000000000LL + ts.tv_nsec;
-}
-
-static inline void cpu_relax(void) {
-#if defined(__x86_64__) || defined(__i386__)
-    __builtin_ia32_pause();
-#elif defined(__aarch64__)
-    __asm__ __volatile__("yield");
-#endif
 }
 
 /* Workers sleep on `go` between steps. dsh_trav_prewake wakes them a little before a step (while
