@@ -14,7 +14,7 @@
  */
 #define _GNU_SOURCE
 #include "dp2_exchange.h"
-#include "spin.h"
+#include "native_common.h"
 
 #include <errno.h>
 #include <fcntl.h>
@@ -95,14 +95,6 @@ struct dspark_dp2_channel {
 };
 
 /* ------------------------------------------------------------------------------------------ */
-
-static void set_err(char *err, size_t errlen, const char *fmt, ...) {
-    if (err == NULL || errlen == 0) return;
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(err, errlen, fmt, ap);
-    va_end(ap);
-}
 
 static uint64_t now_ns(void) {
     struct timespec ts;

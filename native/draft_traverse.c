@@ -15,7 +15,7 @@
 #include <unistd.h>
 
 #include "tvm_ffi_abi.h"
-#include "spin.h"
+#include "native_common.h"
 
 /* how long the caller spins for helpers finishing their last job before sleeping on `done` */
 #define SPIN_DONE_NS 2000000LL
@@ -65,14 +65,6 @@ struct dsh_trav {
     int32_t links_chain;
 };
 
-static void fmt(char *err, size_t errlen, const char *f, ...) {
-    if (!err || !errlen) return;
-    va_list ap;
-    va_start(ap, f);
-    vsnprintf(err, errlen, f, ap);
-    va_end(ap);
-}
-
 /* ---------------------------------------------------------------------------------------------- */
 /* binding */
 
@@ -95,7 +87,7 @@ static void *find_method(const dsh_TVMFFITypeInfo *info, const char *name) {
 static int bind(dsh_trav *t, const char *libpath, void *probe, char *err, size_t errlen) {
     t->lib = dlopen(libpath, RTLD_NOW | RTLD_NOLOAD);
     if (!t->lib) {
-        fmt(err, errlen, "TVM FFI library %s is not loaded in this process (import xgrammar first): %s", libpath,
+        set_err(err, errlen, "TVM FFI library %s is not loaded in this process (import xgrammar first): %s", libpath,
             dlerror());
         return DSH_TRAV_E_BIND;
     }
@@ -106,31 +98,31 @@ static int bind(dsh_trav *t, const char *libpath, void *probe, char *err, size_t
     t->decref = (dsh_TVMFFIObjectDecRef_t)dlsym(t->lib, "TVMFFIObjectDecRef");
     t->incref = (int (*)(void *))dlsym(t->lib, "TVMFFIObjectIncRef");
     if (!get_version || !get_type_info || !t->call || !t->err_move || !t->decref || !t->incref) {
-        fmt(err, errlen, "TVM FFI library %s lacks a C API entry point this traversal needs", libpath);
+        set_err(err, errlen, "TVM FFI library %s lacks a C API entry point this traversal needs", libpath);
         return DSH_TRAV_E_BIND;
     }
     dsh_TVMFFIVersion v = {0, 0, 0};
     get_version(&v);
     if (v.major != DSH_TVM_FFI_ABI_MAJOR || v.minor != DSH_TVM_FFI_ABI_MINOR) {
-        fmt(err, errlen, "TVM FFI C ABI %u.%u.%u is not the %d.%d ABI this traversal was built for", v.major, v.minor,
+        set_err(err, errlen, "TVM FFI C ABI %u.%u.%u is not the %d.%d ABI this traversal was built for", v.major, v.minor,
             v.patch, DSH_TVM_FFI_ABI_MAJOR, DSH_TVM_FFI_ABI_MINOR);
         return DSH_TRAV_E_BIND;
     }
     if (!probe) {
-        fmt(err, errlen, "no probe GrammarMatcher handle");
+        set_err(err, errlen, "no probe GrammarMatcher handle");
         return DSH_TRAV_E_ARG;
     }
     int32_t type_index = ((const dsh_TVMFFIObject *)probe)->type_index;
     const dsh_TVMFFITypeInfo *info = type_index >= dsh_kTVMFFIStaticObjectBegin ? get_type_info(type_index) : NULL;
     if (!info) {
-        fmt(err, errlen, "probe matcher has no TVM FFI type info (type index %d)", type_index);
+        set_err(err, errlen, "probe matcher has no TVM FFI type info (type index %d)", type_index);
         return DSH_TRAV_E_BIND;
     }
     snprintf(t->type_key, sizeof t->type_key, "%.*s", (int)info->type_key.size, info->type_key.data);
     t->fn_traverse = find_method(info, "traverse_draft_tree");
     t->fn_is_terminated = find_method(info, "is_terminated");
     if (!t->fn_traverse || !t->fn_is_terminated) {
-        fmt(err, errlen, "TVM FFI type %s has no traverse_draft_tree / is_terminated method", t->type_key);
+        set_err(err, errlen, "TVM FFI type %s has no traverse_draft_tree / is_terminated method", t->type_key);
         return DSH_TRAV_E_BIND;
     }
     t->incref(t->fn_traverse);
@@ -146,12 +138,12 @@ static int raised(dsh_trav *t, const char *what, char *err, size_t errlen) {
     void *e = NULL;
     t->err_move(&e);
     if (!e) {
-        fmt(err, errlen, "%s failed without an error object", what);
+        set_err(err, errlen, "%s failed without an error object", what);
         return DSH_TRAV_E_CALL;
     }
     const dsh_TVMFFIErrorCellPrefix *cell =
         (const dsh_TVMFFIErrorCellPrefix *)((const char *)e + sizeof(dsh_TVMFFIObject));
-    fmt(err, errlen, "%s raised %.*s: %.*s", what, (int)cell->kind.size, cell->kind.data, (int)cell->message.size,
+    set_err(err, errlen, "%s raised %.*s: %.*s", what, (int)cell->kind.size, cell->kind.data, (int)cell->message.size,
         cell->message.data);
     t->decref(e);
     return DSH_TRAV_E_CALL;
@@ -165,7 +157,7 @@ static int call_bool(dsh_trav *t, void *fn, dsh_TVMFFIAny *args, int n, const ch
     if (t->call(fn, args, n, &res) != 0) return raised(t, what, err, errlen);
     if (res.type_index != dsh_kTVMFFIBool && res.type_index != dsh_kTVMFFIInt) {
         if (res.type_index >= dsh_kTVMFFIStaticObjectBegin && res.v_obj) t->decref(res.v_obj);
-        fmt(err, errlen, "%s returned type index %d, expected a bool", what, res.type_index);
+        set_err(err, errlen, "%s returned type index %d, expected a bool", what, res.type_index);
         return DSH_TRAV_E_CALL;
     }
     *out = res.v_int64 != 0;
@@ -181,7 +173,7 @@ static int one_job(dsh_trav *t, task_t *k, const dsh_trav_job *j, char *err, siz
     const int64_t base = (int64_t)j->row * chain;
     int64_t n = j->end - j->root;
     if (((const dsh_TVMFFIObject *)j->matcher)->type_index != t->matcher_type) {
-        fmt(err, errlen, "matcher object has TVM FFI type index %d, not %s",
+        set_err(err, errlen, "matcher object has TVM FFI type index %d, not %s",
             ((const dsh_TVMFFIObject *)j->matcher)->type_index, t->type_key);
         return DSH_TRAV_E_TYPE;
     }
@@ -203,7 +195,7 @@ static int one_job(dsh_trav *t, task_t *k, const dsh_trav_job *j, char *err, siz
     int ok = 0, rc = call_bool(t, t->fn_traverse, args, 7, "GrammarMatcher.traverse_draft_tree", &ok, err, errlen);
     if (rc) return rc;
     if (!ok) {
-        fmt(err, errlen, "native draft-tree traversal did not complete");
+        set_err(err, errlen, "native draft-tree traversal did not complete");
         return DSH_TRAV_E_INCOMPLETE;
     }
     /* Stock-equivalence repair (see draft_traverse.h): the first rejected node, or the first
@@ -213,7 +205,7 @@ static int one_job(dsh_trav *t, task_t *k, const dsh_trav_job *j, char *err, siz
     for (int64_t i = j->root + 1; i < j->end; i++) {
         int64_t tk = row[i];
         if (tk < 0 || tk >= (int64_t)words * 32) {
-            fmt(err, errlen, "draft token %lld at chain position %lld is outside the %d-word mask", (long long)tk,
+            set_err(err, errlen, "draft token %lld at chain position %lld is outside the %d-word mask", (long long)tk,
                 (long long)i, words);
             return DSH_TRAV_E_ARG;
         }
@@ -316,17 +308,17 @@ void dsh_trav_prewake(dsh_trav *t, int spin_us) {
 
 int dsh_trav_open(const char *libpath, void *probe_matcher, int threads, dsh_trav **out, char *err, size_t errlen) {
     if (!out || !libpath) {
-        fmt(err, errlen, "null argument");
+        set_err(err, errlen, "null argument");
         return DSH_TRAV_E_ARG;
     }
     *out = NULL;
     if (threads < 1 || threads > DSH_TRAV_MAX_THREADS) {
-        fmt(err, errlen, "threads must be in [1, %d], got %d", DSH_TRAV_MAX_THREADS, threads);
+        set_err(err, errlen, "threads must be in [1, %d], got %d", DSH_TRAV_MAX_THREADS, threads);
         return DSH_TRAV_E_ARG;
     }
     dsh_trav *t = calloc(1, sizeof *t);
     if (!t) {
-        fmt(err, errlen, "out of memory");
+        set_err(err, errlen, "out of memory");
         return DSH_TRAV_E_ARG;
     }
     int rc = bind(t, libpath, probe_matcher, err, errlen);
@@ -344,7 +336,7 @@ int dsh_trav_open(const char *libpath, void *probe_matcher, int threads, dsh_tra
     for (int i = 0; i < threads - 1; i++) {
         int e = pthread_create(&t->workers[i], NULL, worker_main, t);
         if (e) {
-            fmt(err, errlen, "pthread_create: %s", strerror(e));
+            set_err(err, errlen, "pthread_create: %s", strerror(e));
             dsh_trav_close(t);
             return DSH_TRAV_E_THREAD;
         }
@@ -369,7 +361,7 @@ static int validate_and_prefill(dsh_trav_job *jobs, int32_t n, const int64_t *dr
     if (!has || (n && !ptrs)) {
         free(has);
         free(ptrs);
-        fmt(err, errlen, "out of memory");
+        set_err(err, errlen, "out of memory");
         return DSH_TRAV_E_ARG;
     }
     int rc = DSH_TRAV_OK;
@@ -377,11 +369,11 @@ static int validate_and_prefill(dsh_trav_job *jobs, int32_t n, const int64_t *dr
         dsh_trav_job *j = &jobs[i];
         if (!j->matcher || j->row < 0 || j->row >= bs || j->root < 0 || j->root >= j->end || j->end > chain ||
             j->n_stop < 0 || (j->n_stop && !j->stop)) {
-            fmt(err, errlen, "job row=%d root=%d end=%d outside batch %dx%d (or no matcher)", j->row, j->root, j->end,
+            set_err(err, errlen, "job row=%d root=%d end=%d outside batch %dx%d (or no matcher)", j->row, j->root, j->end,
                 bs, chain);
             rc = DSH_TRAV_E_ARG;
         } else if (has[j->row]) {
-            fmt(err, errlen, "batch row %d assigned to two matchers", j->row);
+            set_err(err, errlen, "batch row %d assigned to two matchers", j->row);
             rc = DSH_TRAV_E_ARG;
         } else {
             has[j->row] = 1;
@@ -393,7 +385,7 @@ static int validate_and_prefill(dsh_trav_job *jobs, int32_t n, const int64_t *dr
                     break;
                 }
                 if (row[c] < 0) {
-                    fmt(err, errlen, "negative draft token %lld at chain position %d", (long long)row[c], c);
+                    set_err(err, errlen, "negative draft token %lld at chain position %d", (long long)row[c], c);
                     rc = DSH_TRAV_E_ARG;
                     break;
                 }
@@ -414,7 +406,7 @@ static int validate_and_prefill(dsh_trav_job *jobs, int32_t n, const int64_t *dr
                             second = a;
                     }
                 *failed = second;
-                fmt(err, errlen, "its GrammarMatcher is shared with batch row %d (rows are traversed concurrently)",
+                set_err(err, errlen, "its GrammarMatcher is shared with batch row %d (rows are traversed concurrently)",
                     jobs[first].row);
                 rc = DSH_TRAV_E_ARG;
                 break;
@@ -462,19 +454,19 @@ int dsh_trav_run(dsh_trav *t, dsh_trav_job *jobs, int32_t n_jobs, const int64_t 
     *failed_job = -1;
     if (!t || !draft || !bits || (n_jobs && !jobs) || n_jobs < 0 || bs <= 0 || chain <= 0 || words <= 0 ||
         vocab_size <= 0 || vocab_size > words * 32) {
-        fmt(err, errlen, "null traversal, buffers or bad geometry (bs=%d chain=%d vocab=%d words=%d jobs=%d)", bs, chain,
+        set_err(err, errlen, "null traversal, buffers or bad geometry (bs=%d chain=%d vocab=%d words=%d jobs=%d)", bs, chain,
             vocab_size, words, n_jobs);
         return DSH_TRAV_E_ARG;
     }
     if (getpid() != t->owner) {
-        fmt(err, errlen, "native traversal used in pid %d, opened in pid %d (worker threads do not survive fork)",
+        set_err(err, errlen, "native traversal used in pid %d, opened in pid %d (worker threads do not survive fork)",
             (int)getpid(), (int)t->owner);
         return DSH_TRAV_E_THREAD;
     }
     pthread_mutex_lock(&t->run_mu);
     int rc = validate_and_prefill(jobs, n_jobs, draft, bs, chain, vocab_size, bits, words, failed_job, err, errlen);
     if (!rc && ensure_links(t, chain)) {
-        fmt(err, errlen, "out of memory");
+        set_err(err, errlen, "out of memory");
         rc = DSH_TRAV_E_ARG;
     }
     if (rc || n_jobs == 0) {
@@ -514,7 +506,7 @@ int dsh_trav_run(dsh_trav *t, dsh_trav_job *jobs, int32_t n_jobs, const int64_t 
     int failed = atomic_load(&k.failed);
     if (failed != INT_MAX) {
         *failed_job = failed;
-        fmt(err, errlen, "%s", k.err);
+        set_err(err, errlen, "%s", k.err);
         rc = k.code;
     }
     pthread_mutex_unlock(&t->run_mu);

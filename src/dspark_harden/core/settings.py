@@ -34,11 +34,15 @@ def flag01(raw: str) -> bool:
     raise ValueError(f"must be exactly '0' or '1', got {raw!r}")
 
 
-def positive_int(raw: str) -> int:
+def _int(raw: str, expected: str) -> int:
     try:
-        value = int(raw.strip(), 10)
+        return int(raw.strip(), 10)
     except ValueError:
-        raise ValueError(f"must be a positive integer, got {raw!r}") from None
+        raise ValueError(f"must be {expected}, got {raw!r}") from None
+
+
+def positive_int(raw: str) -> int:
+    value = _int(raw, "a positive integer")
     if value <= 0:
         raise ValueError(f"must be a positive integer, got {raw!r}")
     return value
@@ -48,10 +52,7 @@ def int_range(lo: int, hi: int) -> Callable[[str], int]:
     """An integer in [lo, hi]."""
 
     def parse(raw: str) -> int:
-        try:
-            value = int(raw.strip(), 10)
-        except ValueError:
-            raise ValueError(f"must be an integer in [{lo}, {hi}], got {raw!r}") from None
+        value = _int(raw, f"an integer in [{lo}, {hi}]")
         if not lo <= value <= hi:
             raise ValueError(f"must be an integer in [{lo}, {hi}], got {raw!r}")
         return value
@@ -62,10 +63,7 @@ def int_range(lo: int, hi: int) -> Callable[[str], int]:
 
 
 def nonneg_int(raw: str) -> int:
-    try:
-        value = int(raw.strip(), 10)
-    except ValueError:
-        raise ValueError(f"must be a non-negative integer, got {raw!r}") from None
+    value = _int(raw, "a non-negative integer")
     if value < 0:
         raise ValueError(f"must be a non-negative integer, got {raw!r}")
     return value

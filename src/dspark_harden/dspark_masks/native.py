@@ -15,7 +15,7 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from .traversal import Job, TraversalError
+from .traversal import Job, TraversalError, per_matcher
 
 try:
     from .._traverse_native import ffi, lib
@@ -48,9 +48,9 @@ def tvm_ffi_library() -> str:
     try:
         with open("/proc/self/maps") as fh:
             for line in fh:
-                path = line.split()[-1] if line.count(" ") >= 5 else ""
-                if os.path.basename(path).startswith("libtvm_ffi.so"):
-                    return path
+                fields = line.split()  # address perms offset dev inode [path]
+                if len(fields) >= 6 and os.path.basename(fields[5]).startswith("libtvm_ffi.so"):
+                    return fields[5]
     except OSError:
         pass
     from tvm_ffi import libinfo
@@ -88,7 +88,7 @@ class NativeTraversal:
         self._pid = os.getpid()
         self._err = err
         self._failed = ffi.new("int32_t *")
-        self._cache: dict = {}  # id(matcher) -> see _entry
+        self._cache: dict = {}  # per_matcher cache of _describe
         self._finalizer = weakref.finalize(self, NativeTraversal._close_handle, self._t, self._pid)
 
     @staticmethod
@@ -102,44 +102,31 @@ class NativeTraversal:
 
     def prewake(self, spin_us: int = PREWAKE_SPIN_US) -> None:
         """Wake the worker threads ahead of :meth:`run` (they spin up to ``spin_us`` for it)."""
-        if os.getpid() == self._pid:
+        if not self.stale():
             lib.dsh_trav_prewake(self._t, spin_us)
 
     def stale(self) -> bool:
         """True in a forked child of the process that opened this traversal."""
         return os.getpid() != self._pid
 
-    def _entry(self, matcher: Any):
-        """(weakref, handle as void *, stop ids as int32[] or NULL, count), cached per live matcher
-        (GrammarMatcher is not hashable: keyed by id, checked by weak reference)."""
-        entry = self._cache.get(id(matcher))
-        if entry is not None and entry[0]() is matcher:
-            return entry
-        if len(self._cache) > 8192:
-            for key in [k for k, e in self._cache.items() if e[0]() is None]:
-                del self._cache[key]
+    @staticmethod
+    def _describe(matcher: Any):
+        """(handle as void *, stop ids as int32[] or NULL, their count) of a matcher."""
         stops = list(matcher.stop_token_ids)
-        entry = (weakref.ref(matcher), ffi.cast("void *", _handle(matcher)),
-                 ffi.new("int32_t[]", stops) if stops else ffi.NULL, len(stops))
-        self._cache[id(matcher)] = entry
-        return entry
+        return (ffi.cast("void *", _handle(matcher)), ffi.new("int32_t[]", stops) if stops else ffi.NULL,
+                len(stops))
 
     def run(self, jobs: Sequence[Job], draft: torch.Tensor, out: torch.Tensor, bs: int, chain: int,
             vocab_size: int) -> None:
         """Fill ``out[:bs*chain]``; a job's ``end`` is clipped in C at its first draft token
         ``>= vocab_size`` (so :func:`~.resolve.resolve_jobs` may leave it at ``chain``)."""
-        if os.getpid() != self._pid:
+        if self.stale():
             raise TraversalError("native traversal used after fork; create a new ChainTraverser in this process")
         n = len(jobs)
         cj = ffi.new("dsh_trav_job[]", n) if n else ffi.NULL
-        cache, entry = self._cache, self._entry
         for i, j in enumerate(jobs):
-            m = j.matcher
-            e = cache.get(id(m))
-            if e is None or e[0]() is not m:
-                e = entry(m)
             c = cj[i]
-            c.matcher, c.stop, c.n_stop = e[1], e[2], e[3]
+            c.matcher, c.stop, c.n_stop = per_matcher(self._cache, j.matcher, self._describe)
             c.row, c.root, c.end = j.row, j.root, j.end
         rc = lib.dsh_trav_run(
             self._t, cj, n, ffi.cast("const int64_t *", draft.data_ptr()), bs, chain, vocab_size,

@@ -23,7 +23,8 @@ Engines (``DSPARK_HARDEN_GRAMMAR_TRAVERSAL``):
 ``native``   ``GrammarMatcher.traverse_draft_tree`` per chain, called through the TVM FFI C ABI from a
              persistent pool of native threads without the GIL, repair in C (:mod:`.native`).
 ``scalar``   ``GrammarMatcher.traverse_draft_tree`` per chain, in a plain Python loop.
-``threads``  the same, chains split over a persistent thread pool (the native call releases the GIL).
+``threads``  the same, chains split over a persistent Python thread pool (xgrammar 0.2.7's binding
+             holds the GIL here, so this is slower than ``scalar``; kept for comparison).
 ``level``    level-synchronous: per depth one ``BatchGrammarMatcher.batch_fill_next_token_bitmask``
              (native thread pool), a bit test of the next draft token, one ``batch_accept_token``;
              one ``batch_rollback`` at the end.
@@ -125,9 +126,9 @@ class ChainTraverser:
             )
         if engine == "auto":
             engine = "batch" if batch_traverse_available() else DEFAULT_ENGINE
-            if engine == "native" and native_unavailable_reason():
-                logger.warning("dspark-harden: native draft traversal unavailable (%s); using 'scalar'",
-                               native_unavailable_reason())
+            reason = native_unavailable_reason() if engine == "native" else None
+            if reason:
+                logger.warning("dspark-harden: native draft traversal unavailable (%s); using 'scalar'", reason)
                 engine = "scalar"
         self.engine = engine
         self.threads = threads
@@ -160,9 +161,8 @@ class ChainTraverser:
     def prewake(self) -> None:
         """Called at the start of a verify step's mask build: native workers wake up while the
         caller runs the barrier and resolves jobs (no-op for the other engines)."""
-        native = self._native
-        if native is not None and not native.stale():
-            native.prewake()
+        if self._native is not None:
+            self._native.prewake()  # a no-op in a forked child (see NativeTraversal.prewake)
 
     def close(self) -> None:
         if self._native is not None:
@@ -382,21 +382,27 @@ def _repair_native_rows(jobs: Sequence[Job], draft: torch.Tensor, out: torch.Ten
             bits[base + cut : base + end] = -1
 
 
-_STOPS: dict = {}  # id(matcher) -> (weakref to the matcher, frozenset of its stop token ids)
+def per_matcher(cache: dict, matcher: Any, make) -> Any:
+    """``make(matcher)``, cached per live matcher object: GrammarMatcher is not hashable, so the
+    cache is keyed by id and each entry is checked by weak reference (dead entries are dropped
+    once the cache passes 8192 entries)."""
+    entry = cache.get(id(matcher))
+    if entry is not None and entry[0]() is matcher:
+        return entry[1]
+    if len(cache) > 8192:
+        for key in [k for k, (ref, _) in cache.items() if ref() is None]:
+            del cache[key]
+    value = make(matcher)
+    cache[id(matcher)] = (weakref.ref(matcher), value)
+    return value
+
+
+_STOPS: dict = {}  # see per_matcher
 
 
 def stop_tokens(matcher: Any) -> frozenset:
-    """A matcher's stop token ids (fixed at construction; cached per live matcher object —
-    GrammarMatcher is not hashable, so the cache is keyed by id and checked by weak reference)."""
-    entry = _STOPS.get(id(matcher))
-    if entry is not None and entry[0]() is matcher:
-        return entry[1]
-    if len(_STOPS) > 8192:
-        for key in [k for k, (ref, _) in _STOPS.items() if ref() is None]:
-            del _STOPS[key]
-    stops = frozenset(matcher.stop_token_ids)
-    _STOPS[id(matcher)] = (weakref.ref(matcher), stops)
-    return stops
+    """A matcher's stop token ids (fixed at construction)."""
+    return per_matcher(_STOPS, matcher, lambda m: frozenset(m.stop_token_ids))
 
 
 def probe_batch_engine(traverser: ChainTraverser) -> None:
