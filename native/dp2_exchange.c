@@ -91,6 +91,7 @@ struct dspark_dp2_channel {
     uint64_t local_seq;
     uint64_t timeout_ns;
     uint64_t spin_ns;
+    int debug_hold_until_peer_closed; /* fault-injection hook, see dspark_dp2_debug_hold_until_peer_closed */
     char name[64];
 };
 
@@ -341,6 +342,14 @@ int dspark_dp2_open(const char *session_id, const char *channel, int rank, int w
         __atomic_store_n(&h->magic, DP2_MAGIC, __ATOMIC_RELEASE);
     } else {
         uint64_t magic = __atomic_load_n(&h->magic, __ATOMIC_ACQUIRE);
+        if (magic == 0) {
+            set_err(err, errlen,
+                    "dp2 open: %s was abandoned by the rank that created it (it failed during open and removed "
+                    "the name); that rank's own error says why",
+                    ch->name);
+            rc = DSPARK_DP2_E_MISMATCH;
+            goto fail_map;
+        }
         if (magic != DP2_MAGIC || h->abi_version != DSPARK_DP2_ABI_VERSION ||
             h->layout_version != DSPARK_DP2_LAYOUT_VERSION || h->world_size != DSPARK_DP2_WORLD_SIZE ||
             h->state_size != sizeof(dp2_shared)) {
@@ -428,6 +437,10 @@ int dspark_dp2_open(const char *session_id, const char *channel, int rank, int w
 fail_lock:
     munlock(map, sizeof(dp2_shared));
 fail_map:
+    /* A creator that fails after init clears the magic (still under the flock) before unlinking: a peer
+     * blocked in flock on the same inode then fails at once on the header check instead of attaching to
+     * an orphaned segment and waiting for its first timeout. */
+    if (created) __atomic_store_n(&ch->shm->header.magic, 0, __ATOMIC_RELEASE);
     munmap(map, sizeof(dp2_shared));
 fail_fd:
     if (created) shm_unlink(ch->name); /* we created it and failed: leave nothing behind */
@@ -503,18 +516,35 @@ int dspark_dp2_exchange(dspark_dp2_channel *ch, const int64_t *local, int64_t *o
             }
         }
     }
+    if (ch->debug_hold_until_peer_closed) peer_seq = 0; /* test hook: behave as if the first read was stale */
     while (peer_seq < seq) {
         code = atomic_load_explicit(&h->error_code, memory_order_acquire);
         if (code != 0) return report_poisoned(ch, code, err, errlen);
+        if (ch->debug_hold_until_peer_closed) {
+            /* test hook: hold this waiter between its (stale) sequence read and the state checks until the
+             * peer has published and closed, the interleaving that used to report a spurious close */
+            char held[192];
+            ch->debug_hold_until_peer_closed = 0;
+            while (atomic_load(&peer->state) != ST_CLOSED && !peer_dead(peer, held, sizeof held) &&
+                   now_ns() - start < ch->timeout_ns)
+                sched_yield();
+        }
         char why[192];
-        if (peer_dead(peer, why, sizeof why))
-            return publish(ch, DSPARK_DP2_E_PEER_DIED, err, errlen, "peer died: rank %d %s (waiting for sequence %" PRIu64 ")",
-                           p, why, seq);
+        int dead = peer_dead(peer, why, sizeof why);
         uint32_t pstate = atomic_load(&peer->state);
-        if (pstate == ST_CLOSED)
+        if (dead || pstate == ST_CLOSED) {
+            /* The peer may have published the awaited sequence and then closed or died between our read of
+             * its sequence and this check: its data is in shared memory, so this exchange completes. Close
+             * or death is reported only for a sequence the peer never reached. */
+            peer_seq = atomic_load_explicit(&peer->published_seq, memory_order_acquire);
+            if (peer_seq >= seq) break;
+            if (dead)
+                return publish(ch, DSPARK_DP2_E_PEER_DIED, err, errlen,
+                               "peer died: rank %d %s (waiting for sequence %" PRIu64 ")", p, why, seq);
             return publish(ch, DSPARK_DP2_E_PEER_CLOSED, err, errlen,
                            "peer rank %d closed the channel at sequence %" PRIu64 " while rank %d waits for %" PRIu64, p,
-                           atomic_load(&peer->published_seq), r, seq);
+                           peer_seq, r, seq);
+        }
         uint64_t now = now_ns();
         uint64_t elapsed = now - start;
         if (elapsed >= ch->timeout_ns) {
@@ -650,6 +680,12 @@ int dspark_dp2_debug_skip_sequence(dspark_dp2_channel *ch, uint64_t delta, int p
     if (ch == NULL) return DSPARK_DP2_E_ARG;
     ch->local_seq += delta;
     if (publish_too) atomic_fetch_add(&ch->shm->ranks[ch->rank].published_seq, delta);
+    return DSPARK_DP2_OK;
+}
+
+int dspark_dp2_debug_hold_until_peer_closed(dspark_dp2_channel *ch) {
+    if (ch == NULL) return DSPARK_DP2_E_ARG;
+    ch->debug_hold_until_peer_closed = 1;
     return DSPARK_DP2_OK;
 }
 

@@ -37,6 +37,9 @@ def main():
         elif mode == "exchange-then-close":
             ch.close()
             say(event="closed", n=n)
+        elif mode == "exchange-then-exit":
+            say(event="exiting", n=n)
+            os._exit(0)  # no close: the slot still names this pid, which becomes a zombie
         elif mode == "exchange-then-skip":
             ch.debug_skip_sequence(int(args[1]), args[2] == "1")
             say(event="skipped")

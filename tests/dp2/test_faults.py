@@ -356,3 +356,139 @@ def test_closed_handle_is_refused():
     ch.close()  # idempotent
     with pytest.raises(Dp2Error, match="already closed"):
         ch.exchange([0] * W)
+
+
+# -- item 0 of "Fail closed and bounded everywhere": publish-then-close/die while the other rank waits --
+
+
+@pytest.mark.parametrize("mode,gone", [("exchange-then-close", "closed"), ("exchange-then-exit", "exiting")])
+def test_data_published_before_close_or_death_completes_the_exchange(mode, gone):
+    """Deterministic: the waiter is held (native fault hook) between its stale read of the peer's
+    sequence and its state checks until the peer has published the awaited sequence and closed (or
+    exited without closing). The exchange must complete with the peer's data; close or death is
+    reported only for the next sequence, which the peer never reached. Before the fix this raised
+    'peer closed ... at sequence 2 while rank 0 waits for 2'."""
+    s = _session()
+    ch = _open(s)
+    peer = Peer(mode, s, 1, 2)
+    try:
+        assert peer.event()["event"] == "opened"
+        assert ch.exchange([0] * W) == [0] * W + [1000] * W
+        ch.debug_hold_until_peer_closed()
+        assert ch.exchange([1] * W) == [1] * W + [1001] * W
+        assert peer.event()["event"] == gone
+        want = "closed the channel at sequence 2 while rank 0 waits for 3" if gone == "closed" else "peer died"
+        with pytest.raises(Dp2Error, match=want):
+            ch.exchange([2] * W)
+    finally:
+        ch.close()
+        peer.finish()
+
+
+def test_last_exchange_before_close_never_fails_under_stress():
+    """Stress (real threads, real shm + futex; cffi releases the GIL in the native call): rank 1 closes
+    right after its last exchange while rank 0 is still waiting for it. Every round's last exchange
+    must complete; only an exchange past the peer's last sequence may report the close."""
+    rounds, steps = 1000, 3
+    for r in range(rounds):
+        s = _session()
+        a = _open(s, rank=0, spin_ns=0 if r % 2 else 50_000)
+        b = _open(s, rank=1, spin_ns=0 if r % 2 else 50_000)
+        failures: list = []
+
+        def rank1():
+            try:
+                for i in range(steps):
+                    b.exchange([1000 + i] * W)
+            except Dp2Error as exc:  # pragma: no cover - reported below
+                failures.append(("rank1", str(exc)))
+            finally:
+                b.close()
+
+        t = threading.Thread(target=rank1)
+        t.start()
+        try:
+            for i in range(steps):
+                if r % 3 == 0 and i == steps - 1:
+                    time.sleep(0)  # let rank 1 run ahead into its close
+                try:
+                    assert a.exchange([i] * W) == [i] * W + [1000 + i] * W
+                except Dp2Error as exc:
+                    failures.append(("rank0", i + 1, str(exc)))
+            with pytest.raises(Dp2Error, match=f"closed the channel at sequence {steps} "):
+                a.exchange([0] * W)
+        finally:
+            t.join(30)
+            a.close()
+        assert not failures, f"round {r}: {failures}"
+
+
+def test_bad_out_tensor_is_refused_before_the_rank_slot_is_taken():
+    """Item 9: the C side writes through ``data_ptr()``; a non-CPU / wrong-dtype / wrong-size buffer is
+    refused before open, so the rank slot stays free for a correct retry."""
+    import torch
+
+    s = _session()
+    for bad, why in [
+        (torch.zeros(2 * W, dtype=torch.int64, device="meta"), "device meta"),
+        (torch.zeros(2 * W, dtype=torch.int32), "dtype torch.int32"),
+        (torch.zeros(2 * W + 1, dtype=torch.int64), "23 elements"),
+        (torch.zeros(4 * W, dtype=torch.int64)[::2], "not contiguous"),
+    ]:
+        with pytest.raises(ValueError, match=why):
+            _open(s, out_tensor=bad)
+    good = torch.zeros(2 * W, dtype=torch.int64)
+    ch = _open(s, out_tensor=good)  # the slot was never taken by the refused attempts
+    ch.close()
+
+
+SHIM = r"""
+#define _GNU_SOURCE
+#include <errno.h>
+#include <fcntl.h>
+#include <stdlib.h>
+#include <sys/mman.h>
+#include <unistd.h>
+int mlock(const void *addr, size_t len) {
+    (void)addr; (void)len;
+    const char *flag = getenv("SHIM_INSIDE_FILE");
+    if (flag) { int fd = open(flag, O_WRONLY | O_CREAT, 0600); if (fd >= 0) close(fd); }
+    usleep(1500000); /* hold the channel's flock while the other rank blocks on it */
+    errno = ENOMEM;
+    return -1;
+}
+"""
+
+
+def test_creator_failing_after_init_fails_a_blocked_peer_at_once(tmp_path):
+    """Item 10: the creating rank fails after initialising the segment (mlock refused) while the other
+    rank is blocked on the segment's flock. The creator clears the magic before unlinking, so the peer
+    fails at once naming the abandoned segment instead of attaching to an orphaned inode and waiting for
+    its first timeout. Stand-in: as root mlock cannot be made to fail through RLIMIT_MEMLOCK, so an
+    LD_PRELOAD shim makes the creator's mlock fail (after 1.5 s, holding the flock)."""
+    import shutil
+
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        pytest.skip("no C compiler")
+    src, lib = tmp_path / "shim.c", tmp_path / "shim.so"
+    src.write_text(SHIM)
+    subprocess.run([cc, "-shared", "-fPIC", str(src), "-o", str(lib)], check=True)
+    inside = tmp_path / "inside"
+    s = _session()
+    creator = Peer("exchange-then-close", s, 0, 0, env={"LD_PRELOAD": str(lib), "SHIM_INSIDE_FILE": str(inside)},
+                   timeout_ms=5000)
+    try:
+        deadline = time.monotonic() + 30
+        while not inside.exists():
+            assert time.monotonic() < deadline, "creator never reached mlock"
+            assert creator.proc.poll() is None, "creator exited early"
+            time.sleep(0.005)
+        t0 = time.monotonic()
+        with pytest.raises(Dp2Error, match="abandoned by the rank that created it"):
+            _open(s, rank=1, timeout_ms=5000)
+        assert time.monotonic() - t0 < 4.0  # at once after the creator let go, not after a timeout
+        ev = creator.event()
+        assert ev["event"] == "open_failed" and "mlock" in ev["message"], ev
+    finally:
+        creator.finish()

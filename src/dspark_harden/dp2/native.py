@@ -69,6 +69,24 @@ def _check(rc: int, err, what: str) -> None:
         raise Dp2Error(rc, msg)
 
 
+def _check_out_tensor(t, width: int) -> None:
+    """The C side writes 2*width int64 values through ``data_ptr()``: only a contiguous int64 CPU tensor of
+    exactly that size is safe (a CUDA pointer would be written as host memory)."""
+    import torch
+
+    problems = []
+    if t.device.type != "cpu":
+        problems.append(f"device {t.device} (must be cpu)")
+    if t.dtype != torch.int64:
+        problems.append(f"dtype {t.dtype} (must be torch.int64)")
+    if not t.is_contiguous():
+        problems.append("not contiguous")
+    if t.numel() != 2 * width:
+        problems.append(f"{t.numel()} elements (must be 2*width = {2 * width})")
+    if problems:
+        raise ValueError("dp2 out_tensor unusable: " + ", ".join(problems))
+
+
 def shm_name_for(session_id: str, channel: str) -> str:
     buf = ffi.new("char[]", 64)
     if lib.dspark_dp2_name_for(session_id.encode(), channel.encode(), buf, 64) != 0:
@@ -99,6 +117,16 @@ class Channel:
     ):
         self.session_id, self.channel, self.rank, self.width = session_id, channel, rank, width
         self.timeout_ms = timeout_ms
+        self._h = None
+        # the output buffer is validated before the rank slot is taken, so a bad buffer leaves nothing owned
+        self._local = ffi.new("int64_t[]", width)
+        if out_tensor is None:
+            self._out = ffi.new("int64_t[]", 2 * width)
+        else:
+            _check_out_tensor(out_tensor, width)
+            # results land directly in this CPU tensor; kept alive here
+            self._out_tensor = out_tensor
+            self._out = ffi.cast("int64_t *", out_tensor.data_ptr())
         self._err = ffi.new("char[]", ERRBUF)
         handle = ffi.new("dspark_dp2_channel **")
         rc = lib.dspark_dp2_open(
@@ -108,15 +136,6 @@ class Channel:
         _check(rc, self._err, "dspark_dp2_open")
         self._h = handle[0]
         self._pid = os.getpid()
-        self._local = ffi.new("int64_t[]", width)
-        if out_tensor is None:
-            self._out = ffi.new("int64_t[]", 2 * width)
-        else:
-            # results land directly in this (contiguous int64, 2*width) CPU tensor; kept alive here
-            if out_tensor.dtype != __import__("torch").int64 or not out_tensor.is_contiguous() or out_tensor.numel() != 2 * width:
-                raise ValueError("out_tensor must be a contiguous int64 CPU tensor with 2*width elements")
-            self._out_tensor = out_tensor
-            self._out = ffi.cast("int64_t *", out_tensor.data_ptr())
         self.stats = ffi.new("dspark_dp2_stats *")
         self._n_out = 2 * width
         name = ffi.new("char[]", 64)
@@ -164,6 +183,9 @@ class Channel:
 
     def debug_set_pid(self, rank: int, pid: int) -> None:
         lib.dspark_dp2_debug_set_pid(self._h, rank, pid)
+
+    def debug_hold_until_peer_closed(self) -> None:
+        lib.dspark_dp2_debug_hold_until_peer_closed(self._h)
 
     def raw_handle(self) -> Optional[object]:
         return self._h
