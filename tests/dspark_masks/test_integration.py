@@ -171,7 +171,7 @@ def test_patched_worker_path_equals_stock_over_steps(factory):
 
 @pytest.mark.forked
 def test_thinking_only_step_returns_no_mask_and_clears_the_leftover(factory):
-    from dspark_harden import metrics
+    from dspark_harden.core import metrics
 
     assert bind().ok
     V = factory.vocab_size

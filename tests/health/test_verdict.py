@@ -171,7 +171,7 @@ def test_starting_shutting_down_and_no_state(shm):
 
 
 def test_every_outcome_has_a_test_and_a_metric_label():
-    from dspark_harden import metrics
+    from dspark_harden.core import metrics
 
     fam = metrics.FAMILIES["dspark_harden_health_scheduler_checks_total"]
     assert {c[0] for c in fam.precreate} == set(V.OUTCOMES)

@@ -98,7 +98,7 @@ def test_stock_sends_a_routed_batch_item_by_item_ours_sends_one_message(tmp_path
         ts = item.time_stats
         assert isinstance(ts, DPControllerReqTimeStats)
         assert ts.dpc_dispatch_time > 0 and ts.dpc_dispatch_finish_time >= ts.dpc_dispatch_time
-    from dspark_harden import metrics
+    from dspark_harden.core import metrics
 
     assert metrics.get("dspark_harden_atomic_batches_total").labels("1")._value.get() == 1
     assert metrics.get("dspark_harden_atomic_batch_requests").labels("1")._sum.get() == 64
@@ -158,7 +158,7 @@ def test_bad_rank_batch_gets_per_request_400_and_loop_keeps_serving(tmp_path):
     after = drain(peer)
     assert sorted((who, type(m).__name__) for who, m in after) == [
         (0, "BatchTokenizedGenerateReqInput"), (1, "TokenizedGenerateReqInput")]
-    from dspark_harden import metrics
+    from dspark_harden.core import metrics
 
     assert metrics.get("dspark_harden_route_rejections_total").labels("out_of_range")._value.get() == 8
 

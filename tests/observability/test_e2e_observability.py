@@ -26,10 +26,11 @@ from pathlib import Path
 
 import pytest
 
-from dspark_harden import metrics
+from dspark_harden.core import metrics
 from dspark_harden.core.manager import all_features, make_manager
 from dspark_harden.observability import dashboard as D
 from dspark_harden.observability import lint
+from dspark_harden.observability.metrics import SCHEDULER_PHASES
 from tests.harness.server import DP2_CONFIG, ServerConfig
 
 from .prom import Prometheus, ensure_prometheus
@@ -52,6 +53,9 @@ def _config(grammar_disk: Path) -> ServerConfig:
     env = {}
     if "dp2-native-exchange" in _FEATURES:  # opt-in, runs on CPU: enable it so its panels are proven
         env.update(SGLANG_DSPARK_DP2_SHM_MLP_SYNC="1", SGLANG_DSPARK_DP2_SHM_SESSION_ID=f"obs-{uuid.uuid4().hex}")
+    # the third-party test feature (tests/support, entry-point group dspark_harden.features): its own
+    # metric family, declared through the dspark_metrics hook, must be exported like a built-in's
+    env.update(DSPARK_TESTFEATURE="1")
     if "grammar-service" in _FEATURES:  # an empty disk cache: the first JSON request compiles and publishes
         env.update(DSPARK_HARDEN_GRAMMAR_DISK_DIR=str(grammar_disk))
     return ServerConfig(**{**DP2_CONFIG.__dict__, "name": "dp2-obs"}).with_env(**env)
@@ -69,7 +73,7 @@ def _proofs() -> dict:
         "scheduler-phase-metrics": [
             (f"{phase} calls on dp_rank {r}",
              f'dspark_harden_scheduler_phase_calls_total{{dp_rank="{r}",phase="{phase}"}} > 0')
-            for r in RANKS for phase in metrics.SCHEDULER_PHASES
+            for r in RANKS for phase in SCHEDULER_PHASES
         ] + [
             (f"run_batch seconds and rolling max on dp_rank {r}",
              f'dspark_harden_scheduler_phase_seconds_total{{dp_rank="{r}",phase="run_batch"}} > 0 and on (dp_rank) '
@@ -86,6 +90,12 @@ def _proofs() -> dict:
         "atomic-routed-batch": [
             ("routed batch sent atomically by the DP controller", "sum(dspark_harden_atomic_batches_total) > 0"),
             ("batch message received by a scheduler", "sum(dspark_harden_scheduler_batch_messages_total) > 0"),
+        ],
+        "testfeature": [
+            ("third-party family: the test feature's wrapper counted the main process's requests",
+             'dspark_harden_testfeature_verify_calls_total{role="main"} > 0'),
+            ("third-party family pre-created in the schedulers (the wrapper is bound but not called there)",
+             'dspark_harden_testfeature_verify_calls_total{role="scheduler"} == 0'),
         ],
         "health-scheduler": [("/health_scheduler probes", "sum(dspark_harden_health_scheduler_checks_total) > 0")],
         "dp2-native-exchange": [

@@ -11,7 +11,7 @@ import threading
 
 import pytest
 
-from dspark_harden import metrics
+from dspark_harden.core import metrics
 from dspark_harden.cli import main as cli_main
 from dspark_harden.observability import dashboard as D
 from dspark_harden.observability import lint
@@ -21,7 +21,7 @@ from ..plugin._proc import run_py
 _EXPORT = """
 import os
 from prometheus_client import CollectorRegistry, generate_latest, multiprocess
-from dspark_harden import metrics
+from dspark_harden.core import metrics
 from dspark_harden.observability import feature as obs
 from dspark_harden.core.binder import BindReport, FeatureStatus
 report = BindReport(role="scheduler", sglang_version="0.5.23", features=[

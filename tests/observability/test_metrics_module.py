@@ -8,8 +8,10 @@ import os
 
 import pytest
 
-from dspark_harden import metrics
-from dspark_harden.core.manager import all_features, make_manager
+from dspark_harden.core import metrics
+from dspark_harden.observability.metrics import SCHEDULER_PHASES
+from dspark_harden.core import hookspecs
+from dspark_harden.core.manager import BUILTIN_FEATURE_MODULES, all_features, make_manager
 
 from ..plugin._proc import run_py
 
@@ -48,18 +50,111 @@ def test_family_rejects_bad_specs():
         metrics.Family("dspark_harden_c_total", "counter", "doc", roles=("sched",))
     with pytest.raises(ValueError, match="empty documentation"):
         metrics.Family("dspark_harden_c_total", "counter", " ")
-    with pytest.raises(ValueError, match="declared twice"):
-        metrics.declare(metrics.FAMILIES["dspark_harden_build_info"])
 
 
 def test_every_declared_family_is_clean_and_names_a_real_feature():
-    features = {f.name for f in all_features(make_manager(load_extensions=False))}
+    features = {f.name for f in all_features(make_manager())}
     for fam in metrics.FAMILIES.values():
         assert metrics.convention_problems(fam.name, fam.kind, fam.labels) == []
         assert fam.feature == "core" or fam.feature in features, (
             f"{fam.name}: feature {fam.feature!r} is not a registered Feature name ({sorted(features)})")
         if fam.kind == "gauge":
             assert fam.multiprocess_mode in metrics.GAUGE_MODES
+
+
+class _Plugin:
+    """A stand-in third-party plugin object (registered through make_manager's extra=)."""
+
+    def __init__(self, *answers):
+        self.answers = answers
+
+    @hookspecs.hookimpl
+    def dspark_metrics(self):
+        return list(self.answers)
+
+
+def _fam(name="dspark_harden_extra_things_total", feature="core"):
+    return metrics.Family(name, "counter", "things", feature=feature)
+
+
+def test_registry_collects_every_plugin_in_registration_order_with_its_owner():
+    pm = make_manager(load_extensions=False, extra=(_Plugin(_fam()),))
+    reg = metrics.collect(pm)
+    names = list(reg)
+    assert names[:2] == ["dspark_harden_build_info", "dspark_harden_feature_bound"]  # built-ins first
+    assert names[-1] == "dspark_harden_extra_things_total"
+    assert reg.owner("dspark_harden_grammar_lookups_total") == "dspark_harden.grammar.feature"
+    assert reg.owner("dspark_harden_extra_things_total") != reg.owner("dspark_harden_build_info")
+    # a loose list of families becomes one group titled after its plugin
+    assert [f.name for f in reg.groups[-1].group.families] == ["dspark_harden_extra_things_total"]
+    # no central declarations: every built-in family comes from a feature package's own hook
+    assert {reg.owner(n) for n in reg if n != "dspark_harden_extra_things_total"} <= set(BUILTIN_FEATURE_MODULES)
+
+
+@pytest.mark.parametrize("answer,needle", [
+    (metrics.Family("dspark_harden_build_info", "gauge", "dup", multiprocess_mode="max"), "declared twice (by dspark_harden.observability.feature and"),
+    (_fam(feature="no-such-feature"), "names unknown feature 'no-such-feature'"),
+    ("dspark_harden_x_total", "not a Family or MetricGroup"),
+])
+def test_registry_refuses_inconsistent_declarations(answer, needle):
+    pm = make_manager(load_extensions=False, extra=(_Plugin(answer),))
+    with pytest.raises(metrics.MetricsError) as exc:
+        metrics.collect(pm)
+    assert needle in str(exc.value)
+
+
+def test_metric_group_rejects_non_families_and_empty_titles():
+    with pytest.raises(ValueError, match="not a Family"):
+        metrics.MetricGroup("t", ("x",))
+    with pytest.raises(ValueError, match="title"):
+        metrics.MetricGroup(" ", ())
+
+
+def test_bad_declaration_fails_startup_closed():
+    """The binder builds the registry from its plugin manager: a bad declaration is a bind error."""
+    rc, res, out = run_py("""
+        from dspark_harden.core import binder, hookspecs, metrics
+        from dspark_harden.core.manager import make_manager
+        from dspark_harden.core.patch import Role
+
+        class Dup:
+            @hookspecs.hookimpl
+            def dspark_metrics(self):
+                return [metrics.Family("dspark_harden_build_info", "gauge", "dup", multiprocess_mode="max")]
+
+        report = binder.bind(Role.DETOKENIZER, pm=make_manager(load_extensions=False, extra=(Dup(),)))
+        emit({"errors": report.errors, "ok": report.ok})
+    """)
+    assert rc == 0, out
+    assert res["ok"] is False and any("declared twice" in e for e in res["errors"]), res
+
+
+def test_third_party_family_is_registered_documented_and_precreated(tmp_path):
+    """The test feature (tests/support, entry-point group dspark_harden.features) declares its own
+    family through the hook: it is in the process registry, attributed to the extension, listed by
+    ``dspark-harden metrics`` and rendered by the reference generator like a built-in, and
+    pre-created in its roles when the feature is active. (Exported in a real scrape: the
+    observability e2e server runs with it on.)"""
+    from dspark_harden.cli import metrics_ref
+
+    name = "dspark_harden_testfeature_verify_calls_total"
+    assert metrics.FAMILIES[name].feature == "testfeature"
+    assert metrics.current().owner(name) == "dspark_testfeature"
+    assert name not in metrics.registry(load_extensions=False)  # the shipped reference stays built-in only
+    text = metrics_ref.markdown(metrics.registry())
+    assert f"| `{name}` | counter | `role` |" in text
+    assert [r for r in metrics_ref.rows(metrics.registry()) if r["name"] == name][0]["declared_by"] == "dspark_testfeature"
+    rc, res, out = run_py(f"""
+        from dspark_harden.core import metrics
+        off = metrics.precreate_process("scheduler", [], "0")
+        on = metrics.precreate_process("scheduler", ["testfeature"], "0")
+        from prometheus_client import CollectorRegistry, generate_latest, multiprocess
+        reg = CollectorRegistry(); multiprocess.MultiProcessCollector(reg)
+        emit({{"off": off, "on": on, "text": generate_latest(reg).decode()}})
+    """, env={"PROMETHEUS_MULTIPROC_DIR": str(tmp_path)})
+    assert rc == 0, out
+    assert name not in res["off"] and name in res["on"]
+    assert _sample(res["text"], name, role="scheduler") == 0
 
 
 def test_get_unknown_family_raises():
@@ -69,7 +164,7 @@ def test_get_unknown_family_raises():
 
 _MP_WRITER = """
 import os
-from dspark_harden import metrics
+from dspark_harden.core import metrics
 from dspark_harden.core import roles
 from dspark_harden.observability import phases
 dp = os.environ["DP"]
@@ -116,7 +211,7 @@ def test_multiprocess_mode_two_scheduler_processes_and_a_reader(tmp_path):
         assert _sample(text, "dspark_harden_scheduler_phase_max_seconds", dp_rank=dp, phase="run_batch") == 0.5
         assert _sample(text, "dspark_harden_scheduler_phase_calls_total", dp_rank=dp, phase="idle") == 1
         # pre-created, never called: present with 0 (a mostrecent gauge needs an explicit set)
-        for phase in metrics.SCHEDULER_PHASES:
+        for phase in SCHEDULER_PHASES:
             if phase in ("run_batch", "idle"):
                 continue
             assert _sample(text, "dspark_harden_scheduler_phase_calls_total", dp_rank=dp, phase=phase) == 0
@@ -126,7 +221,7 @@ def test_multiprocess_mode_two_scheduler_processes_and_a_reader(tmp_path):
 
 def test_precreation_only_for_active_features_and_own_roles(tmp_path):
     rc, res, out = run_py("""
-        from dspark_harden import metrics
+        from dspark_harden.core import metrics
         done_sched_off = metrics.precreate_process("scheduler", [], "0")
         done_main = metrics.precreate_process("main", ["scheduler-phase-metrics"], "none")
         done_sched_on = metrics.precreate_process("scheduler", ["scheduler-phase-metrics"], "1")
@@ -146,7 +241,7 @@ def test_main_process_readiness_defers_publishing_and_repairs_an_early_import(tm
     rc, res, out = run_py(f"""
         import os, sys
         os.environ.pop("PROMETHEUS_MULTIPROC_DIR", None)
-        from dspark_harden import metrics
+        from dspark_harden.core import metrics
         metrics.defer_until_configured()
         ran = []
         metrics.when_ready(lambda: ran.append("published"))
@@ -170,7 +265,7 @@ def test_main_process_readiness_defers_publishing_and_repairs_an_early_import(tm
 
 def test_defer_is_a_no_op_when_prometheus_is_already_configured(tmp_path):
     rc, res, out = run_py("""
-        from dspark_harden import metrics
+        from dspark_harden.core import metrics
         metrics.defer_until_configured()
         ran = []
         metrics.when_ready(lambda: ran.append(1))

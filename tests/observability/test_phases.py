@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import pytest
 
-from dspark_harden import metrics
+from dspark_harden.core import metrics
+from dspark_harden.observability.metrics import SCHEDULER_PHASES
 from dspark_harden.observability import phases
 
 from ..plugin._proc import run_py
@@ -116,7 +117,7 @@ def test_records_only_on_first_attention_tp_rank(tp, dp, dpa, rank, expected):
 
 
 def test_phase_targets_match_the_declared_phases():
-    assert tuple(t[0] for t in phases.TARGETS) == metrics.SCHEDULER_PHASES
+    assert tuple(t[0] for t in phases.TARGETS) == SCHEDULER_PHASES
     assert len({t[1] for t in phases.TARGETS}) == len(phases.TARGETS)
 
 

@@ -8,6 +8,7 @@ from typing import Optional
 
 from . import check as _check
 from . import ledger as _ledger
+from . import metrics_ref as _metrics_ref
 
 
 def build_parser(pm=None) -> argparse.ArgumentParser:
@@ -23,6 +24,11 @@ def build_parser(pm=None) -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true")
     p.add_argument("--markdown", action="store_true", help="the text of docs/settings.md")
     p.set_defaults(func=_ledger.env_main)
+
+    p = sub.add_parser("metrics", help="every metric family the installed features declare")
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--markdown", action="store_true", help="the text of docs/metrics.md (built-in features)")
+    p.set_defaults(func=_metrics_ref.main)
 
     p = sub.add_parser("patches", help="the patch ledger: target, why, retire-when")
     p.add_argument("--json", action="store_true")

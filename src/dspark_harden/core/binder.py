@@ -19,6 +19,7 @@ from packaging.specifiers import InvalidSpecifier, SpecifierSet
 from packaging.version import Version
 
 from . import feature as F
+from . import metrics
 from .manager import ExtensionError, all_features, make_manager, settings_for, strict_extensions_from_env
 from .patch import Patch, PatchError, Role
 from .settings import Settings, SettingsError
@@ -137,7 +138,8 @@ def bind(role: Role, *, environ: Optional[dict] = None, pm: Any = None) -> BindR
             pm = make_manager(strict_extensions=strict_extensions_from_env(environ))
         settings = settings_for(pm, environ)
         features = all_features(pm)
-    except (SettingsError, ExtensionError) as exc:
+        metrics.use(metrics.collect(pm, [f.name for f in features]))
+    except (SettingsError, ExtensionError, metrics.MetricsError) as exc:
         report.errors.append(str(exc))
         return report
     except Exception as exc:  # noqa: BLE001 - e.g. pluggy's check_pending

@@ -31,6 +31,17 @@ def dspark_settings():
 
 
 @hookspec
+def dspark_metrics():
+    """Return the Prometheus metric families this plugin exports: a list of
+    :class:`~dspark_harden.core.metrics.Family` and/or
+    :class:`~dspark_harden.core.metrics.MetricGroup` (a titled group for the generated reference).
+
+    Declare them in the feature's own package. Each family names its ``feature`` (one this or
+    another plugin contributes, or ``"core"``); names are unique across all plugins (a duplicate
+    stops startup). Called once per process when the registry is built; must not create metrics."""
+
+
+@hookspec
 def dspark_patches(role, settings):
     """Return the :class:`~dspark_harden.core.patch.Patch` objects to bind in process ``role``
     (a :class:`~dspark_harden.core.patch.Role`) given the parsed ``settings``.

@@ -1,26 +1,29 @@
-"""Every Prometheus metric family dspark-harden exports, in one place.
+"""The metrics core: naming conventions, the one registry of families, and the lazy
+multiprocess-safe runtime. Families themselves live with their feature.
 
 Conventions (Prometheus, not SGLang's ``sglang:`` prefix): names start with ``dspark_harden_``,
 base units (``_seconds``, ``_bytes``), counters end in ``_total``, no colons, bounded label values
 only (never schema hashes or request ids), a ``dp_rank`` label where aggregation across DP ranks
-matters. :func:`convention_problems` is the single statement of these rules: ``declare()`` enforces
-it at import and ``dspark-harden metrics-lint`` applies it to a live scrape.
+matters. :func:`convention_problems` is the single statement of these rules: :class:`Family`
+enforces it when a family is declared and ``dspark-harden metrics-lint`` applies it to a live scrape.
 
-Families are declared here as specs and instantiated lazily per process (after SGLang has set
-``PROMETHEUS_MULTIPROC_DIR``), so they work in SGLang's Prometheus multiprocess mode, where every
-process writes its own mmap files and the main process serves ``/metrics`` from all of them.
-Gauges pass their ``multiprocess_mode`` explicitly (a gauge shared by processes with the same
-labels must say how to combine them: ``max``, ``sum``, ``mostrecent``...). Label combinations
-listed in ``Family.precreate`` are created when the process starts (by the observability
-feature, for features active in that process), so a series exists before its first event; the
-placeholder :data:`DP_RANK` in a combination stands for this process's ``dp_rank`` label value
-(``roles.CONTEXT.dp_label``).
+Declaring families (any feature, built-in or third-party): in the feature's own package, build
+:class:`Family` objects (optionally grouped in a :class:`MetricGroup` with a title and intro for the
+generated reference) and return them from a ``dspark_metrics()`` hook implementation (see
+docs/hooks.md). :data:`FAMILIES` is the registry built from every plugin's hook on first use
+(built-in features, then third-party ones from the ``dspark_harden.features`` entry-point group);
+a duplicate name or a family naming a feature nobody registered stops startup. docs/metrics.md is
+generated from the built-in declarations (``dspark-harden metrics --markdown``; a test keeps it
+current).
 
-How to add a family (other features): declare it in a clearly commented section for your feature
-below, with ``feature=<your Feature.name>`` and ``roles=`` the process roles that emit it, call
-``metrics.get(name)`` at runtime (never at import or bind time in the main process: use
-:func:`when_ready` for start-up publishing there), and document it in docs/metrics.md
-(tests/test_metrics_docs.py keeps both in sync; tests/test_dashboards.py checks the dashboard).
+Families are instantiated lazily per process (after SGLang has set ``PROMETHEUS_MULTIPROC_DIR``),
+so they work in SGLang's Prometheus multiprocess mode, where every process writes its own mmap
+files and the main process serves ``/metrics`` from all of them. Gauges pass their
+``multiprocess_mode`` explicitly. Label combinations listed in ``Family.precreate`` are created
+when the process starts (by the observability feature, for features active in that process), so a
+series exists before its first event; the placeholder :data:`DP_RANK` in a combination stands for
+this process's ``dp_rank`` label value (``roles.CONTEXT.dp_label``). Call :func:`get` at runtime
+(never at import or bind time in the main process: use :func:`when_ready` for start-up publishing).
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ import re
 import sys
 import threading
 from dataclasses import dataclass
+from collections.abc import Mapping
 from typing import Any, Callable, Iterable, Optional
 
 logger = logging.getLogger("dspark_harden")
@@ -150,318 +154,154 @@ class Family:
         return (self.name,)
 
 
-FAMILIES: dict[str, Family] = {}
+@dataclass(frozen=True)
+class MetricGroup:
+    """Families of one feature shown together in the generated reference (docs/metrics.md):
+    ``title`` is the section heading, ``intro`` a paragraph above its table (markdown)."""
+
+    title: str
+    families: tuple
+    intro: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.title.strip():
+            raise ValueError("MetricGroup needs a title")
+        for fam in self.families:
+            if not isinstance(fam, Family):
+                raise ValueError(f"MetricGroup {self.title!r}: {fam!r} is not a Family")
 
 
-def declare(*families: Family) -> None:
-    for fam in families:
-        if fam.name in FAMILIES:
-            raise ValueError(f"metric {fam.name} declared twice")
-        FAMILIES[fam.name] = fam
+class MetricsError(ValueError):
+    """A plugin's ``dspark_metrics`` declarations are inconsistent (duplicate name, unknown feature)."""
 
 
-# ------------------------------------------------------------------------------------------
-# core / platform (observability feature: dspark_harden.observability)
-declare(
-    Family(
-        "dspark_harden_build_info", "gauge",
-        "dspark-harden build information (value 1), one series per version pair.",
-        labels=("version", "sglang_version"), multiprocess_mode="max",
-        aggregation="max; identical on every process",
-    ),
-    Family(
-        "dspark_harden_feature_bound", "gauge",
-        "1 when the feature's patches are bound and verified in this process role, else 0; "
-        "the status label is the self-check status (bound, upstream, disabled, unavailable).",
-        labels=("feature", "role", "status"), multiprocess_mode="max",
-        aggregation="max by (feature, role, status): processes of one role agree",
-    ),
-)
+@dataclass(frozen=True)
+class Declared:
+    """One plugin's group of families, as the registry collected it."""
 
-# ------------------------------------------------------------------------------------------
-# observability: scheduler loop phases (dspark_harden.observability.phases)
-SCHEDULER_PHASES = (
-    "recv_requests", "process_input_requests", "get_next_batch_to_run",
-    "run_batch", "process_batch_result", "idle",
-)
-declare(
-    Family(
-        "dspark_harden_scheduler_phase_seconds_total", "counter",
-        "Wall-clock seconds spent inside each scheduler-loop phase (inclusive of what the phase calls).",
-        labels=("dp_rank", "phase"), feature="scheduler-phase-metrics", roles=("scheduler",),
-        precreate=tuple((DP_RANK, p) for p in SCHEDULER_PHASES),
-        aggregation="sum by (phase) (rate(...)) for the fleet; keep dp_rank to compare ranks",
-    ),
-    Family(
-        "dspark_harden_scheduler_phase_calls_total", "counter",
-        "Number of calls of each scheduler-loop phase.",
-        labels=("dp_rank", "phase"), feature="scheduler-phase-metrics", roles=("scheduler",),
-        precreate=tuple((DP_RANK, p) for p in SCHEDULER_PHASES),
-        aggregation="sum by (phase) (rate(...)); seconds_total / calls_total = mean seconds per call",
-    ),
-    Family(
-        "dspark_harden_scheduler_phase_max_seconds", "gauge",
-        "Longest single call of each scheduler-loop phase in the latest flush window "
-        "(DSPARK_HARDEN_METRICS_FLUSH_INTERVAL_S, default 1 s; 0 when the phase did not run).",
-        labels=("dp_rank", "phase"), multiprocess_mode="mostrecent",
-        feature="scheduler-phase-metrics", roles=("scheduler",),
-        precreate=tuple((DP_RANK, p) for p in SCHEDULER_PHASES),
-        aggregation="max by (phase) (max_over_time(...[5m])); never sum",
-    ),
-)
-
-# ------------------------------------------------------------------------------------------
-# Feature sections: each feature declares its families below, in its own section.
-
-# ------------------------------------------------------------------------------------------
-# ingress (atomic-routed-batch) and health (health-scheduler): src/dspark_harden/ingress/,
-# src/dspark_harden/health/; documented in docs/metrics.md "Ingress and health".
-BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096)
-declare(
-    Family(
-        "dspark_harden_atomic_batches_total", "counter",
-        "Uniformly routed batches the DP controller sent to one DP rank as ONE ZMQ message.",
-        labels=("dp_rank",), feature="atomic-routed-batch", roles=("controller",),
-        aggregation="sum by (dp_rank); one DP controller per server",
-    ),
-    Family(
-        "dspark_harden_atomic_batch_requests", "histogram",
-        "Number of requests in each atomic routed batch the DP controller sent.",
-        labels=("dp_rank",), buckets=BATCH_SIZE_BUCKETS, feature="atomic-routed-batch",
-        roles=("controller",), aggregation="sum of buckets by (dp_rank, le)",
-    ),
-    Family(
-        "dspark_harden_route_rejections_total", "counter",
-        "Requests the DP controller answered with HTTP 400 because their routed_dp_rank cannot be "
-        "sent to (reason: out_of_range, inactive, no_socket); stock would crash the server.",
-        labels=("reason",), feature="atomic-routed-batch", roles=("controller",),
-        precreate=(("out_of_range",), ("inactive",), ("no_socket",)),
-        aggregation="sum by (reason)",
-    ),
-    Family(
-        "dspark_harden_scheduler_batch_messages_total", "counter",
-        "Batch request messages (BatchTokenizedGenerateReqInput) a DP scheduler received; each is "
-        "one scheduling opportunity for all its requests.",
-        labels=("dp_rank",), feature="atomic-routed-batch", roles=("scheduler",),
-        precreate=((DP_RANK,),), aggregation="sum by (dp_rank); only attn-TP rank 0 schedulers receive",
-    ),
-    Family(
-        "dspark_harden_scheduler_batch_message_requests", "histogram",
-        "Number of requests in each batch message a DP scheduler received.",
-        labels=("dp_rank",), buckets=BATCH_SIZE_BUCKETS, feature="atomic-routed-batch",
-        roles=("scheduler",), aggregation="sum of buckets by (dp_rank, le)",
-    ),
-    Family(
-        "dspark_harden_health_scheduler_checks_total", "counter",
-        "GET /health_scheduler answers by outcome: ok, or the 503 reason (no_state, shutting_down, "
-        "starting, read_error, missing_ranks, duplicate_ranks, unexpected_ranks, "
-        "non_positive_timestamp, future_timestamp, stale).",
-        labels=("outcome",), feature="health-scheduler", roles=("main",),
-        precreate=tuple((o,) for o in (
-            "ok", "no_state", "shutting_down", "starting", "read_error", "missing_ranks",
-            "duplicate_ranks", "unexpected_ranks", "non_positive_timestamp", "future_timestamp", "stale",
-        )),
-        aggregation="sum by (outcome); with several HTTP workers each counts its own probes",
-    ),
-)
+    plugin: str
+    group: MetricGroup
 
 
-# ------------------------------------------------------------------------------------------
-# grammar service (feature "grammar-service"): src/dspark_harden/grammar/; documented in
-# docs/metrics.md "Grammar service". Runtime helpers: dspark_harden.grammar.metrics.
-_GRAMMAR_SOURCES = ("memory", "inflight", "disk", "compile", "local_compile")
-declare(
-    Family(
-        "dspark_harden_grammar_lookups_total", "counter",
-        "Grammar lookups by how they were resolved: memory (LRU hit), inflight (joined a compile "
-        "already running for the same canonical key), disk (loaded a serialized entry), compile "
-        "(compiled natively, nothing on disk), local_compile (compiled because the disk entry is a "
-        "compile-locally marker).",
-        labels=("dp_rank", "source"), feature="grammar-service", roles=("scheduler",),
-        precreate=tuple((DP_RANK, s) for s in _GRAMMAR_SOURCES),
-        aggregation="sum by (source); per rank by (dp_rank, source)",
-    ),
-    Family(
-        "dspark_harden_grammar_resolution_seconds", "histogram",
-        "Time from lookup until the request's own matcher copy is ready, by source.",
-        labels=("dp_rank", "source"), feature="grammar-service", roles=("scheduler",),
-        aggregation="sum of buckets by (source, le)",
-    ),
-    Family(
-        "dspark_harden_grammar_phase_seconds", "histogram",
-        "Time spent in one phase of the persistent cache: disk_read, verify (checksum/scope/key), "
-        "deserialize, native_compile, serialize, measure_compile and measure_load (re-compile and trial load deciding serialized vs "
-        "marker), entry_write_account (atomic publish + ledger + pruning).",
-        labels=("dp_rank", "phase"), feature="grammar-service", roles=("scheduler",),
-        aggregation="sum of buckets by (phase, le)",
-    ),
-    Family(
-        "dspark_harden_grammar_disk_lock_wait_seconds", "histogram",
-        "Time waiting for a disk entry's exclusive file lock (another process or thread compiling "
-        "or publishing the same key).",
-        labels=("dp_rank",), feature="grammar-service", roles=("scheduler",),
-        aggregation="sum of buckets by (le)",
-    ),
-    Family(
-        "dspark_harden_grammar_memory_cache_bytes", "gauge",
-        "Bytes held by this process's in-memory grammar LRU (compiled grammars' own memory size).",
-        labels=("dp_rank",), multiprocess_mode="livesum", feature="grammar-service", roles=("scheduler",),
-        aggregation="sum: every scheduler holds its own cache",
-    ),
-    Family(
-        "dspark_harden_grammar_memory_cache_entries", "gauge",
-        "Entries in this process's in-memory grammar LRU.",
-        labels=("dp_rank",), multiprocess_mode="livesum", feature="grammar-service", roles=("scheduler",),
-        aggregation="sum: every scheduler holds its own cache",
-    ),
-    Family(
-        "dspark_harden_grammar_disk_cache_bytes", "gauge",
-        "Byte ledger of the shared disk cache namespace, as last written by this process.",
-        labels=("dp_rank",), multiprocess_mode="max", feature="grammar-service", roles=("scheduler",),
-        aggregation="max: all ranks of a host share one namespace (do not sum)",
-    ),
-    Family(
-        "dspark_harden_grammar_evictions_total", "counter",
-        "Entries removed to respect a limit: tier memory (reason bytes|entries) or disk (reason prune).",
-        labels=("dp_rank", "tier", "reason"), feature="grammar-service", roles=("scheduler",),
-        precreate=((DP_RANK, "memory", "bytes"), (DP_RANK, "memory", "entries"), (DP_RANK, "disk", "prune")),
-        aggregation="sum by (tier, reason)",
-    ),
-    Family(
-        "dspark_harden_grammar_corrupt_entries_total", "counter",
-        "Disk entries rejected as corrupt, truncated or foreign (the request failed naming the file).",
-        labels=("dp_rank",), feature="grammar-service", roles=("scheduler",),
-        precreate=((DP_RANK,),), aggregation="sum; any increase needs operator action",
-    ),
-    Family(
-        "dspark_harden_grammar_compile_timeouts_total", "counter",
-        "Requests failed because their grammar was not ready within DSPARK_HARDEN_GRAMMAR_COMPILE_TIMEOUT "
-        "(the compile itself continues and is cached for a retry).",
-        labels=("dp_rank",), feature="grammar-service", roles=("scheduler",),
-        precreate=((DP_RANK,),), aggregation="sum",
-    ),
-    Family(
-        "dspark_harden_grammar_compile_failures_total", "counter",
-        "Compiles that raised (not cached; invalid grammars are results, not failures).",
-        labels=("dp_rank",), feature="grammar-service", roles=("scheduler",),
-        precreate=((DP_RANK,),), aggregation="sum",
-    ),
-    Family(
-        "dspark_harden_grammar_disk_stored_total", "counter",
-        "Disk entries this process published, by what was stored: serialized grammar or marker.",
-        labels=("dp_rank", "stored"), feature="grammar-service", roles=("scheduler",),
-        precreate=((DP_RANK, "serialized"), (DP_RANK, "marker")), aggregation="sum by (stored)",
-    ),
-    Family(
-        "dspark_harden_grammar_disk_errors_total", "counter",
-        "Disk cache publications that failed: op publish (I/O error) or prune (could not get under "
-        "the hard limit; the new entry was withdrawn).",
-        labels=("dp_rank", "op"), feature="grammar-service", roles=("scheduler",),
-        precreate=((DP_RANK, "publish"), (DP_RANK, "prune")), aggregation="sum by (op)",
-    ),
-)
+class Registry(Mapping):
+    """``name -> Family`` of every plugin's ``dspark_metrics()`` hook, in registration order
+    (built-in features first). ``groups`` keeps the plugins' grouping for the reference docs and
+    ``owner(name)`` the plugin that declared a family."""
 
-# ------------------------------------------------------------------------------------------
-# native DP2 exchange (feature "dp2-native-exchange"): src/dspark_harden/dp2/; documented in
-# docs/metrics.md "Native DP2 exchange". Values are accumulated in-process per call and flushed
-# at most once per second (dspark_harden.dp2.channels), so the hot path never touches prometheus.
-DP2_CHANNELS = ("mlp", "verify_tier")
-DP2_PHASES = ("call_total", "exchange_total", "peer_wait", "arrival_skew", "post_latest_arrival")
-DP2_ERROR_CODES = (
-    "timeout", "peer_died", "peer_closed", "poisoned", "sequence_divergence", "lapped",
-    "ownership_changed", "used_after_fork", "mismatch", "caller_error", "futex", "clock",
-    "missing_arrival", "unlink", "closed", "python_check",
-)
-declare(
-    Family(
-        "dspark_harden_dp2_exchange_calls_total", "counter",
-        "Native DP2 exchanges completed by this rank, per channel (mlp: MLPSyncBatchInfo.all_gather; "
-        "verify_tier: DSpark's verify-tier gather). Both ranks advance in lockstep.",
-        labels=("channel", "dp_rank"), feature="dp2-native-exchange", roles=("scheduler",),
-        precreate=tuple((c, DP_RANK) for c in DP2_CHANNELS),
-        aggregation="per rank; the two ranks' counts differ by at most the unflushed window",
-    ),
-    Family(
-        "dspark_harden_dp2_exchange_seconds_total", "counter",
-        "Seconds summed over exchanges by phase: call_total (whole hardened call incl. Python), "
-        "exchange_total (native call), peer_wait (after publishing, waiting for the peer), "
-        "arrival_skew (|own arrival - peer arrival|), post_latest_arrival (finish - later arrival).",
-        labels=("channel", "dp_rank", "phase"), feature="dp2-native-exchange", roles=("scheduler",),
-        precreate=tuple((c, DP_RANK, p) for c in DP2_CHANNELS for p in DP2_PHASES),
-        aggregation="rate(...) / rate(calls_total) = mean per call; keep dp_rank (do not sum ranks)",
-    ),
-    Family(
-        "dspark_harden_dp2_exchange_max_seconds", "gauge",
-        "Longest single exchange per phase in the latest flush window (1 s).",
-        labels=("channel", "dp_rank", "phase"), multiprocess_mode="mostrecent",
-        feature="dp2-native-exchange", roles=("scheduler",),
-        precreate=tuple((c, DP_RANK, p) for c in DP2_CHANNELS for p in DP2_PHASES),
-        aggregation="max by (channel, phase) (max_over_time(...[5m])); never sum",
-    ),
-    Family(
-        "dspark_harden_dp2_exchange_futex_waits_total", "counter",
-        "Futex sleeps while waiting for the peer (0 per call when the short spin sufficed).",
-        labels=("channel", "dp_rank"), feature="dp2-native-exchange", roles=("scheduler",),
-        precreate=tuple((c, DP_RANK) for c in DP2_CHANNELS),
-        aggregation="rate by (channel, dp_rank)",
-    ),
-    Family(
-        "dspark_harden_dp2_exchange_errors_total", "counter",
-        "Exchange failures by code (see docs/dp2.md); any error stops both ranks (no gloo fallback).",
-        labels=("channel", "dp_rank", "code"), feature="dp2-native-exchange", roles=("scheduler",),
-        precreate=tuple((c, DP_RANK, e) for c in DP2_CHANNELS for e in DP2_ERROR_CODES),
-        aggregation="sum by (code); alert on any increase",
-    ),
-    Family(
-        "dspark_harden_dp2_exchange_sequence", "gauge",
-        "Sequence number of the latest completed exchange (as of the latest flush).",
-        labels=("channel", "dp_rank"), multiprocess_mode="mostrecent",
-        feature="dp2-native-exchange", roles=("scheduler",),
-        aggregation="per rank; the two ranks of a channel should be within the flush window",
-    ),
-    Family(
-        "dspark_harden_dp2_exchange_enabled", "gauge",
-        "1 while the channel is open in this rank (set at startup), 0 after close.",
-        labels=("channel", "dp_rank"), multiprocess_mode="mostrecent",
-        feature="dp2-native-exchange", roles=("scheduler",),
-        aggregation="min by (channel): 1 only when every rank has it open",
-    ),
-)
+    def __init__(self, declared: Iterable[Declared] = ()) -> None:
+        self.groups: list[Declared] = list(declared)
+        self._by_name: dict[str, Family] = {}
+        self._owner: dict[str, str] = {}
+        for d in self.groups:
+            for fam in d.group.families:
+                if fam.name in self._by_name:
+                    raise MetricsError(
+                        f"metric {fam.name} declared twice (by {self._owner[fam.name]} and {d.plugin})")
+                self._by_name[fam.name] = fam
+                self._owner[fam.name] = d.plugin
 
-# ------------------------------------------------------------------------------------------
-# DSpark grammar masks (feature "dspark-masks"): src/dspark_harden/dspark_masks/; documented in
-# docs/metrics.md "DSpark grammar masks". Emitted per DSpark verify step that has a grammar.
-DSPARK_MASK_PHASES = ("barrier", "buffer_wait", "draft_copy_wait", "resolution", "traversal", "mask_upload", "total")
-DSPARK_MASK_OUTCOMES = ("masked", "thinking_only")
-declare(
-    Family(
-        "dspark_harden_dspark_mask_phase_seconds", "histogram",
-        "Host seconds per DSpark grammar-mask step phase: barrier (upstream FSM advance), buffer_wait "
-        "(slot's previous upload still reading the pinned buffer), draft_copy_wait (D2H of the draft chain), "
-        "resolution (grammar objects -> matchers/roots), traversal (native batched traversal), mask_upload "
-        "(H2D enqueue on the copy stream), total.",
-        labels=("dp_rank", "phase"), feature="dspark-masks", roles=("scheduler",),
-        precreate=tuple((DP_RANK, p) for p in DSPARK_MASK_PHASES),
-        aggregation="sum by (phase) (rate(..._sum[5m])); keep dp_rank to compare ranks",
-    ),
-    Family(
-        "dspark_harden_dspark_mask_active_matchers", "gauge",
-        "Grammar matchers traversed in the latest DSpark verify step (requests in thinking phase without "
-        "a think-end inside the draft are not active).",
-        labels=("dp_rank",), multiprocess_mode="mostrecent", feature="dspark-masks", roles=("scheduler",),
-        precreate=((DP_RANK,),),
-        aggregation="sum over dp_rank for the fleet; per rank as is",
-    ),
-    Family(
-        "dspark_harden_dspark_mask_steps_total", "counter",
-        "DSpark verify steps with a grammar by outcome: masked (mask uploaded and applied) or thinking_only "
-        "(no active matcher: no mask, logits untouched).",
-        labels=("dp_rank", "outcome"), feature="dspark-masks", roles=("scheduler",),
-        precreate=tuple((DP_RANK, o) for o in DSPARK_MASK_OUTCOMES),
-        aggregation="sum by (outcome) (rate(...))",
-    ),
-)
+    def __getitem__(self, name: str) -> Family:
+        return self._by_name[name]
 
+    def __iter__(self):
+        return iter(self._by_name)
+
+    def __len__(self) -> int:
+        return len(self._by_name)
+
+    def owner(self, name: str) -> str:
+        return self._owner[name]
+
+
+def collect(pm: Any, feature_names: Optional[Iterable[str]] = None) -> Registry:
+    """Build a :class:`Registry` from the ``dspark_metrics`` hook implementations of ``pm``
+    (called in registration order, each answer attributed to its plugin). Every family must
+    name ``"core"`` or a feature some plugin contributes (``feature_names``; default: ask ``pm``)."""
+    if feature_names is None:
+        from .manager import all_features
+
+        feature_names = [f.name for f in all_features(pm)]
+    known = set(feature_names) | {"core"}
+    declared: list[Declared] = []
+    for impl in pm.hook.dspark_metrics.get_hookimpls():
+        answer = impl.function()
+        loose: list[Family] = []
+        for item in answer or ():
+            if isinstance(item, MetricGroup):
+                declared.append(Declared(impl.plugin_name, item))
+            elif isinstance(item, Family):
+                loose.append(item)
+            else:
+                raise MetricsError(f"{impl.plugin_name}: dspark_metrics returned {item!r} (not a Family or MetricGroup)")
+        if loose:
+            declared.append(Declared(impl.plugin_name, MetricGroup(impl.plugin_name, tuple(loose))))
+    for d in declared:
+        for fam in d.group.families:
+            if fam.feature not in known:
+                raise MetricsError(f"metric {fam.name} (declared by {d.plugin}) names unknown feature {fam.feature!r}")
+    return Registry(declared)
+
+
+def registry(*, load_extensions: bool = True) -> Registry:
+    """A fresh registry from a fresh plugin manager (``load_extensions=False``: built-in features
+    only, what docs/metrics.md and the shipped dashboard are generated from)."""
+    from .manager import make_manager
+
+    return collect(make_manager(load_extensions=load_extensions))
+
+
+class _ProcessRegistry(Mapping):
+    """This process's registry: the one :func:`use` installed (the binder installs the registry of
+    the plugin manager it bound with), else built on first use from a default plugin manager."""
+
+    def __init__(self) -> None:
+        self._reg: Optional[Registry] = None
+        self._building = False
+
+    def current(self) -> Registry:
+        reg = self._reg
+        if reg is not None:
+            return reg
+        with _LOCK:
+            if self._reg is None:
+                if self._building:
+                    raise RuntimeError("the metric registry was read while it is being built "
+                                       "(a feature module reads dspark_harden metrics at import time)")
+                self._building = True
+                try:
+                    from .manager import make_manager, strict_extensions_from_env
+
+                    self._reg = collect(make_manager(strict_extensions=strict_extensions_from_env()))
+                finally:
+                    self._building = False
+            return self._reg
+
+    def use(self, reg: Registry) -> None:
+        with _LOCK:
+            self._reg = reg
+
+    def __getitem__(self, name: str) -> Family:
+        return self.current()[name]
+
+    def __iter__(self):
+        return iter(self.current())
+
+    def __len__(self) -> int:
+        return len(self.current())
+
+
+_LOCK = threading.RLock()
+#: every declared family of this process (built-in and third-party), by name
+FAMILIES = _ProcessRegistry()
+
+
+def use(reg: Registry) -> None:
+    """Install ``reg`` as this process's registry (the binder does, with its plugin manager's)."""
+    FAMILIES.use(reg)
+
+
+def current() -> Registry:
+    return FAMILIES.current()
 
 # ------------------------------------------------------------------------------------------
 # runtime: lazily created prometheus_client objects
@@ -474,7 +314,6 @@ declare(
 # process at bind time and :func:`configured` right after SGLang's ``_set_envs_and_config``;
 # :func:`when_ready` runs start-up publishing at the right moment in every process.
 
-_LOCK = threading.RLock()
 _LIVE: dict[str, Any] = {}
 _READY = True
 _PENDING: list = []
@@ -491,7 +330,7 @@ def get(name: str) -> Any:
         if obj is None:
             fam = FAMILIES.get(name)
             if fam is None:
-                raise KeyError(f"metric {name} is not declared in dspark_harden.metrics")
+                raise KeyError(f"metric {name} is not declared by any dspark_metrics hook")
             if not _READY:
                 _EARLY.add(name)
             obj = _create(fam)

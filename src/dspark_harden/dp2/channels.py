@@ -64,7 +64,7 @@ class _Acc:
         self.call_sum = self.call_max = 0.0
         if not self.export or not calls:
             return
-        from .. import metrics
+        from ..core import metrics
 
         ch, dp = self.channel, self.label
         metrics.get("dspark_harden_dp2_exchange_calls_total").labels(ch, dp).inc(calls)
@@ -80,7 +80,7 @@ class _Acc:
     def error(self, name: str) -> None:
         self.flush()
         if self.export:
-            from .. import metrics
+            from ..core import metrics
 
             metrics.get("dspark_harden_dp2_exchange_errors_total").labels(self.channel, self.label, name).inc()
 
@@ -120,7 +120,7 @@ class Dp2Runtime:
             self.channels[name] = ch
             self.accs[name] = _Acc(name, self.dp_label, self.export, ch.stats)
             if self.export:
-                from .. import metrics
+                from ..core import metrics
 
                 metrics.get("dspark_harden_dp2_exchange_enabled").labels(name, self.dp_label).set(1)
             if not self._atexit:
@@ -146,7 +146,7 @@ class Dp2Runtime:
                     if acc is not None:
                         acc.flush()
                         if acc.export:
-                            from .. import metrics
+                            from ..core import metrics
 
                             metrics.get("dspark_harden_dp2_exchange_enabled").labels(name, self.dp_label).set(0)
                 except Exception:  # noqa: BLE001 - closing must still happen

@@ -112,6 +112,13 @@ def _verify_builder(stock):
 
 
 @hookimpl
+def dspark_metrics():
+    from .metrics import GROUP
+
+    return [GROUP]
+
+
+@hookimpl
 def dspark_features():
     return FEATURES
 

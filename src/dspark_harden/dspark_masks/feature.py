@@ -28,6 +28,13 @@ THREADS = "DSPARK_HARDEN_GRAMMAR_TRAVERSAL_THREADS"
 
 
 @hookimpl
+def dspark_metrics():
+    from .metrics import GROUP
+
+    return [GROUP]
+
+
+@hookimpl
 def dspark_features():
     return [
         Feature(

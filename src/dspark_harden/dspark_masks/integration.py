@@ -39,7 +39,7 @@ from typing import Any, Optional
 
 import torch
 
-from .. import metrics
+from ..core import metrics
 from ..core.patch import PatchError, fingerprint_source
 from .pipeline import MaskPipeline, PipelineError, Ticket
 from .resolve import resolve_jobs

@@ -215,6 +215,13 @@ def patches(role: Role, settings: Any) -> list:
 
 
 @hookimpl
+def dspark_metrics():
+    from .metrics import GROUP
+
+    return [GROUP]
+
+
+@hookimpl
 def dspark_patches(role, settings):
     return patches(role, settings)
 

@@ -1,4 +1,5 @@
-"""Runtime helpers for the grammar service's metric families (declared in dspark_harden.metrics).
+"""The grammar service's metric families (declared here, exported through the feature's
+``dspark_metrics`` hook) and their runtime helpers.
 
 Every helper is cheap and never raises: metrics must not fail a request.
 """
@@ -7,12 +8,112 @@ from __future__ import annotations
 
 import logging
 
-from .. import metrics as M
+from ..core import metrics as M
+from ..core.metrics import DP_RANK, Family, MetricGroup
 
 logger = logging.getLogger("dspark_harden.grammar")
 
+FEATURE = "grammar-service"
 SOURCES = ("memory", "inflight", "disk", "compile", "local_compile")
 PHASES = ("disk_read", "verify", "deserialize", "native_compile", "serialize", "measure_compile", "measure_load", "entry_write_account")
+
+FAMILIES = (
+    Family(
+        "dspark_harden_grammar_lookups_total", "counter",
+        "Grammar lookups by how they were resolved: memory (LRU hit), inflight (joined a compile "
+        "already running for the same canonical key), disk (loaded a serialized entry), compile "
+        "(compiled natively, nothing on disk), local_compile (compiled because the disk entry is a "
+        "compile-locally marker).",
+        labels=("dp_rank", "source"), feature=FEATURE, roles=("scheduler",),
+        precreate=tuple((DP_RANK, s) for s in SOURCES),
+        aggregation="`sum by (source) (rate(...))`; the hit ratio is `(memory+inflight+disk)/all`.",
+    ),
+    Family(
+        "dspark_harden_grammar_resolution_seconds", "histogram",
+        "Time from lookup until the request's own matcher copy is ready, by source.",
+        labels=("dp_rank", "source"), feature=FEATURE, roles=("scheduler",),
+        aggregation="`histogram_quantile(0.99, sum by (le, source) (rate(..._bucket[5m])))`.",
+    ),
+    Family(
+        "dspark_harden_grammar_phase_seconds", "histogram",
+        "Time spent in one phase of the persistent cache: disk_read, verify (checksum/scope/key), "
+        "deserialize, native_compile, serialize, measure_compile and measure_load (re-compile and trial load deciding serialized vs "
+        "marker), entry_write_account (atomic publish + ledger + pruning).",
+        labels=("dp_rank", "phase"), feature=FEATURE, roles=("scheduler",),
+        aggregation="`sum by (phase) (rate(..._sum[5m]))` shows where time goes.",
+    ),
+    Family(
+        "dspark_harden_grammar_disk_lock_wait_seconds", "histogram",
+        "Time waiting for a disk entry's exclusive file lock (another process or thread compiling "
+        "or publishing the same key).",
+        labels=("dp_rank",), feature=FEATURE, roles=("scheduler",),
+        aggregation="Quantiles over `sum by (le)`; sustained high waits mean ranks compile the same new schemas at once.",
+    ),
+    Family(
+        "dspark_harden_grammar_memory_cache_bytes", "gauge",
+        "Bytes held by this process's in-memory grammar LRU (compiled grammars' own memory size).",
+        labels=("dp_rank",), multiprocess_mode="livesum", feature=FEATURE, roles=("scheduler",),
+        aggregation="`sum`: each scheduler has its own LRU.",
+    ),
+    Family(
+        "dspark_harden_grammar_memory_cache_entries", "gauge",
+        "Entries in this process's in-memory grammar LRU.",
+        labels=("dp_rank",), multiprocess_mode="livesum", feature=FEATURE, roles=("scheduler",),
+        aggregation="`sum`.",
+    ),
+    Family(
+        "dspark_harden_grammar_disk_cache_bytes", "gauge",
+        "Byte ledger of the shared disk cache namespace, as last written by this process.",
+        labels=("dp_rank",), multiprocess_mode="max", feature=FEATURE, roles=("scheduler",),
+        aggregation="`max`: ranks of one host share the namespace; never sum.",
+    ),
+    Family(
+        "dspark_harden_grammar_evictions_total", "counter",
+        "Entries removed to respect a limit: tier memory (reason bytes|entries) or disk (reason prune).",
+        labels=("dp_rank", "tier", "reason"), feature=FEATURE, roles=("scheduler",),
+        precreate=((DP_RANK, "memory", "bytes"), (DP_RANK, "memory", "entries"), (DP_RANK, "disk", "prune")),
+        aggregation="`sum by (tier, reason) (rate(...))`; steady memory evictions mean the LRU limits are too small for the schema mix.",
+    ),
+    Family(
+        "dspark_harden_grammar_corrupt_entries_total", "counter",
+        "Disk entries rejected as corrupt, truncated or foreign (the request failed naming the file).",
+        labels=("dp_rank",), feature=FEATURE, roles=("scheduler",),
+        precreate=((DP_RANK,),), aggregation="`sum (increase(...))`; any increase needs `dspark-harden grammar-cache verify`.",
+    ),
+    Family(
+        "dspark_harden_grammar_compile_timeouts_total", "counter",
+        "Requests failed because their grammar was not ready within DSPARK_HARDEN_GRAMMAR_COMPILE_TIMEOUT "
+        "(the compile itself continues and is cached for a retry).",
+        labels=("dp_rank",), feature=FEATURE, roles=("scheduler",),
+        precreate=((DP_RANK,),), aggregation="`sum (increase(...))`.",
+    ),
+    Family(
+        "dspark_harden_grammar_compile_failures_total", "counter",
+        "Compiles that raised (not cached; invalid grammars are results, not failures).",
+        labels=("dp_rank",), feature=FEATURE, roles=("scheduler",),
+        precreate=((DP_RANK,),), aggregation="`sum (increase(...))`.",
+    ),
+    Family(
+        "dspark_harden_grammar_disk_stored_total", "counter",
+        "Disk entries this process published, by what was stored: serialized grammar or marker.",
+        labels=("dp_rank", "stored"), feature=FEATURE, roles=("scheduler",),
+        precreate=((DP_RANK, "serialized"), (DP_RANK, "marker")), aggregation="`sum by (stored) (increase(...))`.",
+    ),
+    Family(
+        "dspark_harden_grammar_disk_errors_total", "counter",
+        "Disk cache publications that failed: op publish (I/O error) or prune (could not get under "
+        "the hard limit; the new entry was withdrawn).",
+        labels=("dp_rank", "op"), feature=FEATURE, roles=("scheduler",),
+        precreate=((DP_RANK, "publish"), (DP_RANK, "prune")), aggregation="`sum by (op) (increase(...))`; any increase needs attention (disk full, limit too small).",
+    ),
+)
+
+GROUP = MetricGroup(
+    "Grammar service (feature `grammar-service`)",
+    FAMILIES,
+    intro="Every family comes from the scheduler processes (one grammar backend each); `dp_rank` is the "
+          "scheduler's DP rank (`none` without DP). See [grammar.md](grammar.md).",
+)
 
 
 def dp_label() -> str:

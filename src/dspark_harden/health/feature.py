@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 import time
 
-from .. import metrics
+from ..core import metrics
 from ..core.feature import Feature
 from ..core.hookspecs import hookimpl
 from ..core.patch import Kind, Role, RoutePatch
@@ -34,6 +34,13 @@ APP_TARGET = "sglang.srt.entrypoints.http_server:app"
 # absorbs wall-clock adjustments between processes of one host.
 DEFAULT_MAX_STALENESS_S = 30.0
 DEFAULT_MAX_FUTURE_SKEW_S = 5.0
+
+
+@hookimpl
+def dspark_metrics():
+    from .metrics import GROUP
+
+    return [GROUP]
 
 
 @hookimpl

@@ -18,7 +18,7 @@ from typing import Any, Optional
 
 import zmq
 
-from .. import metrics
+from ..core import metrics
 
 logger = logging.getLogger("dspark_harden.ingress")
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 import logging
 import os
 
-from .. import metrics
+from ..core import metrics
 from ..core.feature import Feature
 from ..core.hookspecs import hookimpl
 from ..core.patch import Kind, Patch, Role
@@ -47,6 +47,13 @@ OUR_APP_PATH = "dspark_harden.ingress.app:app"
 TM = "sglang.srt.managers.tokenizer_manager:TokenizerManager"
 DPC = "sglang.srt.managers.data_parallel_controller:DataParallelController"
 SCHED = "sglang.srt.managers.scheduler:Scheduler"
+
+
+@hookimpl
+def dspark_metrics():
+    from .metrics import GROUP
+
+    return [GROUP]
 
 
 @hookimpl

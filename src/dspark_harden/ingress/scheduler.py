@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 
-from .. import metrics
+from ..core import metrics
 from ..core import roles
 
 logger = logging.getLogger("dspark_harden.ingress")

@@ -34,6 +34,8 @@ def register(subparsers, bench_subparsers) -> None:
 
     p = subparsers.add_parser("dashboard", help="print the Grafana overview dashboard generated from the declared metrics")
     p.add_argument("--out", metavar="PATH", help="write it to PATH instead of stdout")
+    p.add_argument("--extensions", action="store_true",
+                   help="also add panels for installed third-party features' families (the shipped dashboard has none)")
     p.set_defaults(func=dashboard_main)
 
     b = bench_subparsers.add_parser(
@@ -74,7 +76,7 @@ def lint_main(args) -> int:
 def dashboard_main(args) -> int:
     from . import dashboard
 
-    text = dashboard.render()
+    text = dashboard.render(extensions=args.extensions)
     if args.out:
         with open(args.out, "w", encoding="utf-8") as fh:
             fh.write(text)
@@ -115,7 +117,7 @@ def bench_main(args) -> int:
             bare_ns.append(measure(bare))
             wrapped_ns.append(measure(wrapped))
         flush_ns = []
-        from .. import metrics
+        from ..core import metrics
 
         for _ in range(max(3, args.repeats)):
             rec.observe(0, 1e-3, 0.0)

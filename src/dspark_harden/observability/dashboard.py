@@ -1,4 +1,4 @@
-"""The Grafana overview dashboard, generated from the families declared in :mod:`dspark_harden.metrics`.
+"""The Grafana overview dashboard, generated from the families the features declare (``dspark_metrics`` hook, :mod:`dspark_harden.core.metrics`).
 
 One row per area (platform, ingress/routing, DP controller, health, grammar cache, DSpark masks,
 native DP2, prefill graphs, HiCache, scheduler phases), templated by ``$datasource`` and
@@ -18,7 +18,7 @@ import json
 import re
 from typing import Any, Iterable, Optional
 
-from .. import metrics
+from ..core import metrics
 
 UID = "dspark-harden-overview"
 TITLE = "dspark-harden overview"
@@ -68,11 +68,11 @@ def row_for(*names: Optional[str]) -> str:
     return "other"
 
 
-def feature_areas() -> dict:
-    """Feature name -> area, from every registered feature module (built-ins + extensions)."""
+def feature_areas(*, load_extensions: bool = False) -> dict:
+    """Feature name -> area, from the built-in feature modules (and extensions if asked)."""
     from ..core.manager import all_features, make_manager
 
-    pm = make_manager(load_extensions=False)
+    pm = make_manager(load_extensions=load_extensions)
     return {f.name: f.area for f in all_features(pm)}
 
 
@@ -285,12 +285,13 @@ def _scheduler_panels(lay: _Layout) -> set:
 _CURATED = {"platform": _platform_panels, "scheduler": _scheduler_panels}
 
 
-def build(areas: Optional[dict] = None) -> dict:
-    """The overview dashboard as a JSON-serialisable dict."""
+def build(areas: Optional[dict] = None, *, extensions: bool = False) -> dict:
+    """The overview dashboard as a JSON-serialisable dict: panels for the built-in features'
+    families (the shipped dashboard), plus installed third-party features' with ``extensions``."""
     if areas is None:
-        areas = feature_areas()
+        areas = feature_areas(load_extensions=extensions)
     by_row: dict[str, list] = {}
-    for fam in metrics.FAMILIES.values():
+    for fam in metrics.registry(load_extensions=extensions).values():
         key = "platform" if fam.feature == "core" else row_for(areas.get(fam.feature), fam.feature)
         by_row.setdefault(key, []).append(fam)
     lay = _Layout()
@@ -337,8 +338,8 @@ def build(areas: Optional[dict] = None) -> dict:
     }
 
 
-def render(areas: Optional[dict] = None) -> str:
-    return json.dumps(build(areas), indent=2, sort_keys=False) + "\n"
+def render(areas: Optional[dict] = None, *, extensions: bool = False) -> str:
+    return json.dumps(build(areas, extensions=extensions), indent=2, sort_keys=False) + "\n"
 
 
 # ---------------------------------------------------------------------------------------------

@@ -8,7 +8,7 @@ Two switches:
   pre-creates the declared label combinations of every family whose feature is active in the
   process. In the main process SGLang sets ``PROMETHEUS_MULTIPROC_DIR`` only after plugins are
   loaded, so the feature wraps ``sglang.srt.entrypoints.engine._set_envs_and_config`` and publishes
-  right after it (see :mod:`dspark_harden.metrics`, "readiness").
+  right after it (see :mod:`dspark_harden.core.metrics`, "readiness").
 * ``DSPARK_HARDEN_SCHEDULER_PHASE_METRICS`` (feature ``scheduler-phase-metrics``, schedulers):
   see :mod:`dspark_harden.observability.phases`. Needs SGLang ``--enable-metrics`` (without it
   nothing exports the values: the feature is ``unavailable``, or fails startup when the switch
@@ -21,7 +21,7 @@ import functools
 import importlib.metadata
 from typing import Any, Optional
 
-from .. import metrics
+from ..core import metrics
 from ..core import feature as F
 from ..core import roles
 from ..core.feature import Feature
@@ -77,6 +77,13 @@ SETTINGS = [
             "Seconds between pushes of accumulated scheduler-phase values to Prometheus; also the "
             "window of dspark_harden_scheduler_phase_max_seconds.", feature=phases.FEATURE),
 ]
+
+
+@hookimpl
+def dspark_metrics():
+    from .metrics import GROUPS
+
+    return list(GROUPS)
 
 
 @hookimpl

@@ -2,9 +2,9 @@
 
 Problems (exit status 1):
 
-* a ``dspark_harden_*`` family breaking the conventions of :func:`dspark_harden.metrics.convention_problems`
+* a ``dspark_harden_*`` family breaking the conventions of :func:`dspark_harden.core.metrics.convention_problems`
   (prefix, no colons, ``_total`` on counters only, base units, label names), or exported but not
-  declared in :mod:`dspark_harden.metrics`, or exported with another type / other labels than declared;
+  declared by any feature's ``dspark_metrics`` hook, or exported with another type / other labels than declared;
 * label cardinality: more distinct values of one label than ``--max-label-values``, more series in
   one family than ``--max-series``, or label values that look unbounded (hashes, UUIDs, long ids);
 * a dashboard query referencing an undeclared family, or returning no data: evaluated against
@@ -27,7 +27,7 @@ import urllib.request
 from dataclasses import asdict, dataclass, field
 from typing import Iterable, Optional
 
-from .. import metrics
+from ..core import metrics
 from . import dashboard as D
 
 PROBLEM = "problem"
@@ -117,7 +117,7 @@ def lint_scrape(
         if own:
             declared = metrics.FAMILIES.get(name)
             if declared is None:
-                out.append(Finding(PROBLEM, where, "exported but not declared in dspark_harden.metrics"))
+                out.append(Finding(PROBLEM, where, "exported but not declared by any feature (dspark_metrics hook)"))
             else:
                 if declared.kind != fam.kind:
                     out.append(Finding(PROBLEM, where, f"exported as {fam.kind}, declared as {declared.kind}"))

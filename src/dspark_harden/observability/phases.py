@@ -36,10 +36,11 @@ import functools
 import time
 from typing import Any, Callable, Optional
 
-from .. import metrics
+from ..core import metrics
 from ..core.patch import Kind, Patch, Role
+from .metrics import PHASE_FEATURE, SCHEDULER_PHASES
 
-FEATURE = "scheduler-phase-metrics"
+FEATURE = PHASE_FEATURE
 
 # (phase, target, fingerprint of the stock sglang 0.5.23 source)
 TARGETS = (
@@ -52,7 +53,7 @@ TARGETS = (
     ("process_batch_result", "sglang.srt.managers.scheduler:Scheduler.process_batch_result", "a67c683e53477b43"),
     ("idle", "sglang.srt.managers.scheduler:Scheduler.on_idle", "2286eb316401a990"),
 )
-assert tuple(t[0] for t in TARGETS) == metrics.SCHEDULER_PHASES
+assert tuple(t[0] for t in TARGETS) == SCHEDULER_PHASES
 
 SECONDS = "dspark_harden_scheduler_phase_seconds_total"
 CALLS = "dspark_harden_scheduler_phase_calls_total"
@@ -64,7 +65,7 @@ class PhaseRecorder:
 
     def __init__(
         self,
-        phases: tuple = metrics.SCHEDULER_PHASES,
+        phases: tuple = SCHEDULER_PHASES,
         *,
         dp_label: str = "none",
         interval_s: float = 1.0,

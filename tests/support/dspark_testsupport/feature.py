@@ -4,8 +4,9 @@
 Inert unless ``DSPARK_TESTFEATURE=1``. When on, it binds one harmless WRAP patch in the main and
 scheduler processes: ``SamplingParams.verify`` (the tokenizer manager calls it for every request;
 in the scheduler the module is loaded and the patch is bound and verified, but not called). The
-wrapper counts calls (:data:`CALLS`) and otherwise returns exactly what the stock method returns
-or raises.
+wrapper counts calls (:data:`CALLS` and its own metric family ``dspark_harden_testfeature_verify_calls_total``,
+declared through the ``dspark_metrics`` hook like a built-in feature's) and otherwise returns exactly what
+the stock method returns or raises.
 
 ``DSPARK_TESTFEATURE_BREAK`` breaks it on purpose, to prove that startup fails closed:
 
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import threading
 
+from dspark_harden.core import metrics
 from dspark_harden.core.feature import Feature
 from dspark_harden.core.hookspecs import hookimpl
 from dspark_harden.core.patch import Kind, Patch, Role
@@ -43,6 +45,18 @@ MISSING_TARGET = "sglang.srt.sampling.sampling_params:SamplingParams.dspark_test
 ROGUE_PLUGIN = "dspark_testfeature_rogue"
 
 ROLES = frozenset({Role.MAIN, Role.SCHEDULER})
+
+#: the test feature's own metric family, declared through the dspark_metrics hook like a built-in's
+CALLS_METRIC = "dspark_harden_testfeature_verify_calls_total"
+METRICS = (
+    metrics.Family(
+        CALLS_METRIC, "counter",
+        "TEST ONLY: SamplingParams.verify calls through the test feature's wrapper, by process role.",
+        labels=("role",), feature=FEATURE, roles=("main", "scheduler"),
+        precreate=(("main",), ("scheduler",)),
+        aggregation="sum by (role) (increase(...)); test support only",
+    ),
+)
 
 #: calls through our wrapper in this process
 CALLS = 0
@@ -100,11 +114,27 @@ def dspark_settings():
     ]
 
 
+@hookimpl
+def dspark_metrics():
+    return list(METRICS)
+
+
+def _count_call() -> None:
+    try:
+        from dspark_harden.core import roles
+
+        role = roles.CONTEXT.role.value if roles.CONTEXT is not None else "main"
+        metrics.get(CALLS_METRIC).labels(role).inc()
+    except Exception:  # noqa: BLE001 - a metric must never fail the wrapped call
+        pass
+
+
 def _wrap_verify(stock):
     def verify(self, *args, **kwargs):
         global CALLS
         with _calls_lock:
             CALLS += 1
+        _count_call()
         return stock(self, *args, **kwargs)
 
     verify.__name__ = stock.__name__
