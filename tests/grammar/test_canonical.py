@@ -101,3 +101,69 @@ def test_structural_tags_canonical_key_yields_identical_grammar(hf_tokenizer, ta
     assert len(keys) == 1
     ebnfs = {str(backend.dispatch_structural_tag(s).ctx.grammar) for s in spellings + list(keys)}
     assert len(ebnfs) == 1
+
+
+def _big_schema(tag: str, n: int) -> str:
+    props = {f"{tag}{i}": {"type": "string", "enum": [f"{tag}-{i}-" + "x" * 40]} for i in range(n)}
+    return json.dumps({"type": "object", "properties": props})
+
+
+def test_memo_does_not_retain_large_schemas():
+    """issue 18: the memo of canonical forms is bounded by bytes; a schema whose canonical form is
+    above the per-entry bound is not kept at all (neither the request's string nor the result)."""
+    import gc
+    import sys
+    import tracemalloc
+
+    from dspark_harden.grammar import canonical as C
+
+    C.memo_clear()
+    big = _big_schema("big", 60000)  # ~4.4 MB, canonical form above MEMO_MAX_ENTRY_BYTES
+    assert len(big) > C.MEMO_MAX_ENTRY_BYTES
+    before = sys.getrefcount(big)
+    out = canonical_string("json", big)
+    assert out != big and json.loads(out) == json.loads(big)
+    assert sys.getrefcount(big) == before, "the memo keeps the request's schema string alive"
+    assert sys.getrefcount(out) == 2, "the memo keeps the canonical form alive"
+    st = C.memo_stats()
+    assert st["entries"] == 0 and st["bytes"] == 0 and st["skipped"] == 1
+    # many large-but-memoisable schemas: retained memory stays under the byte bound
+    tracemalloc.start()
+    try:
+        gc.collect()
+        base, _ = tracemalloc.get_traced_memory()
+        for i in range(6):
+            canonical_string("json", _big_schema(f"m{i}_", 15000))  # ~1.1 MB each
+        gc.collect()
+        retained = tracemalloc.get_traced_memory()[0] - base
+    finally:
+        tracemalloc.stop()
+    st = C.memo_stats()
+    assert st["bytes"] <= C.MEMO_MAX_BYTES
+    assert retained <= st["bytes"] + (1 << 20), (retained, st)
+    # a long key is memoised by digest: the memo never holds the caller's string
+    C.memo_clear()
+    mid = _big_schema("mid", 50)
+    assert len(mid) > C.MEMO_DIGEST_ABOVE
+    before = sys.getrefcount(mid)
+    first = canonical_string("json", mid)
+    assert sys.getrefcount(mid) == before
+    assert canonical_string("json", mid) is first and C.memo_stats()["hits"] == 1
+
+
+def test_memo_evicts_by_bytes_and_entries(monkeypatch):
+    from dspark_harden.grammar import canonical as C
+
+    memo = C._Memo(max_entries=3, max_bytes=10_000, max_entry_bytes=4_000)
+    monkeypatch.setattr(C, "_MEMO", memo)
+    schemas = [_big_schema(f"e{i}_", 20) for i in range(5)]  # ~1.5 KB canonical each
+    outs = [canonical_string("json", s) for s in schemas]
+    st = C.memo_stats()
+    assert st["entries"] == 3 and st["bytes"] <= 10_000
+    assert canonical_string("json", schemas[-1]) is outs[-1]  # most recent kept
+    assert canonical_string("json", schemas[0]) is not outs[0]  # oldest evicted (recomputed)
+    tight = C._Memo(max_entries=100, max_bytes=5_000, max_entry_bytes=4_000)
+    monkeypatch.setattr(C, "_MEMO", tight)
+    for s in schemas:
+        canonical_string("json", s)
+    assert C.memo_stats()["bytes"] <= 5_000 and C.memo_stats()["entries"] < 5

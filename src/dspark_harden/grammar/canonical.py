@@ -24,8 +24,11 @@ canonical key.
 
 from __future__ import annotations
 
-import functools
+import hashlib
 import json
+import sys
+import threading
+from collections import OrderedDict
 from typing import Any
 
 ANY_JSON = "$$ANY$$"
@@ -136,12 +139,97 @@ def _base_type(key_type: str) -> str:
     return key_type.partition(":")[0]
 
 
-@functools.lru_cache(maxsize=16384)
+# The memo of canonical forms is bounded by bytes as well as entries (issue 18): a key is looked up
+# by its text when short and by its SHA-256 when longer, so a long request string is never kept;
+# a canonical form above MEMO_MAX_ENTRY_BYTES is not memoised at all (it is recomputed per lookup:
+# ~60 ms for a 700 KB schema on a loaded 2-core machine, small next to its compile), and the
+# memo evicts least-recently-used entries while above MEMO_MAX_BYTES or MEMO_MAX_ENTRIES.
+MEMO_MAX_ENTRIES = 16384
+MEMO_MAX_BYTES = 64 << 20
+MEMO_MAX_ENTRY_BYTES = 2 << 20
+MEMO_DIGEST_ABOVE = 512  # key strings longer than this (characters) are memoised by digest
+
+
+class _Memo:
+    """A thread-safe LRU of canonical forms bounded by entries and by the bytes it retains."""
+
+    def __init__(self, max_entries: int, max_bytes: int, max_entry_bytes: int):
+        self.max_entries, self.max_bytes, self.max_entry_bytes = max_entries, max_bytes, max_entry_bytes
+        self._lock = threading.Lock()
+        self._items: "OrderedDict[tuple, tuple[str, int]]" = OrderedDict()
+        self.nbytes = 0
+        self.hits = self.misses = self.skipped = 0
+
+    @staticmethod
+    def key(key_type: str, key_string: str) -> tuple:
+        if len(key_string) <= MEMO_DIGEST_ABOVE:
+            return (key_type, key_string)
+        return (key_type, hashlib.sha256(key_string.encode("utf-8", "surrogatepass")).digest())
+
+    def get(self, mkey: tuple):
+        with self._lock:
+            item = self._items.get(mkey)
+            if item is None:
+                self.misses += 1
+                return None
+            self._items.move_to_end(mkey)
+            self.hits += 1
+            return item[0]
+
+    def put(self, mkey: tuple, out: str) -> None:
+        size = sys.getsizeof(out) + sys.getsizeof(mkey[1])  # what the memo keeps alive
+        if size > self.max_entry_bytes:
+            with self._lock:
+                self.skipped += 1
+            return
+        with self._lock:
+            old = self._items.pop(mkey, None)
+            if old is not None:
+                self.nbytes -= old[1]
+            self._items[mkey] = (out, size)
+            self.nbytes += size
+            while self._items and (self.nbytes > self.max_bytes or len(self._items) > self.max_entries):
+                _, (_, b) = self._items.popitem(last=False)
+                self.nbytes -= b
+
+    def clear(self) -> None:
+        with self._lock:
+            self._items.clear()
+            self.nbytes = 0
+            self.hits = self.misses = self.skipped = 0
+
+    def stats(self) -> dict:
+        with self._lock:
+            return {"entries": len(self._items), "bytes": self.nbytes, "hits": self.hits,
+                    "misses": self.misses, "skipped": self.skipped}
+
+
+_MEMO = _Memo(MEMO_MAX_ENTRIES, MEMO_MAX_BYTES, MEMO_MAX_ENTRY_BYTES)
+
+
+def memo_stats() -> dict:
+    """Entries, retained bytes, hits, misses and skipped (too large to memoise) of the memo."""
+    return _MEMO.stats()
+
+
+def memo_clear() -> None:
+    _MEMO.clear()
+
+
 def canonical_string(key_type: str, key_string: str) -> str:
     """The canonical form of ``key_string`` for ``key_type`` (unchanged where not provably safe)."""
     base = _base_type(key_type)
     if base not in ("json", "structural_tag") or key_string == ANY_JSON or not isinstance(key_string, str):
         return key_string
+    mkey = _MEMO.key(key_type, key_string)
+    out = _MEMO.get(mkey)
+    if out is None:
+        out = _canonicalise(base, key_string)
+        _MEMO.put(mkey, out)
+    return out
+
+
+def _canonicalise(base: str, key_string: str) -> str:
     try:
         value = _DECODER.decode(key_string)
         out = _emit_schema(value) if base == "json" else _emit_structural(value)
