@@ -236,3 +236,71 @@ def test_submit_failure_fails_every_waiter_and_is_not_cached(hf_tokenizer, cache
     with pytest.raises(RuntimeError, match="shutdown"):
         f.result(timeout=10)
     assert len(svc) == 0 and ("regex", "q+") not in svc._inflight
+
+
+def test_copy_failure_fails_every_waiter_instead_of_hanging(hf_tokenizer, cache_dir):
+    """issue 18: ``_resolve`` runs as a future callback; an exception from ``copy()`` (or
+    ``maybe_init_reasoning()``) was swallowed by concurrent.futures and the request never resolved."""
+    backend = persistent_backend(hf_tokenizer, cache_dir)
+    real = backend._init_value_dispatch
+    release = threading.Event()
+
+    def dispatch(key, require_reasoning):
+        release.wait(120)
+        grammar = real(key, require_reasoning)
+
+        def broken_copy():
+            raise MemoryError("no room for a matcher")
+
+        grammar.copy = broken_copy  # the prototype is real; only its per-request copy fails
+        return grammar
+
+    backend._init_value_dispatch = dispatch
+    svc = service_for(backend)
+    key = ("regex", "copyfail[0-9]+")
+    owner, _ = svc.lookup(key, False)
+    joiner, _ = svc.lookup(key, True)
+    release.set()
+    for f in (owner, joiner):
+        with pytest.raises(RuntimeError, match="preparing this request's matcher failed: MemoryError"):
+            f.result(timeout=60)
+    assert key not in svc._inflight
+
+
+def test_cancelled_compile_fails_waiters_and_drops_the_inflight_marker(hf_tokenizer, cache_dir):
+    """issue 18: a compile task cancelled before it ran (pool shut down with queued work) made
+    ``_finish`` raise CancelledError from ``task.exception()`` before popping the in-flight marker:
+    its waiters hung and every later lookup of the key joined the dead compile."""
+    backend = persistent_backend(hf_tokenizer, cache_dir)
+    real = backend._init_value_dispatch
+    started, release = threading.Event(), threading.Event()
+
+    def dispatch(key, require_reasoning):
+        if key[1] == "busy+":
+            started.set()
+            release.wait(120)
+        return real(key, require_reasoning)
+
+    backend._init_value_dispatch = dispatch
+    svc = service_for(backend, workers=1)
+    busy, _ = svc.lookup(("regex", "busy+"), False)
+    assert started.wait(60)
+    key = ("regex", "queued[a-z]+")
+    queued, _ = svc.lookup(key, False)  # waits in the pool's queue behind "busy+"
+    joiner, _ = svc.lookup(key, False)
+    svc.shutdown()  # cancel_futures=True: the queued compile is cancelled, never run
+    try:
+        for f in (queued, joiner):
+            with pytest.raises(RuntimeError, match="cancelled before it ran"):
+                f.result(timeout=30)
+        assert key not in svc._inflight
+        # a later lookup is a new owner (not a joiner of the dead compile): it fails at once on
+        # the shut-down pool instead of waiting forever
+        later, hit = svc.lookup(key, False)
+        assert not hit
+        with pytest.raises(RuntimeError, match="shutdown"):
+            later.result(timeout=30)
+        assert svc.compiles == 3
+    finally:
+        release.set()
+    assert busy.result(timeout=120) is not None

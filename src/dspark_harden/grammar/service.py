@@ -224,40 +224,69 @@ class GrammarService:
         return value, source, time.perf_counter() - t
 
     def _finish(self, ckey: tuple, inf: _Inflight, task: Future) -> None:
-        exc = task.exception()
-        value = None if exc is not None else task.result()[0]
+        """The owner's compile task finished (or was cancelled): drop the in-flight marker and
+        resolve the shared future on EVERY path — a marker left behind would make every later
+        lookup of the key join a compile that never completes."""
+        exc: Optional[BaseException] = None
+        result = None
+        try:
+            if task.cancelled():  # task.exception() would raise CancelledError here
+                exc = RuntimeError(
+                    f"{ckey[0]} grammar compile was cancelled before it ran (grammar service shut "
+                    f"down); retry the request"
+                )
+            else:
+                exc = task.exception()
+                if exc is None:
+                    result = task.result()
+        except BaseException as e:  # noqa: BLE001 - whatever it is, fail the waiters with it
+            exc = e
+        value = None if exc is not None else result[0]
         evicted = {"bytes": 0, "entries": 0}
-        with self._lock:
-            self._inflight.pop(ckey, None)
-            if exc is None and _is_cacheable(value) and inf.generation == self._generation:
-                nbytes = grammar_nbytes(value)
-                old = self._lru.pop(ckey, None)
-                if old is not None:
-                    self._bytes -= old[1]
-                self._lru[ckey] = (value, nbytes)
-                self._bytes += nbytes
-                while self._lru and (self._bytes > self.max_bytes or len(self._lru) > self.max_entries):
-                    reason = "bytes" if self._bytes > self.max_bytes else "entries"
-                    _, (_, b) = self._lru.popitem(last=False)
-                    self._bytes -= b
-                    evicted[reason] += 1
-                    self.evictions += 1
-            size, count = self._bytes, len(self._lru)
-        for reason, n in evicted.items():
-            gm.inc_evictions("memory", reason, n)
-        gm.set_memory(size, count)
-        if exc is not None:
-            gm.inc_failure()
-            inf.shared.set_exception(exc)
-        else:
-            inf.shared.set_result(task.result())
+        try:
+            with self._lock:
+                if self._inflight.get(ckey) is inf:
+                    del self._inflight[ckey]
+                if exc is None and _is_cacheable(value) and inf.generation == self._generation:
+                    self._insert_locked(ckey, value, evicted)
+                size, count = self._bytes, len(self._lru)
+            for reason, n in evicted.items():
+                gm.inc_evictions("memory", reason, n)
+            gm.set_memory(size, count)
+            if exc is not None:
+                gm.inc_failure()
+        finally:
+            with self._lock:  # idempotent: also covers a failure above before the pop
+                if self._inflight.get(ckey) is inf:
+                    del self._inflight[ckey]
+            if exc is not None:
+                inf.shared.set_exception(exc)
+            else:
+                inf.shared.set_result(result)
+
+    def _insert_locked(self, ckey: tuple, value: Any, evicted: dict) -> None:
+        nbytes = grammar_nbytes(value)
+        old = self._lru.pop(ckey, None)
+        if old is not None:
+            self._bytes -= old[1]
+        self._lru[ckey] = (value, nbytes)
+        self._bytes += nbytes
+        while self._lru and (self._bytes > self.max_bytes or len(self._lru) > self.max_entries):
+            reason = "bytes" if self._bytes > self.max_bytes else "entries"
+            _, (_, b) = self._lru.popitem(last=False)
+            self._bytes -= b
+            evicted[reason] += 1
+            self.evictions += 1
 
     def _resolve(self, req: RequestFuture, shared: Future, require_reasoning: bool,
                  source: Optional[str], t0: float) -> None:
+        """Give one request its own copy. Runs as a future callback, where concurrent.futures
+        would log and swallow an exception and leave the request unresolved forever: every
+        failure (``copy()``, ``maybe_init_reasoning()``, ...) fails this request's future instead."""
         if req.cancelled() or Future.done(req):
             return
-        exc = shared.exception()
         try:
+            exc = shared.exception()
             if exc is not None:
                 req.set_exception(exc)
                 return
@@ -273,6 +302,18 @@ class GrammarService:
             req.set_result(value)
         except InvalidStateError:
             return  # timed out or cancelled concurrently
+        except BaseException as err:  # noqa: BLE001
+            failure = RuntimeError(
+                f"{req._key_type} grammar compiled, but preparing this request's matcher failed: "
+                f"{type(err).__name__}: {err}"
+            )
+            failure.__cause__ = err
+            try:
+                req.set_exception(failure)
+            except InvalidStateError:
+                return
+            gm.inc_failure()
+            return
         gm.lookup(req.source, time.perf_counter() - t0)
 
 
