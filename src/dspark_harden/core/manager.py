@@ -91,3 +91,26 @@ def strict_extensions_from_env(environ: Optional[dict] = None) -> bool:
 
 def settings_for(pm: pluggy.PluginManager, environ: Optional[dict] = None) -> Settings:
     return load_settings(all_setting_specs(pm), environ)
+
+
+def feature_settings(pm: pluggy.PluginManager, feature: str, environ: Optional[dict] = None) -> Settings:
+    """The core settings plus those of one feature, parsed strictly. For a feature's own CLI and
+    bench modules, which reach their feature through the hooks instead of importing its module."""
+    specs = [s for s in all_setting_specs(pm) if s.feature in (None, feature)]
+    return load_settings(specs, environ)
+
+
+def feature_patches(pm: pluggy.PluginManager, feature: str, role, settings: Settings) -> list:
+    """The patches of one feature for ``role``, from the ``dspark_patches`` hook of the plugin(s)
+    that contribute it (other plugins are not asked: ``settings`` may hold only this feature's)."""
+    owners = {
+        impl.plugin_name for impl in pm.hook.dspark_features.get_hookimpls()
+        if any(f.name == feature for f in impl.function() or [])
+    }
+    if not owners:
+        raise ExtensionError(f"no plugin contributes feature {feature!r}")
+    out = []
+    for impl in pm.hook.dspark_patches.get_hookimpls():
+        if impl.plugin_name in owners:
+            out += [p for p in impl.function(role=role, settings=settings) or [] if p.feature == feature and role in p.roles]
+    return out

@@ -51,7 +51,7 @@ def run(requests: int = 64, chain: int = 8, vocab: int = 32000, steps: int = 30,
         raise SystemExit("--requests and --steps must be positive and --chain at least 2")
     from sglang.srt.speculative import spec_utils
 
-    from . import feature as feat
+    from . import settings as feat
     from . import integration as I
     from .traversal import ENGINES, batch_traverse_available
     from .workload import GrammarFactory, matcher_state

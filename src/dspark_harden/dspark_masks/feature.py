@@ -18,13 +18,7 @@ from typing import Any
 from ..core.feature import Feature
 from ..core.hookspecs import hookimpl
 from ..core.patch import Kind, Patch, Role
-from ..core.settings import Setting, choice, flag01, int_range
-from .traversal import ENGINES
-
-FEATURE = "dspark-masks"
-SWITCH = "DSPARK_HARDEN_DSPARK_MASKS"
-ENGINE = "DSPARK_HARDEN_GRAMMAR_TRAVERSAL"
-THREADS = "DSPARK_HARDEN_GRAMMAR_TRAVERSAL_THREADS"
+from .settings import ENGINE, ENGINES, FEATURE, SETTINGS, SWITCH, THREADS  # noqa: F401 - re-exported
 
 
 @hookimpl
@@ -72,20 +66,7 @@ def _available(settings: Any):
 
 @hookimpl
 def dspark_settings():
-    f = FEATURE
-    return [
-        Setting(SWITCH, flag01, False,
-                "1: DSpark verify steps build their grammar masks with one batched native traversal and a "
-                "double-buffered copy-stream upload (scheduler processes). 0: stock Python DFS.", feature=f),
-        Setting(ENGINE, choice(*ENGINES), "auto",
-                "Traversal engine: auto (xgrammar's batch_traverse_draft_tree when installed, else 'native' "
-                "when its module binds, else 'scalar'), native, scalar, threads, level, batch. See "
-                "docs/dspark_masks.md.", feature=f),
-        Setting(THREADS, int_range(1, 64), 2,
-                "Threads per scheduler process for the traversal: native threads of the 'native' engine "
-                "(the calling thread included), the Python pool of 'threads', xgrammar's "
-                "BatchGrammarMatcher pool for 'level'/'batch'.", feature=f),
-    ]
+    return list(SETTINGS)
 
 
 def patches(role: Role, settings: Any) -> list:

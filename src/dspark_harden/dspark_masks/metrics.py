@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from ..core.metrics import DP_RANK, Family, MetricGroup
 
-FEATURE = "dspark-masks"
+from .settings import FEATURE
 DSPARK_MASK_PHASES = ("barrier", "buffer_wait", "draft_copy_wait", "resolution", "traversal", "mask_upload", "total")
 DSPARK_MASK_OUTCOMES = ("masked", "thinking_only")
 

@@ -15,7 +15,7 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from .traversal import Job, TraversalError, per_matcher
+from .jobs import Job, TraversalError, per_matcher
 
 try:
     from .._traverse_native import ffi, lib

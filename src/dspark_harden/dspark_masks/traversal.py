@@ -40,37 +40,17 @@ from __future__ import annotations
 
 import logging
 import threading
-import weakref
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
 import numpy as np
 import torch
 import xgrammar as xgr
 
+from .jobs import Job, TraversalError, per_matcher  # noqa: F401 - re-exported
+from .settings import ENGINES
+
 logger = logging.getLogger("dspark_harden.dspark_masks")
-
-ENGINES = ("auto", "native", "scalar", "threads", "level", "batch")
-
-
-class TraversalError(RuntimeError):
-    """The native traversal could not produce a complete, stock-equivalent mask (fail closed)."""
-
-
-@dataclass
-class Job:
-    """One chain to traverse: batch ``row``, the xgrammar ``matcher`` in its current state, the
-    chain position ``root`` whose row is filled from that state, and ``end`` (exclusive): the first
-    node that stock rejects before looking at the grammar (a token ``>= vocab_size``), else the
-    chain length. ``rid`` names the request in errors."""
-
-    row: int
-    matcher: Any
-    root: int
-    end: int
-    rid: str = "?"
-
 
 def batch_traverse_available() -> bool:
     return callable(getattr(xgr.BatchGrammarMatcher, "batch_traverse_draft_tree", None))
@@ -380,21 +360,6 @@ def _repair_native_rows(jobs: Sequence[Job], draft: torch.Tensor, out: torch.Ten
             cut = root
         if cut is not None:
             bits[base + cut : base + end] = -1
-
-
-def per_matcher(cache: dict, matcher: Any, make) -> Any:
-    """``make(matcher)``, cached per live matcher object: GrammarMatcher is not hashable, so the
-    cache is keyed by id and each entry is checked by weak reference (dead entries are dropped
-    once the cache passes 8192 entries)."""
-    entry = cache.get(id(matcher))
-    if entry is not None and entry[0]() is matcher:
-        return entry[1]
-    if len(cache) > 8192:
-        for key in [k for k, (ref, _) in cache.items() if ref() is None]:
-            del cache[key]
-    value = make(matcher)
-    cache[id(matcher)] = (weakref.ref(matcher), value)
-    return value
 
 
 _STOPS: dict = {}  # see per_matcher

@@ -31,7 +31,8 @@ def _controller_main(endpoints: Endpoints, dp_size: int, variant: str, poll_ms: 
     if variant == "harden":
         from ..core.patch import Role
         from ..core.settings import Settings
-        from .feature import LOOP_SWITCH, ATOMIC_SWITCH, POLL_MS, patches
+        from .patches import patches
+        from .settings import ATOMIC_SWITCH, LOOP_SWITCH, POLL_MS
 
         settings = Settings(values={LOOP_SWITCH: True, ATOMIC_SWITCH: False, POLL_MS: poll_ms})
         for patch in patches(Role.CONTROLLER, settings):
@@ -91,7 +92,7 @@ def run_controller_bench(*, idle_seconds: float = 3.0, n_requests: int = 300, dp
                          poll_ms: Optional[int] = None) -> dict:
     from sglang.srt.managers import data_parallel_controller  # noqa: F401 - import once, before fork
 
-    from .feature import DEFAULT_POLL_MS
+    from .settings import DEFAULT_POLL_MS
 
     poll_ms = poll_ms or DEFAULT_POLL_MS
     with tempfile.TemporaryDirectory(prefix="dspark-bench-dpc-") as directory:

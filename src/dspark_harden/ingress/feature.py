@@ -24,29 +24,16 @@ import os
 from ..core import metrics
 from ..core.feature import Feature
 from ..core.hookspecs import hookimpl
-from ..core.patch import Kind, Patch, Role
-from ..core.settings import Setting, flag01, positive_int
+from ..core.patch import Role
 from . import controller as C
 from . import scheduler as S
-from . import tokenizer as T
+from .patches import DPC, SCHED, TM, patches  # noqa: F401 - the feature's patch table (re-exported)
+from .settings import (  # noqa: F401 - re-exported: the feature's public names
+    APP_PATH_VAR, ATOMIC, ATOMIC_SWITCH, DEFAULT_POLL_MS, HEALTH_SWITCH, LOOP, LOOP_SWITCH, OUR_APP_PATH,
+    POLL_MS, SETTINGS, STOCK_APP_PATH,
+)
 
 logger = logging.getLogger("dspark_harden.ingress")
-
-ATOMIC = "atomic-routed-batch"
-LOOP = "dp-controller-blocking-loop"
-ATOMIC_SWITCH = "DSPARK_HARDEN_ATOMIC_ROUTED_BATCH"
-LOOP_SWITCH = "DSPARK_HARDEN_DP_CONTROLLER_LOOP"
-POLL_MS = "DSPARK_HARDEN_DP_CONTROLLER_POLL_MS"
-DEFAULT_POLL_MS = 100
-
-HEALTH_SWITCH = "DSPARK_HARDEN_HEALTH_SCHEDULER"  # declared by dspark_harden.health
-APP_PATH_VAR = "SGLANG_HTTP_SERVER_APP_PATH"  # SGLang's own variable (read, and set when unset)
-STOCK_APP_PATH = "sglang.srt.entrypoints.http_server:app"
-OUR_APP_PATH = "dspark_harden.ingress.app:app"
-
-TM = "sglang.srt.managers.tokenizer_manager:TokenizerManager"
-DPC = "sglang.srt.managers.data_parallel_controller:DataParallelController"
-SCHED = "sglang.srt.managers.scheduler:Scheduler"
 
 
 @hookimpl
@@ -81,53 +68,7 @@ def dspark_features():
 
 @hookimpl
 def dspark_settings():
-    return [
-        Setting(ATOMIC_SWITCH, flag01, True,
-                "1: under DP attention, a batch routed to one DP rank is tokenized and sent as one "
-                "message and the DP controller forwards it whole; invalid ranks get HTTP 400. 0: stock.",
-                feature=ATOMIC),
-        Setting(LOOP_SWITCH, flag01, True,
-                "1: the DP controller waits for requests in a bounded socket poll instead of a busy "
-                "loop. 0: stock busy loop (one core at 100 % even when idle).", feature=LOOP),
-        Setting(POLL_MS, positive_int, DEFAULT_POLL_MS,
-                "Upper bound in milliseconds on one idle wait of the DP controller loop. A request "
-                "wakes the loop at once; the bound only sets how often an idle controller wakes to "
-                "feed its soft watchdog (it is shortened to a quarter of the watchdog timeout).",
-                feature=LOOP, accepts="positive integer (ms)"),
-    ]
-
-
-def patches(role: Role, settings) -> list:
-    out: list = []
-    if settings[ATOMIC_SWITCH]:
-        common = dict(feature=ATOMIC, retire_when="SGLang keeps uniformly routed batches together under DP "
-                      "attention and validates routed ranks without raising in the controller loop")
-        out += [
-            Patch(target=f"{TM}._should_use_batch_tokenization", kind=Kind.WRAP, roles={Role.MAIN},
-                  build=T.build_should_use_batch_tokenization, fingerprint="985048d584a54418",
-                  why="stock tokenizes and sends each item of a routed batch as its own message under "
-                      "DP attention", **common),
-            Patch(target=f"{DPC}.dispatch_batch_generate", kind=Kind.WRAP, roles={Role.CONTROLLER},
-                  build=C.build_dispatch_batch_generate, fingerprint="5b71c953037d28e8",
-                  why="stock dispatches each item of a batch separately (one ZMQ send per item) and "
-                      "raises on an inactive routed rank, which SIGQUITs the server", **common),
-            Patch(target=f"{DPC}.dispatching_with_trace", kind=Kind.WRAP, roles={Role.CONTROLLER},
-                  build=C.build_dispatching_with_trace, fingerprint="ad797206fa05c8f3",
-                  why="an inactive routed_dp_rank raises ValueError in the controller loop, which "
-                      "kills the server; answer that request with a 400 instead", **common),
-            Patch(target=f"{SCHED}.handle_batch_generate_request", kind=Kind.WRAP, roles={Role.SCHEDULER},
-                  build=S.build_handle_batch_generate_request, fingerprint="4eb6d77d4759ebd9",
-                  why="count batch messages per DP rank where they arrive (observability only)", **common),
-        ]
-    if settings[LOOP_SWITCH]:
-        poll_ms = settings[POLL_MS]
-        out.append(
-            Patch(feature=LOOP, target=f"{DPC}.event_loop", kind=Kind.REPLACE, roles={Role.CONTROLLER},
-                  build=lambda _stock: C.build_event_loop(poll_ms), fingerprint="804af740481d2c51",
-                  why="stock event_loop is a non-blocking busy loop: one core at 100 % when idle",
-                  retire_when="SGLang's DP controller blocks on its socket (zmq poll) when idle")
-        )
-    return [p for p in out if role in p.roles]
+    return list(SETTINGS)
 
 
 @hookimpl
@@ -174,28 +115,6 @@ def dspark_process_bound(role, settings, report):
 
 @hookimpl
 def dspark_cli(subparsers, bench_subparsers):
-    p = bench_subparsers.add_parser(
-        "controller",
-        help="idle CPU and dispatch latency of the stock vs the blocking DP controller loop (one run)",
-    )
-    p.add_argument("--json", action="store_true", help="print exactly one JSON object")
-    p.add_argument("--idle-seconds", type=float, default=3.0,
-                   help="idle window per loop (CPU is scaled to 10 s); default 3")
-    p.add_argument("--requests", type=int, default=300, help="requests timed per loop; default 300")
-    p.add_argument("--dp-size", type=int, default=2)
+    from . import cli
 
-    def run(args) -> int:
-        import json
-
-        from .bench import run_controller_bench
-
-        result = run_controller_bench(idle_seconds=args.idle_seconds, n_requests=args.requests,
-                                      dp_size=args.dp_size)
-        if args.json:
-            print(json.dumps(result))
-        else:
-            for k, v in result.items():
-                print(f"{k:32s} {v:.3f}")
-        return 0
-
-    p.set_defaults(func=run)
+    cli.register(subparsers, bench_subparsers)

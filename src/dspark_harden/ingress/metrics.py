@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from ..core.metrics import DP_RANK, Family, MetricGroup
 
-FEATURE = "atomic-routed-batch"
+from .settings import ATOMIC as FEATURE
 BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096)
 
 GROUP = MetricGroup(
