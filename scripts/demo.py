@@ -17,10 +17,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from tests.harness.server import DP2_CONFIG, start_server  # noqa: E402
+from dspark_harden.devtools.server import DP2_CONFIG, start_server
 
 SCHEMA = {
     "type": "object",

@@ -118,3 +118,33 @@ def test_features_never_import_each_other():
             if other and other not in CORE and other != parts[1]:
                 wrong.append(f"{mod} -> {dep}")
     assert not wrong, "feature packages import other feature packages:\n" + "\n".join(sorted(wrong))
+
+
+def _imported_names(path: Path) -> set:
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Import):
+            names |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            names.add(node.module)
+    return names
+
+
+def test_product_code_and_the_demo_import_nothing_from_tests():
+    """The demo (scripts/) and the package are product code: what they share with the tests (the
+    server launcher, the lock) lives in dspark_harden.devtools."""
+    scripts = sorted((PKG.parents[1] / "scripts").glob("*.py"))
+    assert scripts, "scripts/demo.py is expected"
+    wrong = [f"{p.relative_to(PKG.parents[1])}: {n}" for p in [*scripts, *sorted(PKG.rglob("*.py"))]
+             for n in sorted(_imported_names(p)) if n == "tests" or n.startswith(("tests.", "dspark_testsupport"))]
+    for p in scripts:
+        assert "sys.path" not in p.read_text(), f"{p.name} must not put the repository (tests/) on sys.path"
+    assert not wrong, "product code imports test modules:\n" + "\n".join(wrong)
+
+
+def test_harness_aliases_are_the_package_modules():
+    from dspark_harden.devtools import lock, server
+    from tests.harness import lock as tlock
+    from tests.harness import server as tserver
+
+    assert tserver is server and tlock is lock
