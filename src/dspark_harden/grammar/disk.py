@@ -33,8 +33,11 @@ name while the writer holds the entry's exclusive file lock; then the ledger is 
 ``ledger.lock``. When the ledger would exceed the hard limit, the oldest entries (by mtime,
 refreshed on every hit) are pruned, skipping entries whose lock another process holds; if it
 still cannot get under the limit the new entry is withdrawn and :class:`PruneError` reports it.
-No fsync (as in the seed: per-entry fsync cut burst throughput by >10x); a crash can at worst
-leave a temp file or a stale ledger, which ``grammar-cache verify`` reports and ``prune`` repairs.
+Durability: every file (entry, ledger, scope) is fsynced before its rename and its directory
+after it, so a crash or power loss leaves each name absent, old or complete — never torn. (The
+seed skipped fsync because it ran in the request path; here publication runs in the background
+helper process, so the cost is off the serving path.) A crash can at worst leave a temp file or a
+stale ledger, which ``grammar-cache verify`` reports and ``prune`` repairs.
 """
 
 from __future__ import annotations
@@ -58,7 +61,8 @@ TRAILER_SIZE = 32
 KIND_SERIALIZED = 1
 KIND_MARKER = 2
 _MARKER = struct.Struct("<BQQQ")
-MARKER_REASONS = {1: "slow_load", 2: "predicted_slow", 3: "too_large", 4: "serialize_failed"}
+MARKER_REASONS = {1: "slow_load", 2: "predicted_slow", 3: "too_large", 4: "serialize_failed", 5: "memory_limit",
+                  6: "deadline", 7: "helper_failed"}
 REASON_CODES = {v: k for k, v in MARKER_REASONS.items()}
 
 LEDGER_MAGIC = b"DSHXGLD1"
@@ -66,7 +70,7 @@ _LEDGER = struct.Struct("<8sQ32s")
 
 ENTRY_SUFFIX = ".xgc"
 TMP_PREFIX = ".tmp-"
-POLICY_VERSION = "adaptive-marker-v1"
+POLICY_VERSION = "adaptive-marker-v2"  # v2: persisted by a memory-capped helper process, reasons 5..7
 
 
 class GrammarCacheError(RuntimeError):
@@ -210,7 +214,10 @@ def decode_ledger(path: str, data: bytes) -> int:
 
 
 def atomic_write(directory: str, final: str, data: bytes) -> None:
-    """Temp file in the same directory, 0600, full write, rename over ``final``."""
+    """Temp file in the same directory, 0600, full write, fsync, rename over ``final``, fsync the
+    directory: after a crash or power loss ``final`` is either absent, the old file, or the complete
+    new one — never a zero-length or truncated entry (which, by design, would fail its grammar on
+    every rank until an operator acted)."""
     tmp = os.path.join(directory, f"{TMP_PREFIX}{os.getpid()}-{os.urandom(6).hex()}")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     try:
@@ -220,6 +227,7 @@ def atomic_write(directory: str, final: str, data: bytes) -> None:
             if n <= 0:
                 raise OSError(f"short write to {tmp}")
             view = view[n:]
+        os.fsync(fd)
         os.close(fd)
         fd = -1
         os.replace(tmp, final)
@@ -229,6 +237,15 @@ def atomic_write(directory: str, final: str, data: bytes) -> None:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
         raise
+    fsync_dir(directory)
+
+
+def fsync_dir(directory: str) -> None:
+    dfd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(dfd)
+    finally:
+        os.close(dfd)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -329,6 +346,12 @@ class Namespace:
         Returns (ledger total after, prune result or None). Raises PruneError after withdrawing
         the entry when the cache cannot get under its hard limit."""
         final = self.entry_path(key_hex)
+        if len(data) > self.max_bytes:
+            # would evict every other entry and still not fit: refuse it alone, prune nothing
+            raise PruneError(
+                f"grammar cache entry {final} ({len(data)} bytes) is larger than the namespace's hard limit of "
+                f"{self.max_bytes} bytes; it was not written"
+            )
         try:
             old = os.stat(final).st_size
         except FileNotFoundError:

@@ -6,8 +6,9 @@ Patches (fingerprinted against sglang 0.5.23):
   pool replaces the stock unbounded executor; ``backend.cache`` becomes a view of its LRU);
 * ``BaseGrammarBackend.get_cached_or_future_value`` (replace): canonical key, LRU, one compile
   per key, per-request matcher copies, per-request compile timeout;
-* ``BaseGrammarBackend.set_cache`` (replace): the service caches on completion; the stock
-  manager's calls (including its poll-count timeout's ``InvalidGrammarObject``) are ignored;
+* ``BaseGrammarBackend.set_cache`` (replace): stock's contract for cacheable grammars (stored
+  in the LRU under the canonical key, served as hits); timeout and failure results (including
+  the poll-count timeout's ``InvalidGrammarObject``) are refused;
 * ``XGrammarGrammarBackend.__init__`` (wrap): the backend's compiler becomes a bounded,
   internally-uncached xgrammar compiler behind the persistent disk cache.
 
@@ -27,23 +28,13 @@ from ..core.feature import Feature
 from ..core.hookspecs import hookimpl
 from ..core.patch import Kind, Patch, Role
 from ..core.settings import Setting, directory_path, flag01, positive_float, positive_int
+from .settings import (  # noqa: F401 - the feature's names (re-exported)
+    FEATURE, SWITCH, WORKERS, CACHE_BYTES, CACHE_ENTRIES, TIMEOUT, COMPILER_THREADS, DISK,
+    DISK_DIR, DISK_BYTES, DISK_MAX_ENTRY, DISK_LOAD_RATIO, DISK_QUEUE, DISK_HELPER_MEMORY,
+    DISK_HELPER_DEADLINE, DEFAULT_DISK_DIR,
+)
 
 logger = logging.getLogger("dspark_harden.grammar")
-
-FEATURE = "grammar-service"
-SWITCH = "DSPARK_HARDEN_GRAMMAR"
-WORKERS = "DSPARK_HARDEN_GRAMMAR_WORKERS"
-CACHE_BYTES = "DSPARK_HARDEN_GRAMMAR_CACHE_BYTES"
-CACHE_ENTRIES = "DSPARK_HARDEN_GRAMMAR_CACHE_ENTRIES"
-TIMEOUT = "DSPARK_HARDEN_GRAMMAR_COMPILE_TIMEOUT"
-COMPILER_THREADS = "DSPARK_HARDEN_GRAMMAR_COMPILER_THREADS"
-DISK = "DSPARK_HARDEN_GRAMMAR_DISK"
-DISK_DIR = "DSPARK_HARDEN_GRAMMAR_DISK_DIR"
-DISK_BYTES = "DSPARK_HARDEN_GRAMMAR_DISK_BYTES"
-DISK_MAX_ENTRY = "DSPARK_HARDEN_GRAMMAR_DISK_MAX_ENTRY_BYTES"
-DISK_LOAD_RATIO = "DSPARK_HARDEN_GRAMMAR_DISK_LOAD_RATIO"
-
-DEFAULT_DISK_DIR = os.path.join("~", ".cache", "dspark-harden", "grammar")
 
 BASE = "sglang.srt.constrained.base_grammar_backend:BaseGrammarBackend"
 XGB = "sglang.srt.constrained.xgrammar_backend:XGrammarGrammarBackend"
@@ -98,6 +89,20 @@ def dspark_settings():
                 "A serialized entry is stored only if its measured load (checksum + deserialize) "
                 "takes at most this fraction of the measured compile time; otherwise a "
                 "compile-locally marker is stored.", feature=f, accepts="positive number"),
+        Setting(DISK_QUEUE, positive_int, 64,
+                "Publication jobs that may wait for the persistence helper per grammar backend; a job "
+                "holds the grammar's key text only. When full, the publication is skipped (counted in "
+                "dspark_harden_grammar_disk_publish_skipped_total); the request is unaffected.", feature=f),
+        Setting(DISK_HELPER_MEMORY, positive_int, 1 << 30,
+                "Address space the persistence helper process may allocate beyond its start-up size "
+                "(RLIMIT_AS). A grammar whose serialization or trial load needs more is stored as a "
+                "memory_limit marker. Also bounds what a disk hit's deserialization allocates in the "
+                "scheduler (a serialized entry is published only after the same load fit in the helper).",
+                feature=f, accepts="positive integer (bytes)"),
+        Setting(DISK_HELPER_DEADLINE, positive_float, 120.0,
+                "Seconds of running time (pauses for request compiles excluded) one persistence job may "
+                "take before the helper is killed and a deadline marker is stored.",
+                feature=f, accepts="positive number (seconds)"),
     ]
 
 
@@ -173,7 +178,14 @@ def install_persistent_compiler(backend: Any, settings: Any) -> None:
     )
     ns = disk.Namespace(settings[DISK_DIR], scope, max_bytes=settings[DISK_BYTES])
     policy = xgr.Policy(load_ratio=settings[DISK_LOAD_RATIO], max_entry_bytes=settings[DISK_MAX_ENTRY])
-    backend.grammar_compiler = xgr.PersistentCompiler(inner, info, ns, policy, inner_threads=settings[COMPILER_THREADS])
+    from .persist import CompileSlots, PersistSettings
+
+    persist = PersistSettings(queue_max=settings[DISK_QUEUE], memory_limit_bytes=settings[DISK_HELPER_MEMORY],
+                              deadline_s=settings[DISK_HELPER_DEADLINE])
+    backend.grammar_compiler = xgr.PersistentCompiler(
+        inner, info, ns, policy, inner_threads=settings[COMPILER_THREADS],
+        slots=CompileSlots(settings[WORKERS]), persist=persist,
+    )
     logger.info("dspark-harden: persistent grammar cache at %s", ns.path)
 
 

@@ -10,11 +10,15 @@ import logging
 
 from ..core import metrics as M
 from ..core.metrics import DP_RANK, Family, MetricGroup
+from .settings import FEATURE
 
 logger = logging.getLogger("dspark_harden.grammar")
 
-FEATURE = "grammar-service"
-SOURCES = ("memory", "inflight", "disk", "compile", "local_compile")
+SOURCES = ("memory", "inflight", "disk", "compile", "local_compile", "corrupt")
+MARKER_REASONS = ("slow_load", "predicted_slow", "too_large", "serialize_failed", "memory_limit", "deadline",
+                  "helper_failed")
+SKIP_REASONS = ("queue_full", "queued")
+RATIO_BUCKETS = (1.0, 1.5, 2.0, 3.0, 5.0, 10.0, 20.0, 50.0, 100.0, 200.0, 500.0)
 PHASES = ("disk_read", "verify", "deserialize", "native_compile", "serialize", "measure_compile", "measure_load", "entry_write_account")
 
 FAMILIES = (
@@ -23,7 +27,8 @@ FAMILIES = (
         "Grammar lookups by how they were resolved: memory (LRU hit), inflight (joined a compile "
         "already running for the same canonical key), disk (loaded a serialized entry), compile "
         "(compiled natively, nothing on disk), local_compile (compiled because the disk entry is a "
-        "compile-locally marker).",
+        "compile-locally marker), corrupt (the disk entry was invalid: the request failed naming the file, "
+        "nothing compiled or served).",
         labels=("dp_rank", "source"), feature=FEATURE, roles=("scheduler",),
         precreate=tuple((DP_RANK, s) for s in SOURCES),
         aggregation="`sum by (source) (rate(...))`; the hit ratio is `(memory+inflight+disk)/all`.",
@@ -41,13 +46,6 @@ FAMILIES = (
         "marker), entry_write_account (atomic publish + ledger + pruning).",
         labels=("dp_rank", "phase"), feature=FEATURE, roles=("scheduler",),
         aggregation="`sum by (phase) (rate(..._sum[5m]))` shows where time goes.",
-    ),
-    Family(
-        "dspark_harden_grammar_disk_lock_wait_seconds", "histogram",
-        "Time waiting for a disk entry's exclusive file lock (another process or thread compiling "
-        "or publishing the same key).",
-        labels=("dp_rank",), feature=FEATURE, roles=("scheduler",),
-        aggregation="Quantiles over `sum by (le)`; sustained high waits mean ranks compile the same new schemas at once.",
     ),
     Family(
         "dspark_harden_grammar_memory_cache_bytes", "gauge",
@@ -104,7 +102,41 @@ FAMILIES = (
         "Disk cache publications that failed: op publish (I/O error) or prune (could not get under "
         "the hard limit; the new entry was withdrawn).",
         labels=("dp_rank", "op"), feature=FEATURE, roles=("scheduler",),
-        precreate=((DP_RANK, "publish"), (DP_RANK, "prune")), aggregation="`sum by (op) (increase(...))`; any increase needs attention (disk full, limit too small).",
+        precreate=((DP_RANK, "publish"), (DP_RANK, "prune"), (DP_RANK, "helper")),
+        aggregation="`sum by (op) (increase(...))`; any increase needs attention (disk full, limit too small, "
+                    "op helper: the persistence helper process could not start).",
+    ),
+    Family(
+        "dspark_harden_grammar_disk_markers_total", "counter",
+        "Compile-locally markers this process published, by measured reason: slow_load, predicted_slow, "
+        "too_large (serialized entry above DSPARK_HARDEN_GRAMMAR_DISK_MAX_ENTRY_BYTES), serialize_failed, "
+        "memory_limit (the persistence helper hit its address-space limit), deadline (it ran past "
+        "DSPARK_HARDEN_GRAMMAR_DISK_HELPER_DEADLINE), helper_failed (it died otherwise).",
+        labels=("dp_rank", "reason"), feature=FEATURE, roles=("scheduler",),
+        precreate=tuple((DP_RANK, r) for r in MARKER_REASONS),
+        aggregation="`sum by (reason) (increase(...))`; memory_limit/deadline name grammars too costly to persist.",
+    ),
+    Family(
+        "dspark_harden_grammar_disk_publish_skipped_total", "counter",
+        "Publications not attempted: queue_full (DSPARK_HARDEN_GRAMMAR_DISK_PUBLISH_QUEUE jobs already "
+        "waiting) or queued (the same key is already waiting).",
+        labels=("dp_rank", "reason"), feature=FEATURE, roles=("scheduler",),
+        precreate=tuple((DP_RANK, r) for r in SKIP_REASONS),
+        aggregation="`sum by (reason) (increase(...))`; steady queue_full means more new schemas than one helper persists.",
+    ),
+    Family(
+        "dspark_harden_grammar_disk_publish_queue_jobs", "gauge",
+        "Publication jobs waiting for the persistence helper in this process (bounded by "
+        "DSPARK_HARDEN_GRAMMAR_DISK_PUBLISH_QUEUE; a job holds the key text only).",
+        labels=("dp_rank",), multiprocess_mode="livesum", feature=FEATURE, roles=("scheduler",),
+        precreate=((DP_RANK,),), aggregation="`sum`.",
+    ),
+    Family(
+        "dspark_harden_grammar_serialized_memory_ratio", "histogram",
+        "Serialized entry size over the compiled grammar's memory_size_bytes, per serialization the "
+        "persistence helper completed (xgrammar 0.2.7: 1x to over 100x; see docs/grammar.md).",
+        labels=("dp_rank",), buckets=RATIO_BUCKETS, feature=FEATURE, roles=("scheduler",),
+        aggregation="`histogram_quantile(0.99, sum by (le) (rate(..._bucket[1h])))`.",
     ),
 )
 
@@ -149,11 +181,6 @@ def observe_phases(phases: dict) -> None:
 
 
 @_safe
-def observe_lock_wait(seconds: float) -> None:
-    M.get("dspark_harden_grammar_disk_lock_wait_seconds").labels(dp_label()).observe(seconds)
-
-
-@_safe
 def inc_corrupt() -> None:
     M.get("dspark_harden_grammar_corrupt_entries_total").labels(dp_label()).inc()
 
@@ -174,8 +201,26 @@ def inc_disk_error(op: str) -> None:
 
 
 @_safe
-def inc_stored(kind: str) -> None:
-    M.get("dspark_harden_grammar_disk_stored_total").labels(dp_label(), kind).inc()
+def inc_stored(kind: str, reason: str = "") -> None:
+    dp = dp_label()
+    M.get("dspark_harden_grammar_disk_stored_total").labels(dp, kind).inc()
+    if kind == "marker" and reason:
+        M.get("dspark_harden_grammar_disk_markers_total").labels(dp, reason).inc()
+
+
+@_safe
+def inc_publish_skipped(reason: str) -> None:
+    M.get("dspark_harden_grammar_disk_publish_skipped_total").labels(dp_label(), reason).inc()
+
+
+@_safe
+def set_publish_queue(n: int) -> None:
+    M.get("dspark_harden_grammar_disk_publish_queue_jobs").labels(dp_label()).set(n)
+
+
+@_safe
+def observe_serialized_ratio(ratio: float) -> None:
+    M.get("dspark_harden_grammar_serialized_memory_ratio").labels(dp_label()).observe(ratio)
 
 
 @_safe

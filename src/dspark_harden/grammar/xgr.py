@@ -6,19 +6,16 @@ entry point that SGLang's four dispatch methods use (``compile_json_schema`` inc
 
 1. published entry present -> validate (checksum, scope, key) -> serialized: deserialize with
    the live TokenizerInfo (source ``disk``); marker: compile locally (source ``local_compile``);
-2. absent -> take the entry's exclusive file lock (one compile per key across processes),
-   re-check, compile natively (source ``compile``), hand the result back at once and let the
-   background publisher serialize, *measure* the load time, choose serialized entry or
-   compile-locally marker, publish atomically and release the lock.
+   invalid: the request fails naming the file (source ``corrupt``);
+2. absent -> compile natively in this process (source ``compile``, counted against the compile
+   slots) and hand the result back at once; then queue the *key* (not the grammar) for
+   publication by :class:`.persist.Persister`, whose helper process compiles it again, serializes,
+   measures the load time, chooses serialized entry or compile-locally marker and publishes
+   atomically — under an address-space limit and a deadline, off the serving process.
 
-The adaptive decision: a serialized entry is kept only when loading it (checksum + deserialize,
-measured right after serialising) costs at most ``load_ratio`` x the native compile time (the
-smaller of the request's compile and one re-compile the publisher times next to the trial load,
-so a burst of concurrent compiles cannot inflate the budget);
-otherwise a 145-byte marker records the measurements and peers compile locally instead of
-waiting on a slow read. Grammars whose predicted JSON size (``PREDICT_SERIALIZED_PER_MEMORY_BYTE``
-x the compiled grammar's memory size, read at ``PREDICT_LOAD_BYTES_PER_SECOND``) already
-exceeds that budget are marked without paying for serialisation.
+No cross-process lock is taken in the serving path: a lock held across a compile could not spare
+the waiter its own compile (publication happens later, in the helper), only delay it. The
+per-entry lock is taken by the helpers, non-blocking, so one helper host-wide persists a key.
 
 The last resolution of the calling thread is available from :func:`take_resolution` (the service
 reads it to label its lookup metric by source).
@@ -30,30 +27,24 @@ import hashlib
 import importlib.metadata
 import json
 import logging
-import os
-import queue
 import threading
 import time
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 from . import disk
 from . import metrics as gm
+from .persist import CompileSlots, Persister, PersistSettings
 
 logger = logging.getLogger("dspark_harden.grammar")
-
-# Measured on xgrammar 0.2.7 (32k byte-level BPE): serialized JSON is 1.4x..14x the compiled
-# grammar's memory size and deserialises at 13..60 MB/s; the prediction uses the optimistic ends,
-# so it only skips serialisation when even the best case would be too slow.
-PREDICT_SERIALIZED_PER_MEMORY_BYTE = 1.4
-PREDICT_LOAD_BYTES_PER_SECOND = 60e6
 
 _TLS = threading.local()
 
 
 @dataclass
 class Resolution:
-    source: str  # disk | compile | local_compile
+    source: str  # disk | compile | local_compile | corrupt
     seconds: float
     lock_wait: float = 0.0
     phases: dict = field(default_factory=dict)
@@ -107,50 +98,42 @@ def scope_for(tokenizer_info: Any, *, vocab_size: int, override_stop_tokens: Any
     )
 
 
-class _Publisher:
-    """One background thread per cache: serialise, measure, publish, release the entry lock."""
-
-    def __init__(self, owner: "PersistentCompiler"):
-        self._owner = owner
-        self._q: "queue.Queue" = queue.Queue()
-        self._thread: Optional[threading.Thread] = None
-        self._start_lock = threading.Lock()
-
-    def submit(self, job: tuple) -> None:
-        with self._start_lock:
-            if self._thread is None or not self._thread.is_alive():
-                self._thread = threading.Thread(target=self._run, name="dspark-grammar-publish", daemon=True)
-                self._thread.start()
-        self._q.put(job)
-
-    def flush(self) -> None:
-        self._q.join()
-
-    def _run(self) -> None:
-        while True:
-            job = self._q.get()
-            try:
-                self._owner._publish(*job)
-            except BaseException:  # noqa: BLE001 - never let the publisher thread die
-                logger.exception("dspark-harden: grammar cache publisher failed")
-            finally:
-                self._q.task_done()
-
-
 class PersistentCompiler:
     """Drop-in for ``xgrammar.GrammarCompiler`` backed by a :class:`disk.Namespace`."""
 
     def __init__(self, inner: Any, tokenizer_info: Any, namespace: disk.Namespace, policy: Policy,
-                 inner_threads: int = 8):
+                 inner_threads: int = 8, *, slots: Optional[CompileSlots] = None,
+                 persist: Optional[PersistSettings] = None):
         self.inner = inner
         self.inner_threads = inner_threads
         self.tokenizer_info = tokenizer_info
         self.ns = namespace
         self.policy = policy
-        self._publisher = _Publisher(self)
+        self.slots = slots if slots is not None else CompileSlots(max(1, inner_threads))
+        self.persist_settings = persist if persist is not None else PersistSettings()
+        self.persister = Persister(namespace, self._helper_init(), self.persist_settings, self.slots)
+        weakref.finalize(self, self.persister.close)  # a discarded compiler leaves no helper process
         self.native_compiles = 0  # native compile calls made through this object
         self._count_lock = threading.Lock()
-        self.stored: dict[str, str] = {}  # key digest -> "serialized" | "marker" (this process's publishes)
+
+    @property
+    def stored(self) -> dict:
+        """key digest -> "serialized" | "marker" for what this process's helper published."""
+        return {k: r["stored"] for k, r in self.persister.outcomes.items() if r.get("status") == "published"}
+
+    def _helper_init(self) -> dict:
+        return {
+            "tokenizer_info": self.tokenizer_info.serialize_json(),
+            "compiler_threads": 1,  # the helper's job counts as one compile slot
+            "root": self.ns.root, "scope": self.ns.scope, "scope_hex": self.ns.scope_hex,
+            "max_bytes": self.ns.max_bytes,
+            "load_ratio": self.policy.load_ratio, "max_entry_bytes": self.policy.max_entry_bytes,
+            "memory_limit_bytes": self.persist_settings.memory_limit_bytes,
+            "idle_exit_s": self.persist_settings.idle_exit_s,
+        }
+
+    def close(self) -> None:
+        self.persister.close()
 
     # -- xgrammar GrammarCompiler surface --------------------------------------------------
     def compile_json_schema(self, schema: Any, **kwargs: Any):
@@ -200,16 +183,20 @@ class PersistentCompiler:
     # -- resolution ------------------------------------------------------------------------
     def flush(self) -> None:
         """Wait until every queued publication finished (tests, bench, shutdown)."""
-        self._publisher.flush()
+        self.persister.flush()
 
     def _count(self) -> None:
         with self._count_lock:
             self.native_compiles += 1
 
+    def _compile(self, fn: Callable[[], Any]):
+        with self.slots:
+            self._count()
+            return fn()
+
     def _native(self, fn: Callable[[], Any]):
         t = time.perf_counter()
-        self._count()
-        cg = fn()
+        cg = self._compile(fn)
         dt = time.perf_counter() - t
         _record(Resolution("compile", dt, phases={"native_compile": dt}))
         return cg
@@ -220,29 +207,12 @@ class PersistentCompiler:
         got = self.ns.read(key_hex)
         if got is not None:
             return self._from_entry(key_hex, got, fn, t0, 0.0)
-        lock = self.ns.entry_lock(key_hex)
-        tw = time.perf_counter()
-        lock.acquire()
-        wait = time.perf_counter() - tw
-        gm.observe_lock_wait(wait)
-        handed_off = False
-        try:
-            got = self.ns.read(key_hex)
-            if got is not None:
-                lock.release()
-                handed_off = True
-                return self._from_entry(key_hex, got, fn, t0, wait)
-            tc = time.perf_counter()
-            self._count()
-            cg = fn()
-            compile_s = time.perf_counter() - tc
-            self._publisher.submit((key_hex, lock, cg, compile_s, fn))
-            handed_off = True
-        finally:
-            if not handed_off:
-                lock.release()
+        tc = time.perf_counter()
+        cg = self._compile(fn)
+        compile_s = time.perf_counter() - tc
+        self.persister.submit(key_hex, parts, compile_s)  # never blocks: a full queue skips
         total = time.perf_counter() - t0
-        _record(Resolution("compile", total, wait, {"native_compile": compile_s}, self.ns.entry_path(key_hex), key_hex))
+        _record(Resolution("compile", total, 0.0, {"native_compile": compile_s}, self.ns.entry_path(key_hex), key_hex))
         return cg
 
     def _from_entry(self, key_hex: str, got: tuple, fn: Callable[[], Any], t0: float, wait: float):
@@ -253,12 +223,12 @@ class PersistentCompiler:
             entry = disk.decode_entry(path, data, self.ns.scope_hex, key_hex)
         except disk.CorruptEntryError:
             gm.inc_corrupt()
+            _record(Resolution("corrupt", time.perf_counter() - t0, wait, phases, path, key_hex))
             raise
         phases["verify"] = time.perf_counter() - tv
         if entry.kind == disk.KIND_MARKER:
             tc = time.perf_counter()
-            self._count()
-            cg = fn()
+            cg = self._compile(fn)
             phases["native_compile"] = time.perf_counter() - tc
             _record(Resolution("local_compile", time.perf_counter() - t0, wait, phases, path, key_hex))
             return cg
@@ -269,84 +239,11 @@ class PersistentCompiler:
             cg = CompiledGrammar.deserialize_json(entry.payload.decode("utf-8"), self.tokenizer_info)
         except Exception as exc:  # noqa: BLE001 - any rejection is a corrupt entry
             gm.inc_corrupt()
+            _record(Resolution("corrupt", time.perf_counter() - t0, wait, phases, path, key_hex))
             raise disk.CorruptEntryError(path, f"xgrammar rejected the serialized grammar: {type(exc).__name__}: {exc}") from None
         phases["deserialize"] = time.perf_counter() - td
         _record(Resolution("disk", time.perf_counter() - t0, wait, phases, path, key_hex))
         return cg
-
-    # -- publication (publisher thread) ----------------------------------------------------
-    def _publish(self, key_hex: str, lock: Any, cg: Any, compile_s: float, fn: Callable[[], Any]) -> None:
-        try:
-            self._publish_locked(key_hex, cg, compile_s, fn)
-        finally:
-            lock.release()
-
-    def decide(self, cg: Any, compile_s: float, key_hex: str, fn: Optional[Callable[[], Any]] = None
-               ) -> tuple[bytes, str, dict]:
-        """(entry bytes, "serialized" | "marker", phases) for a freshly compiled grammar.
-
-        The compile time the request observed may be inflated by a burst of concurrent compiles;
-        so the publisher compiles once more (``fn``) right before the trial load, in the same
-        thread, and compares the load against the smaller of the two compile times."""
-        from xgrammar import CompiledGrammar
-
-        phases: dict = {}
-        if fn is not None:
-            tr = time.perf_counter()
-            fn()
-            recompile_s = time.perf_counter() - tr
-            phases["measure_compile"] = recompile_s
-            compile_s = min(compile_s, recompile_s)
-        budget = compile_s * self.policy.load_ratio
-        compile_ns = max(1, int(compile_s * 1e9))
-        predicted = cg.memory_size_bytes * PREDICT_SERIALIZED_PER_MEMORY_BYTE / PREDICT_LOAD_BYTES_PER_SECOND
-        if predicted > budget:
-            m = disk.Marker("predicted_slow", compile_ns, 0, int(predicted * 1e9))
-            return disk.encode_marker(self.ns.scope_hex, key_hex, m), "marker", phases
-        ts = time.perf_counter()
-        try:
-            payload = cg.serialize_json().encode("utf-8")
-        except Exception as exc:  # noqa: BLE001
-            logger.warning("dspark-harden: serialising a compiled grammar failed (%s); storing a marker", exc)
-            m = disk.Marker("serialize_failed", compile_ns, 0, 0)
-            return disk.encode_marker(self.ns.scope_hex, key_hex, m), "marker", phases
-        phases["serialize"] = time.perf_counter() - ts
-        if len(payload) > self.policy.max_entry_bytes:
-            m = disk.Marker("too_large", compile_ns, len(payload), 0)
-            return disk.encode_marker(self.ns.scope_hex, key_hex, m), "marker", phases
-        data = disk.encode_entry(self.ns.scope_hex, key_hex, disk.KIND_SERIALIZED, payload)
-        tl = time.perf_counter()
-        entry = disk.decode_entry("<measure>", data, self.ns.scope_hex, key_hex)
-        CompiledGrammar.deserialize_json(entry.payload.decode("utf-8"), self.tokenizer_info)
-        load_s = time.perf_counter() - tl
-        phases["measure_load"] = load_s
-        if load_s > budget:
-            m = disk.Marker("slow_load", compile_ns, len(payload), int(load_s * 1e9))
-            return disk.encode_marker(self.ns.scope_hex, key_hex, m), "marker", phases
-        return data, "serialized", phases
-
-    def _publish_locked(self, key_hex: str, cg: Any, compile_s: float, fn: Callable[[], Any]) -> None:
-        if os.path.exists(self.ns.entry_path(key_hex)):
-            return  # published meanwhile (cannot happen while we hold the lock, kept defensive)
-        data, stored, phases = self.decide(cg, compile_s, key_hex, fn)
-        tw = time.perf_counter()
-        try:
-            total, pruned = self.ns.publish(key_hex, data)
-        except disk.PruneError as exc:
-            gm.inc_disk_error("prune")
-            logger.error("dspark-harden: %s", exc)
-            return
-        except OSError as exc:
-            gm.inc_disk_error("publish")
-            logger.error("dspark-harden: publishing grammar cache entry %s failed: %s", key_hex, exc)
-            return
-        phases["entry_write_account"] = time.perf_counter() - tw
-        gm.observe_phases(phases)
-        gm.inc_stored(stored)
-        gm.set_disk_bytes(total)
-        if pruned is not None:
-            gm.inc_evictions("disk", "prune", pruned.removed)
-        self.stored[key_hex] = stored
 
 
 def _kw(kwargs: dict) -> dict:

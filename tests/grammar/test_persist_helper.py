@@ -1,0 +1,144 @@
+"""Persistence off the serving process (issue: the disk cache must never put the scheduler's memory
+at risk). Real xgrammar, real SGLang XGrammarGrammarBackend, a real helper process under a real
+RLIMIT_AS, real files. The scheduler is a spawned process (tests/grammar/_burst_probe.py) whose own
+peak RSS (getrusage) is measured around the burst.
+
+The blow-up schema: a JSON schema whose compiled grammar is ~2 MB in memory but whose
+``CompiledGrammar.serialize_json()`` is ~160 MB of JSON and transiently allocates ~2.6 GB (measured
+with xgrammar 0.2.7 and the 2048-token tokenizer): an ``anyOf`` fan-out of 60 small objects beside
+ten bounded-length strings. Serialized size grows quadratically with the fan-out (40 alternatives:
+16 MB, 100: 257 MB) while the memory size grows linearly.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from dspark_harden.grammar import disk
+from dspark_harden.grammar import feature as F
+
+PROBE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_burst_probe.py")
+MiB = 1 << 20
+
+
+def blowup_schema(n_alt: int = 60, n_props: int = 5, pad: int = 10) -> str:
+    def alt(j):
+        return {"type": "object", "properties": {f"k{j}_{i}": {"type": "string", "maxLength": 20} for i in range(n_props)},
+                "required": [f"k{j}_0"]}
+
+    schema = {"type": "object", "properties": {
+        "choice": {"anyOf": [alt(j) for j in range(n_alt)]},
+        **{f"pad{i}": {"type": "string", "minLength": 1, "maxLength": 300} for i in range(pad)},
+    }}
+    return json.dumps(schema)
+
+
+def small_schemas(n: int) -> list[str]:
+    return [json.dumps({"type": "object", "properties": {f"f{i}": {"type": "integer"}, "name": {"type": "string"}},
+                        "required": ["name"]}) for i in range(n)]
+
+
+def run_probe(cache_dir, overrides: dict, requests: list, timeout: float = 900) -> dict:
+    r = subprocess.run([sys.executable, PROBE, str(cache_dir), json.dumps(overrides), json.dumps(requests)],
+                       capture_output=True, text=True, timeout=timeout)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-6000:]
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.timeout(900)
+def test_blowup_schema_becomes_a_memory_limit_marker_and_the_scheduler_stays_small(cache_dir):
+    """The serializing helper hits its address-space limit (384 MiB here), the grammar is stored as a
+    ``memory_limit`` marker, every request is served, and the scheduler's own peak RSS grows by less
+    than 256 MiB over the burst (the old in-process serialization grew it by ~2.6 GB for this schema).
+    LOAD_RATIO=5 makes sure the size prediction cannot skip the serialization: the cap must catch it."""
+    blow = blowup_schema()
+    requests = [["json", blow]] + [["json", s] for s in small_schemas(6)] + [["regex", f"id-[a-z]{{{i}}}"] for i in range(1, 7)]
+    out = run_probe(cache_dir, {F.DISK_HELPER_MEMORY: 384 * MiB, F.DISK_LOAD_RATIO: 5, F.WORKERS: 2}, requests)
+    assert all(r["invalid"] is None for r in out["results"]), out["results"]
+    growth = out["after"] - out["before"]
+    print(f"scheduler peak RSS before {out['before'] / MiB:.0f} MiB, after {out['after'] / MiB:.0f} MiB "
+          f"(+{growth / MiB:.0f} MiB); helper limit {out['helper_limit'] / MiB:.0f} MiB")
+    assert growth < 256 * MiB, out
+    markers = {k: r for k, r in out["outcomes"].items() if r.get("stored") == "marker"}
+    reasons = sorted(r.get("reason") for r in markers.values())
+    assert "memory_limit" in reasons, out["outcomes"]
+    # the marker is on disk with its reason, and a peer compiles locally instead of loading
+    (ns_path,) = disk.namespaces(str(cache_dir))
+    ns = disk.Namespace.open_existing(ns_path)
+    found = []
+    for e in ns.iter_entries():
+        entry = disk.decode_entry(e.path, open(e.path, "rb").read(), ns.scope_hex, None)
+        if entry.kind == disk.KIND_MARKER:
+            found.append(entry.marker.reason)
+    assert "memory_limit" in found
+    # every other grammar was persisted as a serialized entry
+    assert sum(1 for r in out["outcomes"].values() if r.get("stored") == "serialized") >= 12
+    assert out["lock_fds"] == []  # no lock-file descriptor held by the serving process
+
+
+@pytest.mark.timeout(900)
+def test_deadline_marker_and_requests_never_wait_on_persistence(cache_dir):
+    """A persistence job over its deadline (1 s of running time here; the blow-up's serialization takes
+    several seconds) kills the helper and stores a ``deadline`` marker; the requests that arrived while
+    the helper worked were all served long before persistence finished."""
+    blow = blowup_schema()
+    requests = [["json", blow]] + [["regex", f"(a|b)-[0-9]{{{i}}}"] for i in range(1, 9)]
+    out = run_probe(cache_dir, {F.DISK_HELPER_DEADLINE: 1.0, F.DISK_HELPER_MEMORY: 8 << 30, F.DISK_LOAD_RATIO: 5},
+                    requests)
+    assert all(r["invalid"] is None for r in out["results"]), out["results"]
+    reasons = [r.get("reason") for r in out["outcomes"].values() if r.get("stored") == "marker"]
+    assert "deadline" in reasons, out["outcomes"]
+    killed = [r for r in out["outcomes"].values() if r.get("helper", {}).get("status") == "killed"]
+    assert killed and killed[0]["helper"]["running_s"] > 1.0, out["outcomes"]  # killed at the deadline
+    assert out["served_all_s"] < out["persisted_s"], out
+    assert max(r["served_s"] for r in out["results"]) < 30, out["results"]
+
+
+@pytest.mark.timeout(900)
+def test_bounded_queue_skips_and_helper_counts_against_the_compile_bound(cache_dir):
+    """WORKERS=2, a queue of 2: a burst of 12 new grammars is served in full, publications beyond the
+    queue are skipped and counted, and request compiles plus the helper's job never exceed the bound
+    of 2 running at once (the helper is paused while both workers compile)."""
+    requests = [["json", s] for s in small_schemas(12)]
+    out = run_probe(cache_dir, {F.WORKERS: 2, F.DISK_QUEUE: 2}, requests)
+    assert all(r["invalid"] is None for r in out["results"])
+    assert out["skipped"]["queue_full"] >= 1, out
+    assert out["slot_limit"] == 2 and out["peak_running"] <= 2, out
+    assert out["native_compiles"] == 13  # 12 + warm-up: the helper's compiles are not the scheduler's
+
+
+def test_atomic_write_fsyncs_file_before_rename_and_directory_after(tmp_path, monkeypatch):
+    """Item 2 of "Fail closed and bounded everywhere": no torn entry after power loss. Recorded on
+    the real system calls (wrapped, not replaced): the temp file is fsynced before the rename and the
+    directory after it."""
+    calls = []
+    real_fsync, real_replace = os.fsync, os.replace
+
+    def fsync(fd):
+        calls.append(("fsync", os.path.isdir(f"/proc/self/fd/{fd}")))
+        return real_fsync(fd)
+
+    def replace(a, b):
+        calls.append(("replace", os.path.basename(b)))
+        return real_replace(a, b)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "replace", replace)
+    disk.atomic_write(str(tmp_path), str(tmp_path / "entry.xgc"), b"x" * 1000)
+    assert calls == [("fsync", False), ("replace", "entry.xgc"), ("fsync", True)]
+    assert (tmp_path / "entry.xgc").read_bytes() == b"x" * 1000
+    assert [p.name for p in tmp_path.iterdir()] == ["entry.xgc"]
+
+
+def test_persist_settings_reject_bad_values_by_name(tmp_path):
+    from dspark_harden.core.settings import SettingsError, load_settings
+
+    for name, bad in [(F.DISK_QUEUE, "0"), (F.DISK_HELPER_MEMORY, "-1"), (F.DISK_HELPER_DEADLINE, "0"),
+                      (F.DISK_HELPER_DEADLINE, "soon")]:
+        with pytest.raises(SettingsError, match=name):
+            load_settings(F.dspark_settings(), environ={F.DISK_DIR: str(tmp_path), name: bad})
