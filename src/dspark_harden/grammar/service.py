@@ -19,7 +19,8 @@ A compile timeout is per request: ``RequestFuture.done()`` (polled by SGLang's G
 fails the request's own future with :class:`GrammarCompileTimeout` once its deadline passed. The
 shared compile keeps running and lands in the cache, so a retry gets it; SGLang's own
 poll-count timeout, which would cache ``InvalidGrammarObject("Grammar preprocessing timed out")``
-permanently, is ignored by :meth:`set_cache` (it never reaches the cache).
+permanently, is refused by :meth:`set_cache` (it never reaches the cache). Otherwise
+:meth:`set_cache` keeps stock's contract: a grammar set through it is cached and served.
 """
 
 from __future__ import annotations
@@ -107,6 +108,30 @@ def _is_cacheable(obj: Any) -> bool:
     return True
 
 
+# error messages of results that say nothing about the grammar itself: never cached
+NOT_CACHEABLE_PREFIXES = (
+    "Grammar preprocessing timed out",  # stock GrammarManager's poll-count timeout
+    "Grammar compilation failed:",  # stock manager's wrapper of an exception (incl. our timeout)
+)
+
+
+def _refusal(value: Any) -> Optional[str]:
+    """Why ``value`` must not enter the cache through ``set_cache`` (None: it may)."""
+    if value is None:
+        return "None"
+    try:
+        if not value:
+            return "falsy (stock's lookup treats it as a miss)"
+    except Exception:  # noqa: BLE001
+        return "truth value unavailable"
+    if not (callable(getattr(value, "copy", None)) and callable(getattr(value, "maybe_init_reasoning", None))):
+        return "not a grammar object"
+    msg = getattr(value, "error_message", None)
+    if isinstance(msg, str) and (msg.startswith(NOT_CACHEABLE_PREFIXES) or CORRUPT_MARK in msg):
+        return "timeout or failure result"
+    return None
+
+
 class GrammarService:
     def __init__(self, backend: Any, *, workers: int, max_bytes: int, max_entries: int,
                  timeout_s: Optional[float]):
@@ -168,10 +193,28 @@ class GrammarService:
         )
         return req, False
 
-    def set_cache(self, key: tuple, value: Any) -> None:
-        """Stock GrammarManager calls this after every resolved future. The service already cached
-        the prototype when the compile finished; timeouts and failures must not be cached."""
-        return None
+    def set_cache(self, key: tuple, value: Any) -> bool:
+        """Stock's contract (``cache[key] = value``) for what can be cached: a grammar object put
+        here lands in the LRU under its canonical key, replacing what was there, and is served
+        as a hit (a private copy, ``maybe_init_reasoning`` as stock) to lookups by the original
+        or any equivalent key. Refused (returns False, nothing changes): timeout results (stock's
+        poll-count ``InvalidGrammarObject("Grammar preprocessing timed out")`` and our per-request
+        timeout or any other exception the stock manager wraps as "Grammar compilation failed:"),
+        corrupt-disk-entry failures, ``None``/falsy values (stock's lookup treats those as a miss)
+        and objects without ``copy``/``maybe_init_reasoning``. Stock's GrammarManager calls this
+        after every resolved future with a copy of the request's grammar, like stock."""
+        refused = _refusal(value)
+        if refused is not None:
+            return False
+        ckey = canonical_key(key)
+        evicted = {"bytes": 0, "entries": 0}
+        with self._lock:
+            self._insert_locked(ckey, value, evicted)
+            size, count = self._bytes, len(self._lru)
+        for reason, n in evicted.items():
+            gm.inc_evictions("memory", reason, n)
+        gm.set_memory(size, count)
+        return True
 
     def reset(self) -> None:
         with self._lock:
