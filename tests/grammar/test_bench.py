@@ -21,7 +21,12 @@ def test_bench_grammar_json_shape_and_counts(tmp_path):
     assert proc.returncode == 0, proc.stderr[-4000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert set(result) == {"requests", "distinct_schemas", "stock_compiles", "harden_compiles", "cold_s",
-                           "warm_restart_s", "per_schema"}
+                           "warm_restart_s", "per_schema", "peak_rss_bytes", "stock_peak_rss_bytes",
+                           "max_serialized_memory_ratio", "markers_by_reason"}
+    assert result["peak_rss_bytes"] > 0 and result["stock_peak_rss_bytes"] > 0
+    ratio = result["max_serialized_memory_ratio"]
+    assert ratio is None or ratio > 0
+    assert all(isinstance(n, int) and n > 0 for n in result["markers_by_reason"].values())
     from dspark_harden.grammar.schemas import BENCH_SCHEMAS
 
     assert result["distinct_schemas"] == len(BENCH_SCHEMAS)

@@ -103,15 +103,16 @@ def _per_schema(backend) -> dict:
 
 
 def _patches(cache_dir: str):
+    from ..core.manager import feature_patches, feature_settings, make_manager
     from ..core.patch import Role
-    from ..core.settings import load_settings
-    from . import feature as F
+    from . import settings as F
 
     env = {k: v for k, v in os.environ.items() if k.startswith("DSPARK_HARDEN_GRAMMAR")}
     env[F.DISK_DIR] = cache_dir
     env[F.DISK] = "1"
-    settings = load_settings(F.dspark_settings(), environ=env)
-    return F.patches(Role.SCHEDULER, settings)
+    pm = make_manager(load_extensions=False)
+    settings = feature_settings(pm, F.FEATURE, environ=env)
+    return feature_patches(pm, F.FEATURE, Role.SCHEDULER, settings)
 
 
 def _restart_child(idx: int, vocab: int, cache_dir: str, duplicates: int, barrier, out_q) -> None:
@@ -134,6 +135,38 @@ def _restart_child(idx: int, vocab: int, cache_dir: str, duplicates: int, barrie
     except BaseException as exc:  # noqa: BLE001
         out_q.put({"idx": idx, "error": f"{type(exc).__name__}: {exc}"})
         raise
+
+
+class _RssPeak:
+    """Peak resident set size of this process while the block runs (sampled every 5 ms from
+    /proc/self/statm; getrusage's ru_maxrss is a lifetime peak and cannot separate two phases)."""
+
+    def __init__(self):
+        import threading
+
+        self.peak = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._page = os.sysconf("SC_PAGE_SIZE")
+
+    def _rss(self) -> int:
+        with open("/proc/self/statm") as fh:
+            return int(fh.read().split()[1]) * self._page
+
+    def _sample(self) -> None:
+        while not self._stop.is_set():
+            self.peak = max(self.peak, self._rss())
+            self._stop.wait(0.005)
+
+    def __enter__(self) -> "_RssPeak":
+        self.peak = self._rss()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, self._rss())
 
 
 def run(vocab: int = 32000, duplicates: int = 2, cache_dir: str | None = None, log=print) -> dict:
@@ -161,7 +194,8 @@ def _run(vocab: int, duplicates: int, cache_dir: str, log) -> dict:
         return dispatch(key, require_reasoning)
 
     stock._init_value_dispatch = counting
-    stock_s = _resolve_burst(stock, burst)
+    with _RssPeak() as stock_rss:
+        stock_s = _resolve_burst(stock, burst)
     stock_compiles = calls["n"]
     log(f"stock: {stock_compiles} compiles, {stock_s:.3f} s")
 
@@ -174,9 +208,16 @@ def _run(vocab: int, duplicates: int, cache_dir: str, log) -> dict:
         p.apply()
     try:
         ours = _backend(tok)
-        cold_s = _resolve_burst(ours, burst)
-        harden_compiles = ours.grammar_compiler.native_compiles
-        ours.grammar_compiler.flush()
+        with _RssPeak() as harden_rss:  # the burst and all of its persistence
+            cold_s = _resolve_burst(ours, burst)
+            harden_compiles = ours.grammar_compiler.native_compiles
+            ours.grammar_compiler.flush()
+        outcomes = list(ours.grammar_compiler.persister.outcomes.values())
+        ratios = [o["ratio"] for o in outcomes if o.get("ratio")]
+        markers: dict = {}
+        for o in outcomes:
+            if o.get("stored") == "marker":
+                markers[o.get("reason") or "unknown"] = markers.get(o.get("reason") or "unknown", 0) + 1
         ns = ours.grammar_compiler.ns
         from .canonical import canonical_string
         from .disk import decode_entry, key_digest, KIND_SERIALIZED
@@ -193,6 +234,7 @@ def _run(vocab: int, duplicates: int, cache_dir: str, log) -> dict:
                 entry = decode_entry(got[0], got[1], ns.scope_hex, None)
                 stored[name] = "serialized" if entry.kind == KIND_SERIALIZED else "marker"
         ours._dspark_grammar.shutdown()
+        ours.grammar_compiler.close()
     finally:
         for p in reversed(patches):
             p.revert()
@@ -234,6 +276,11 @@ def _run(vocab: int, duplicates: int, cache_dir: str, log) -> dict:
         "harden_compiles": harden_compiles,
         "cold_s": round(cold_s, 4),
         "warm_restart_s": round(warm_restart_s, 4),
+        # the serving process (this one) during the plugin's cold burst incl. persistence, and stock's burst
+        "peak_rss_bytes": harden_rss.peak,
+        "stock_peak_rss_bytes": stock_rss.peak,
+        "max_serialized_memory_ratio": round(max(ratios), 2) if ratios else None,
+        "markers_by_reason": markers,
         "per_schema": [
             {"name": name, "compile_s": round(per[name]["compile_s"], 5), "warm_s": round(per[name]["warm_s"], 5),
              "stored": stored[name]}
