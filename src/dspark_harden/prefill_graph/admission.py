@@ -1,0 +1,208 @@
+"""The three wrappers the feature binds (built around the real stock functions).
+
+* :func:`build_vote` wraps ``dp_attn._local_prefill_cuda_graph_vote``: stock's vote with the
+  *local* padding bound lifted (padding is decided on the shared bucket after the exchange),
+  AND every forward-time check evaluated on the geometry this rank will present
+  (:func:`.decision.local_failures` on :func:`.decision.schedule_view`). Still one 0/1 value in
+  the stock ``can_run_prefill_cuda_graph`` column, so both exchange paths carry it unchanged.
+* :func:`build_update_gather` wraps ``dp_attn._update_gather_batch``: after stock copied the
+  gathered verdict onto the batch, :func:`.decision.finalize` derives bucket, padding bound and
+  idle-participant validity from the gathered token counts, identically on every rank.
+* :func:`build_guard` wraps ``PrefillCudaGraphRunner.can_run_graph``: a shared "eager" verdict is
+  eager; under a shared "graph" verdict every check (including the two ``_forward_raw`` adds)
+  must pass on this rank, else :class:`.decision.PrefillGraphDivergence` (never eager alone).
+
+The bench builds the same wrappers around the same stock functions with its own
+:class:`Runtime`, so the numbers it reports come from the code the server runs.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+from . import decision as D
+
+logger = logging.getLogger("dspark_harden.prefill_graph")
+
+
+@dataclass
+class StepState:
+    """Handed from the vote to the post-exchange finalisation of the same scheduler step."""
+
+    runner: Any = None
+    local_ok: bool = True
+    local_reason: Optional[str] = None
+    local_tokens: int = 0
+
+
+@dataclass
+class Runtime:
+    """Per-process configuration and observers of the decision."""
+
+    factor: float = D.DEFAULT_PADDING_FACTOR
+    dp_rank: Any = None
+    #: ``bs`` list stock pads to; ``None``: read ``cuda_graph_config.prefill.bs`` at call time
+    bs: Optional[list] = None
+    #: server hidden-state mode; ``None``: read ``get_server_return_hidden_states_mode()`` once
+    server_mode: Any = None
+    attn_tp_size: Optional[int] = None
+    tolerates_sum_len: Optional[Callable[[], bool]] = None
+    #: ``on_decision(decision, local_reason, useful_tokens)`` after each finalisation
+    on_decision: Optional[Callable] = None
+    #: ``on_divergence(exc)`` before a guard raises
+    on_divergence: Optional[Callable] = None
+    step: StepState = field(default_factory=StepState)
+    last: Optional[D.SharedDecision] = None
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def get_bs(self) -> list:
+        if self.bs is not None:
+            return self.bs
+        from sglang.srt.runtime_context import get_exec
+
+        return list(get_exec().graph.cuda_graph_config.prefill.bs or [])
+
+    def get_server_mode(self) -> Any:
+        if self.server_mode is None:
+            from sglang.srt.model_executor.forward_batch_info import get_server_return_hidden_states_mode
+
+            self.server_mode = get_server_return_hidden_states_mode()
+        return self.server_mode
+
+    def get_attn_tp(self) -> int:
+        if self.attn_tp_size is None:
+            from sglang.srt.runtime_context import get_parallel
+
+            self.attn_tp_size = int(get_parallel().attn_tp_size)
+        return self.attn_tp_size
+
+    def sum_len(self) -> bool:
+        if self.tolerates_sum_len is not None:
+            return bool(self.tolerates_sum_len())
+        from sglang.srt.model_executor.forward_batch_info import prefill_graph_tolerates_sum_len
+
+        return bool(prefill_graph_tolerates_sum_len())
+
+
+RUNTIME = Runtime()  # the server's (configured in dspark_process_bound)
+
+
+def _is_runner(obj: Any) -> bool:
+    from sglang.srt.model_executor.runner import PrefillCudaGraphRunner
+
+    return isinstance(obj, PrefillCudaGraphRunner)
+
+
+def build_vote(stock: Callable, runtime: Optional[Runtime] = None) -> Callable:
+    def _local_prefill_cuda_graph_vote(
+        *, local_batch, num_tokens, prefill_graph_runner, coordinated_prefill, breakable_prefill,
+        spec_algorithm, model_config,
+    ):
+        rt = runtime or RUNTIME
+        kwargs = dict(
+            local_batch=local_batch, num_tokens=num_tokens, prefill_graph_runner=prefill_graph_runner,
+            coordinated_prefill=coordinated_prefill, breakable_prefill=breakable_prefill,
+            spec_algorithm=spec_algorithm, model_config=model_config,
+        )
+        runner = prefill_graph_runner
+        if local_batch is None or local_batch.forward_mode.is_idle() or not _is_runner(runner):
+            ok = stock(**kwargs)
+            rt.step = StepState(runner=runner if _is_runner(runner) else None, local_ok=bool(ok),
+                                local_reason=None if ok else "stock_vote", local_tokens=0)
+            return ok
+        local = int(num_tokens)
+        if 0 < local <= runner.max_num_tokens:
+            # lift the local padding bound: padding is judged on the shared bucket after the exchange
+            kwargs["num_tokens"] = runner._pad_to_bucket(local, runner.capture_num_tokens)
+        ok = bool(stock(**kwargs))
+        reason = None if ok else _why_stock_said_eager(runner, local_batch, rt)
+        if ok:
+            view = D.schedule_view(
+                local_batch, server_mode=rt.get_server_mode(),
+                decode_as_extend=local_batch.forward_mode.is_decode(),
+            )
+            fails = ["stock_vote"] if view is None else D.local_failures(runner, view, num_tokens=None, schedule_time=True)
+            # per-bucket request slots (full backend): min(slots, bucket) for the smallest bucket this rank can get
+            if view is not None and runner._is_full_backend and local <= runner.max_num_tokens:
+                if view.batch_size > min(runner._capture_req_slots, kwargs["num_tokens"]):
+                    fails.append("request_slots")
+            if fails:
+                ok, reason = False, fails[0]
+        rt.step = StepState(runner=runner, local_ok=ok, local_reason=reason, local_tokens=local)
+        return ok
+
+    _local_prefill_cuda_graph_vote.__doc__ = stock.__doc__
+    return _local_prefill_cuda_graph_vote
+
+
+def _why_stock_said_eager(runner, batch, rt: Runtime) -> str:
+    """Name the check behind a stock "eager" vote (metrics); only runs on that path."""
+    from sglang.srt.model_executor.forward_batch_info import ForwardMode
+
+    if batch.forward_mode not in (ForwardMode.EXTEND, ForwardMode.MIXED):
+        return "forward_mode"
+    vote = runner._backend_vote_prefill_cuda_graph
+    try:
+        if vote is not None and not vote(batch):
+            return "backend_hook"
+        view = D.schedule_view(batch, server_mode=rt.get_server_mode())
+        fails = D.local_failures(runner, view, num_tokens=None, schedule_time=True) if view is not None else []
+    except Exception:  # noqa: BLE001 - diagnosis only
+        return "stock_vote"
+    return fails[0] if fails else "stock_vote"
+
+
+def build_update_gather(stock: Callable, runtime: Optional[Runtime] = None) -> Callable:
+    def _update_gather_batch(batch, mlp_sync_info, *args, **kwargs):
+        result = stock(batch, mlp_sync_info, *args, **kwargs)
+        rt = runtime or RUNTIME
+        step, rt.step = rt.step, StepState()
+        gathered = getattr(mlp_sync_info, "global_num_tokens", None)
+        if step.runner is None or gathered is None or len(gathered) < 2 or rt.sum_len():
+            return result
+        if not mlp_sync_info.is_extend_in_batch:
+            return result  # no prefill this step: nothing to decide
+        dec = D.finalize(
+            gathered, vote=bool(batch.can_run_dp_prefill_cuda_graph), runner=step.runner, bs=rt.get_bs(),
+            factor=rt.factor, server_mode=rt.get_server_mode(), attn_tp_size=rt.get_attn_tp(),
+        )
+        batch.can_run_dp_prefill_cuda_graph = dec.graph
+        rt.last = dec
+        if rt.on_decision is not None:
+            rt.on_decision(dec, step.local_reason, step.local_tokens)
+        return result
+
+    _update_gather_batch.__doc__ = stock.__doc__
+    return _update_gather_batch
+
+
+def build_guard(stock: Callable, runtime: Optional[Runtime] = None) -> Callable:
+    def can_run_graph(self, forward_batch):
+        if forward_batch.global_num_tokens_cpu is None:
+            return stock(self, forward_batch)  # not DP-synced: a rank-local decision cannot split a group
+        mr = getattr(self, "model_runner", None)
+        if getattr(mr, "is_draft_worker", False):
+            return stock(self, forward_batch)  # the vote covers the target runner only (docs: draft runners)
+        if not forward_batch.can_run_dp_prefill_cuda_graph:
+            return False  # shared eager: eager on every rank
+        rt = runtime or RUNTIME
+        fails = []
+        if self._has_inactive_dp_rank(forward_batch):
+            fails.append("inactive_dp_rank")
+        fails.extend(D.local_failures(self, forward_batch, num_tokens=len(forward_batch.input_ids), schedule_time=False))
+        if not fails and not stock(self, forward_batch):
+            fails.append("can_run_graph")
+        if fails:
+            exc = D.PrefillGraphDivergence(check=fails[0], failed=fails, dp_rank=rt.dp_rank, geometry=D.geometry(forward_batch))
+            if rt.on_divergence is not None:
+                rt.on_divergence(exc)
+            logger.critical("%s", exc)
+            raise exc
+        return True
+
+    can_run_graph.__doc__ = stock.__doc__
+    can_run_graph.__qualname__ = getattr(stock, "__qualname__", "PrefillCudaGraphRunner.can_run_graph")
+    return can_run_graph

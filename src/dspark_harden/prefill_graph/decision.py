@@ -1,0 +1,441 @@
+"""The one DP prefill-graph decision: named checks, schedule-time views, shared finalisation.
+
+Shared by the feature's patches (:mod:`.admission`) and the bench (:mod:`.bench`); it imports
+neither. Nothing here needs CUDA: every check is the stock ``PrefillCudaGraphRunner`` code
+(``can_replay_locally``, ``_has_inactive_dp_rank``, the backend's ``can_run_prefill_cuda_graph``
+hook, ``model_runner._prefill_cuda_graph_allows_context_parallel``) applied to a batch geometry.
+
+Stock 0.5.23 evaluates part of these checks at schedule time (``_local_prefill_cuda_graph_vote``,
+min-reduced through ``MLPSyncBatchInfo`` column ``can_run_prefill_cuda_graph``) and the rest only
+at forward time (``can_run_graph`` + two conditions in ``ModelRunner._forward_raw``), where a
+failing rank silently runs eager while its peer replays the graph. Here every forward-time check
+is evaluated at schedule time on the geometry the rank will present at forward time
+(:class:`PredictedForwardBatch`), folded into the same 0/1 vote column (so the stock gloo
+all-gather and the native DP2 exchange carry it unchanged, bit-identical), and the token bucket,
+the padding bound and the idle-participant validity are derived after the exchange from gathered
+values only — the same answer on every rank by construction.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional, Sequence
+
+# -- names (metric label values, error messages, docs) -----------------------------------------
+
+#: every forward-time condition, in the order stock evaluates them
+FORWARD_CHECKS = (
+    "dp_verdict",  # can_run_graph: the DP group verdict says eager
+    "inactive_dp_rank",  # can_run_graph: _has_inactive_dp_rank
+    "cp_inactive",  # can_run_graph: CP breakable capture but CP inactive for this batch
+    "request_slots",  # can_replay_locally: batch size > request slots / captured metadata bs
+    "mm_inputs",  # can_replay_locally: multimodal inputs on a path that cannot replay them
+    "lora",  # can_replay_locally: LoRA batch not eligible for the captured LoRA metadata
+    "mixed",  # can_replay_locally: MIXED batch on a backend that prefers eager mixed prefill
+    "input_embeds",  # can_replay_locally
+    "replace_embeds",  # can_replay_locally
+    "prefix",  # can_replay_locally: uncapturable prefix (MHA companion / chunked-prefix variants)
+    "target_verify",  # can_replay_locally
+    "capture_hidden_mode",  # can_replay_locally: batch needs more hidden states than captured
+    "logprob_tail",  # can_replay_locally: logprobs without an eager logits tail
+    "max_context",  # can_replay_locally: max_context_size / max_seq_len
+    "num_tokens",  # can_replay_locally: tokens > largest bucket or local padding bound
+    "replay_locally",  # can_replay_locally rejects although no single input does (interaction)
+    "cp_bucket",  # can_run_graph: no CP replay bucket
+    "backend_hook",  # can_run_graph: attention backend's can_run_prefill_cuda_graph
+    "token_indices_to_pool",  # _forward_raw: multi-position pooling readout
+    "context_parallel",  # _forward_raw: _prefill_cuda_graph_allows_context_parallel
+    "can_run_graph",  # stock can_run_graph rejects although every named check passes
+)
+
+#: outcomes decided after the exchange (identical on every rank)
+SHARED_REASONS = (
+    "admitted",  # graph
+    "peer_vote",  # another rank voted eager
+    "no_tokens",
+    "too_many_tokens",  # global max above the largest captured bucket
+    "bucket_not_captured",  # stock's padding bucket is not a captured size
+    "padding",  # bucket > factor x global max
+    "idle_participant",  # an idle rank's materialised dummy extend cannot replay this bucket
+    "forward_mode",  # this rank runs no extend (decode, ...): its stock vote is eager
+    "stock_vote",  # this rank's stock vote said eager for a reason no named check reproduces
+)
+
+REASONS = tuple(dict.fromkeys(SHARED_REASONS + FORWARD_CHECKS))
+
+DEFAULT_PADDING_FACTOR = 4.0
+MAX_PADDING_FACTOR = 8.0
+STOCK_PADDING_FACTOR = 2  # prefill_cuda_graph_runner._MAX_PREFILL_CUDA_GRAPH_PADDING_FACTOR in 0.5.23
+
+
+class PrefillGraphDivergence(RuntimeError):
+    """A rank's own forward-time checks reject a prefill graph the DP group agreed to replay.
+
+    Raised instead of running eager alone (which mismatches the peer's collectives: a hang or
+    wrong tokens). ``check`` names the first failing check (one of :data:`FORWARD_CHECKS`).
+    """
+
+    def __init__(self, *, check: str, failed: Sequence[str], dp_rank: Any, geometry: dict):
+        self.check = check
+        self.failed = tuple(failed)
+        self.dp_rank = dp_rank
+        self.geometry = geometry
+        geo = ", ".join(f"{k}={v}" for k, v in geometry.items())
+        super().__init__(
+            f"prefill CUDA graph admission diverged on dp_rank {dp_rank}: the DP group agreed to replay "
+            f"the prefill graph but this rank's check {check!r} rejects it (all failing checks: "
+            f"{', '.join(self.failed)}); batch geometry: {geo}. Running eager here would mismatch the "
+            f"peer's collectives, so the step fails instead. See docs/prefill_graph.md#troubleshooting."
+        )
+
+
+# -- the geometry a rank presents at forward time ----------------------------------------------
+
+
+@dataclass
+class PredictedForwardBatch:
+    """The fields of a ``ForwardBatch`` that the prefill-graph checks read.
+
+    Built at schedule time from a ``ScheduleBatch`` (:func:`schedule_view`) or for an idle rank's
+    materialised dummy extend (:func:`dummy_extend_view`); the bench also uses it, after
+    :func:`after_mlp_sync`, in place of the GPU ForwardBatch it cannot build on CPU.
+    ``input_ids`` is only ever measured (``len``); ``None`` at schedule time.
+    """
+
+    forward_mode: Any
+    batch_size: int
+    extend_seq_lens_cpu: list
+    extend_prefix_lens_cpu: Optional[list]
+    seq_lens_cpu: Any  # 1-D int64 CPU tensor
+    capture_hidden_mode: Any
+    return_logprob: bool = False
+    extend_logprob_start_lens_cpu: Optional[list] = None
+    input_embeds: Any = None
+    replace_embeds: Any = None
+    spec_info: Any = None
+    token_indices_to_pool: Any = None
+    mm_inputs: bool = False
+    input_ids: Any = None
+    global_num_tokens_cpu: Optional[list] = None
+    can_run_dp_prefill_cuda_graph: bool = False
+    global_forward_mode: Any = None
+    _original_forward_mode: Any = None
+    extend_num_tokens: Optional[int] = None
+    seq_lens: Any = None
+    dp_prefill_cuda_graph_max_prefix_len: int = 0
+    extra: dict = field(default_factory=dict)
+
+    def contains_mm_inputs(self) -> bool:
+        return bool(self.mm_inputs)
+
+
+def _modes():
+    from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode, ForwardMode
+
+    return ForwardMode, CaptureHiddenMode
+
+
+def _cpu_lens(values) -> Any:
+    import torch
+
+    return torch.tensor([int(v) for v in values], dtype=torch.int64)
+
+
+def required_capture_hidden_mode(batch: Any, server_mode: Any) -> Any:
+    """``ForwardBatch.init_new``'s capture mode for a target-worker batch (stock functions)."""
+    from sglang.srt.model_executor.forward_batch_info import get_required_capture_hidden_mode
+
+    return get_required_capture_hidden_mode(
+        max(getattr(batch, "return_hidden_states_mode", server_mode), server_mode), getattr(batch, "spec_info", None)
+    )
+
+
+def schedule_view(batch: Any, *, server_mode: Any, decode_as_extend: bool = False) -> Optional[PredictedForwardBatch]:
+    """What ``batch`` (a ``ScheduleBatch``) becomes at forward time, before DP padding.
+
+    EXTEND / MIXED: the batch itself. DECODE with ``decode_as_extend`` (breakable backend's
+    decode->extend conversion): one 1-token extend per row. Anything else: ``None`` (stock's
+    vote already says eager for it)."""
+    ForwardMode, CaptureHiddenMode = _modes()
+    mode = batch.forward_mode
+    reqs = list(getattr(batch, "reqs", None) or ())
+    pool = [r.token_indices_to_pool for r in reqs if getattr(r, "token_indices_to_pool", None) is not None]
+    capture = required_capture_hidden_mode(batch, server_mode)
+    if mode in (ForwardMode.EXTEND, ForwardMode.MIXED):
+        seq = batch.seq_lens_cpu
+        if seq is None:
+            seq = _cpu_lens(p + e for p, e in zip(batch.prefix_lens, batch.extend_lens))
+        return PredictedForwardBatch(
+            forward_mode=mode,
+            batch_size=batch.batch_size(),
+            extend_seq_lens_cpu=[int(n) for n in batch.extend_lens],
+            extend_prefix_lens_cpu=[int(n) for n in batch.prefix_lens],
+            seq_lens_cpu=seq,
+            capture_hidden_mode=capture,
+            return_logprob=bool(batch.return_logprob),
+            extend_logprob_start_lens_cpu=list(getattr(batch, "extend_logprob_start_lens", None) or []),
+            input_embeds=batch.input_embeds,
+            replace_embeds=getattr(batch, "replace_embeds", None),
+            spec_info=getattr(batch, "spec_info", None),
+            token_indices_to_pool=pool or None,
+            mm_inputs=any(m is not None and m.contains_mm_input() for m in (getattr(batch, "multimodal_inputs", None) or ())),
+            extend_num_tokens=getattr(batch, "extend_num_tokens", None),
+        )
+    if mode.is_decode() and decode_as_extend:
+        seq = [int(s) for s in batch.seq_lens_cpu.tolist()]
+        return PredictedForwardBatch(
+            forward_mode=ForwardMode.EXTEND,
+            _original_forward_mode=mode,
+            batch_size=len(seq),
+            extend_seq_lens_cpu=[1] * len(seq),
+            extend_prefix_lens_cpu=[s - 1 for s in seq],
+            seq_lens_cpu=_cpu_lens(seq),
+            capture_hidden_mode=capture,
+            extend_logprob_start_lens_cpu=[s - 1 for s in seq],
+            spec_info=getattr(batch, "spec_info", None),
+            token_indices_to_pool=pool or None,
+            extend_num_tokens=len(seq),
+        )
+    return None
+
+
+def dummy_extend_view(bucket: int, *, server_mode: Any) -> PredictedForwardBatch:
+    """An idle rank at forward time under MAX_LEN padding: stock's
+    ``ForwardBatch.prepare_mlp_sync_batch`` materialises one dummy request covering the bucket
+    (seq_lens = extend = [bucket], prefix 0, mode EXTEND relabelled from IDLE)."""
+    ForwardMode, _ = _modes()
+    from sglang.srt.model_executor.forward_batch_info import get_required_capture_hidden_mode
+
+    return PredictedForwardBatch(
+        forward_mode=ForwardMode.EXTEND,
+        _original_forward_mode=ForwardMode.IDLE,
+        batch_size=1,
+        extend_seq_lens_cpu=[int(bucket)],
+        extend_prefix_lens_cpu=[0],
+        seq_lens_cpu=_cpu_lens([bucket]),
+        capture_hidden_mode=get_required_capture_hidden_mode(server_mode, None),
+        extend_logprob_start_lens_cpu=[0],
+        input_ids=range(int(bucket)),
+        extend_num_tokens=int(bucket),
+    )
+
+
+# -- the checks ---------------------------------------------------------------------------------
+
+_NEUTRAL = dict(
+    batch_size=1, num_tokens=None, input_embeds=None, replace_embeds=None, prefix_lens=None,
+    is_target_verify=False, capture_hidden_mode=None, return_logprob=False, lora_ineligible=False,
+    is_mixed=False, batch_max_context_len=0, contains_mm_inputs=False,
+)
+# can_replay_locally argument -> the check it decides
+_ARG_CHECK = (
+    ("batch_size", "request_slots"), ("contains_mm_inputs", "mm_inputs"), ("lora_ineligible", "lora"),
+    ("is_mixed", "mixed"), ("input_embeds", "input_embeds"), ("replace_embeds", "replace_embeds"),
+    ("prefix_lens", "prefix"), ("is_target_verify", "target_verify"),
+    ("capture_hidden_mode", "capture_hidden_mode"), ("return_logprob", "logprob_tail"),
+    ("batch_max_context_len", "max_context"), ("num_tokens", "num_tokens"),
+)
+
+
+def replay_args(runner: Any, fb: Any, *, num_tokens: Optional[int], schedule_time: bool) -> dict:
+    """The arguments stock ``can_run_graph`` passes to ``can_replay_locally`` (0.5.23, verbatim).
+
+    At schedule time LoRA eligibility is stock's vote rule (``enable_lora``: under DP attention
+    ``LoRAManager.can_use_prefill_cuda_graph`` is always False, so LoRA prefill is eager on
+    every rank)."""
+    ForwardMode, _ = _modes()
+    batch_max_context_len = (
+        runner._batch_max_context_len(fb)
+        if runner.max_context_size is not None or runner.max_seq_len is not None
+        else None
+    )
+    if schedule_time:
+        lora_ineligible = bool(runner.enable_lora)
+    else:
+        lora_ineligible = runner.enable_lora and not (
+            runner._capture_lora and runner.model_runner.lora_manager.can_use_prefill_cuda_graph(fb)
+        )
+    return dict(
+        batch_size=fb.batch_size,
+        num_tokens=num_tokens,
+        input_embeds=fb.input_embeds,
+        replace_embeds=fb.replace_embeds,
+        prefix_lens=fb.extend_prefix_lens_cpu,
+        is_target_verify=fb.forward_mode.is_target_verify(),
+        capture_hidden_mode=fb.capture_hidden_mode,
+        return_logprob=fb.return_logprob,
+        contains_mm_inputs=fb.contains_mm_inputs(),
+        lora_ineligible=lora_ineligible,
+        is_mixed=any(
+            getattr(fb, name, None) == ForwardMode.MIXED
+            for name in ("forward_mode", "global_forward_mode", "_original_forward_mode")
+        ),
+        batch_max_context_len=batch_max_context_len,
+    )
+
+
+def local_failures(runner: Any, fb: Any, *, num_tokens: Optional[int], schedule_time: bool) -> list:
+    """Every failing rank-local forward-time check for ``fb`` on ``runner`` (empty: replays).
+
+    ``num_tokens`` is what the rank presents at forward time (``len(input_ids)``: the padded
+    bucket under MAX_LEN); ``None`` at schedule time, where the shared finalisation decides
+    tokens. Fast path: one full ``can_replay_locally`` call; only a rejection is decomposed
+    (one call per input, all others neutral) to name the check."""
+    from sglang.srt.model_executor import model_runner as mr_mod
+
+    fails: list = []
+    cp_bcg = bool(getattr(runner, "enable_cp_bcg_capture", False))
+    if cp_bcg:
+        if schedule_time:
+            fails.append("cp_inactive")  # not decidable before the exchange: vote eager
+        else:
+            from sglang.srt.layers.cp.utils import is_cp_active
+
+            if not is_cp_active(fb):
+                fails.append("cp_inactive")
+    args = replay_args(runner, fb, num_tokens=num_tokens, schedule_time=schedule_time)
+    if not runner.can_replay_locally(**args):
+        named = [check for arg, check in _ARG_CHECK if not runner.can_replay_locally(**{**_NEUTRAL, arg: args[arg]})]
+        fails.extend(named or ["replay_locally"])
+    if cp_bcg and not schedule_time and not fails:
+        from sglang.srt.model_executor.runner import prefill_cuda_graph_runner as pcg
+
+        if runner.prefill_cp_bcg_input.select_replay_bucket_for_batch(
+            num_tokens=len(fb.input_ids), extend_seq_lens=fb.extend_seq_lens_cpu,
+            capture_num_tokens=runner.capture_num_tokens,
+            max_padding_factor=pcg._MAX_PREFILL_CUDA_GRAPH_PADDING_FACTOR,
+        ) is None:
+            fails.append("cp_bucket")
+    hook = runner._backend_can_run_prefill_cuda_graph
+    if hook is not None:
+        try:
+            ok = bool(hook(fb))
+        except Exception:  # noqa: BLE001 - a hook reading a field the view lacks: cannot prove it, vote eager
+            if not schedule_time:
+                raise
+            ok = False
+        if not ok:
+            fails.append("backend_hook")
+    if fb.token_indices_to_pool is not None:
+        fails.append("token_indices_to_pool")
+    if schedule_time:
+        from sglang.srt.layers.cp.utils import get_cp_strategy
+
+        if get_cp_strategy() is not None and "cp_inactive" not in fails:
+            fails.append("context_parallel")
+    elif not mr_mod._prefill_cuda_graph_allows_context_parallel(runner, fb):
+        fails.append("context_parallel")
+    return fails
+
+
+# -- shared finalisation ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SharedDecision:
+    graph: bool
+    bucket: Optional[int]  # the token bucket every rank pads to (None: eager)
+    reason: str  # one of SHARED_REASONS
+    max_tokens: int = 0
+    detail: str = ""
+
+
+def stock_bucket(bs: Sequence[int], max_tokens: int) -> Optional[int]:
+    """Stock ``ForwardBatch.prepare_mlp_sync_batch``'s shared bucket (L1795-1810):
+    ``min(size for size in prefill_cg.bs if size >= max(global_num_tokens))``."""
+    fits = [size for size in bs if size >= max_tokens]
+    return min(fits) if fits else None
+
+
+def finalize(
+    global_num_tokens: Sequence[int],
+    *,
+    vote: bool,
+    runner: Any,
+    bs: Sequence[int],
+    factor: float,
+    server_mode: Any,
+    attn_tp_size: int = 1,
+) -> SharedDecision:
+    """The verdict and bucket, from gathered values and process-uniform configuration only.
+
+    ``vote`` is the min-reduced column (every forward-time check of every busy rank);
+    ``bs`` is ``cuda_graph_config.prefill.bs`` (the list stock pads to), ``runner`` supplies
+    the captured sizes and the checks an idle participant's dummy extend must pass."""
+    aligned = [-(-int(n) // attn_tp_size) * attn_tp_size for n in global_num_tokens]
+    n_max = max(aligned, default=0)
+    if not vote:
+        return SharedDecision(False, None, "peer_vote", n_max)
+    if n_max <= 0:
+        return SharedDecision(False, None, "no_tokens", n_max)
+    if not bs or n_max > max(bs) or n_max > runner.max_num_tokens:
+        return SharedDecision(False, None, "too_many_tokens", n_max)
+    bucket = stock_bucket(bs, n_max)
+    if bucket not in runner.capture_num_tokens:
+        return SharedDecision(False, None, "bucket_not_captured", n_max, f"bucket {bucket} not captured")
+    if bucket > factor * n_max:
+        return SharedDecision(False, None, "padding", n_max, f"bucket {bucket} > {factor} x {n_max}")
+    if len(aligned) > 1 and any(int(n) == 0 for n in global_num_tokens):
+        fails = local_failures(
+            runner, dummy_extend_view(bucket, server_mode=server_mode), num_tokens=bucket, schedule_time=True
+        )
+        if fails:
+            return SharedDecision(False, None, "idle_participant", n_max, f"dummy extend fails {fails}")
+    return SharedDecision(True, bucket, "admitted", n_max)
+
+
+def after_mlp_sync(
+    view: Optional[PredictedForwardBatch],
+    *,
+    num_tokens: int,
+    global_num_tokens: Sequence[int],
+    verdict: bool,
+    is_extend_in_batch: bool,
+    bs: Sequence[int],
+    server_mode: Any,
+    tolerates_sum_len: bool = False,
+) -> Optional[PredictedForwardBatch]:
+    """A rank's ForwardBatch after stock ``ForwardBatch.prepare_mlp_sync_batch`` (bench model of
+    the padding step: MAX_LEN to the shared bucket when the verdict is graph, idle rank ->
+    dummy extend; otherwise SUM_LEN with the rank's own count). ``None``: the rank runs no
+    extend (idle / decode forward)."""
+    n_max = max(global_num_tokens)
+    max_len = bool(verdict and is_extend_in_batch and bs and n_max <= max(bs) and not tolerates_sum_len)
+    if max_len:
+        bucket = stock_bucket(bs, n_max)
+        padded = [bucket] * len(global_num_tokens)
+        if view is None:
+            out = dummy_extend_view(bucket, server_mode=server_mode)
+        else:
+            out = PredictedForwardBatch(**{**view.__dict__, "extra": dict(view.extra)})
+            out.input_ids = range(bucket)
+    else:
+        if view is None:
+            return None
+        out = PredictedForwardBatch(**{**view.__dict__, "extra": dict(view.extra)})
+        out.input_ids = range(num_tokens)
+        padded = list(global_num_tokens)
+    out.global_num_tokens_cpu = padded
+    out.can_run_dp_prefill_cuda_graph = bool(verdict)
+    return out
+
+
+def geometry(fb: Any) -> dict:
+    """Bounded description of a batch for error messages."""
+    def short(xs, n=8):
+        xs = list(xs or [])
+        return xs if len(xs) <= n else xs[:n] + [f"...+{len(xs) - n}"]
+
+    ids = getattr(fb, "input_ids", None)
+    seq = getattr(fb, "seq_lens_cpu", None)
+    return {
+        "forward_mode": getattr(getattr(fb, "forward_mode", None), "name", None),
+        "batch_size": getattr(fb, "batch_size", None),
+        "num_tokens": None if ids is None else len(ids),
+        "extend_lens": short(getattr(fb, "extend_seq_lens_cpu", None)),
+        "prefix_lens": short(getattr(fb, "extend_prefix_lens_cpu", None)),
+        "max_seq_len": None if seq is None or len(seq) == 0 else int(max(int(s) for s in seq)),
+        "global_num_tokens": list(getattr(fb, "global_num_tokens_cpu", None) or []),
+        "capture_hidden_mode": getattr(getattr(fb, "capture_hidden_mode", None), "name", None),
+        "return_logprob": bool(getattr(fb, "return_logprob", False)),
+    }

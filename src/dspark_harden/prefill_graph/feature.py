@@ -1,0 +1,255 @@
+"""Feature ``prefill-graph-dp``: pluggy hooks (feature, settings, patches, startup, CLI).
+
+On by default (``DSPARK_HARDEN_PREFILL_GRAPH=1``) wherever DP attention and a breakable/full
+prefill CUDA graph are both enabled; elsewhere it reports ``unavailable`` with the reason (and
+fails startup if it was switched on explicitly). Scheduler processes only. ``dspark-harden check``
+children have no ``server_args``: they bind every target to prove it resolves and matches its
+fingerprint. See docs/prefill_graph.md.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Optional
+
+from ..core import roles
+from ..core.feature import Feature
+from ..core.hookspecs import hookimpl
+from ..core.patch import Kind, Patch, Role
+from . import settings as S
+
+logger = logging.getLogger("dspark_harden.prefill_graph")
+
+FEATURE = S.FEATURE
+VOTE_TARGET = "sglang.srt.managers.scheduler_components.dp_attn:_local_prefill_cuda_graph_vote"
+VOTE_FINGERPRINT = "d8d2567ffd94fd3c"
+GATHER_TARGET = "sglang.srt.managers.scheduler_components.dp_attn:_update_gather_batch"
+GATHER_FINGERPRINT = "5037741d20e87480"
+GUARD_TARGET = "sglang.srt.model_executor.runner.prefill_cuda_graph_runner:PrefillCudaGraphRunner.can_run_graph"
+GUARD_FINGERPRINT = "17b6d0a2d992c430"
+# read-only: the guard and the schedule-time views reproduce logic of these stock sources (the two
+# ``_forward_raw`` conditions, the MAX_LEN bucket / dummy extend of ``prepare_mlp_sync_batch``, the
+# argument list of ``can_replay_locally``); a change to any of them is drift (probe below).
+MIRRORED = {
+    "sglang.srt.model_executor.model_runner:ModelRunner._forward_raw": "1281a6b06f680b78",
+    "sglang.srt.model_executor.forward_batch_info:ForwardBatch.prepare_mlp_sync_batch": "ec41c6440f6cdec8",
+    "sglang.srt.model_executor.runner.prefill_cuda_graph_runner:PrefillCudaGraphRunner.can_replay_locally": "05e05454a5bc1cd5",
+    "sglang.srt.model_executor.runner.prefill_cuda_graph_runner:PrefillCudaGraphRunner._has_inactive_dp_rank": "a754ed52a0911d49",
+}
+
+
+def probe_mirrored_sources() -> tuple:
+    from ..core.patch import fingerprint_source, raw_attr, resolve_owner
+
+    drifted = []
+    for target, expected in MIRRORED.items():
+        owner, attr = resolve_owner(target)
+        found = fingerprint_source(raw_attr(owner, attr))
+        if found != expected:
+            drifted.append(f"{target} (expected {expected}, found {found})")
+    if drifted:
+        return False, "stock sources the prefill-graph decision reproduces changed: " + "; ".join(drifted)
+    return True, f"{len(MIRRORED)} mirrored stock sources match their fingerprints"
+
+
+def _resolved(server_args: Any) -> Any:
+    try:
+        from sglang.srt.arg_groups.model_override_base import resolved_view
+
+        return resolved_view(server_args)
+    except Exception:  # noqa: BLE001 - unresolved args (tests): read the raw fields
+        return None
+
+
+def prefill_backend(server_args: Any) -> Optional[str]:
+    from .tbo import prefill_backend as from_config
+
+    view = _resolved(server_args)
+    backend = from_config(view) if view is not None else None
+    if backend is None:
+        backend = from_config(server_args)
+    if backend is None:
+        raw = getattr(server_args, "cuda_graph_backend_prefill", None)
+        backend = None if raw is None else str(raw).lower()
+    return backend
+
+
+def dp_attention(server_args: Any) -> bool:
+    if getattr(server_args, "enable_dp_attention", False):
+        return True
+    view = _resolved(server_args)
+    return bool(view is not None and (getattr(view, "attn_dp_size", 1) or 1) > 1)
+
+
+def preconditions(server_args: Any) -> list:
+    """Why the feature cannot apply to this server (empty: it applies)."""
+    out = []
+    if not dp_attention(server_args):
+        out.append("DP attention is off (--enable-dp-attention): no DP prefill-graph decision to share")
+    backend = prefill_backend(server_args)
+    if backend not in ("full", "breakable"):
+        out.append(f"prefill CUDA graphs are not enabled (cuda_graph_config[prefill].backend={backend})")
+    return out
+
+
+def _available(settings) -> Optional[str]:
+    ctx = roles.CONTEXT
+    if ctx is None or ctx.server_args is None:
+        return None  # self-check child: bind everything to prove the targets
+    problems = preconditions(ctx.server_args)
+    try:
+        from sglang.srt.environ import envs
+
+        if envs.SGLANG_ENABLE_DP_SPEC_PREFILL_COORDINATION.get():
+            problems.append(
+                "SGLANG_ENABLE_DP_SPEC_PREFILL_COORDINATION is on: it switches padding to per-rank SUM_LEN "
+                "after the vote, so no shared bucket exists"
+            )
+    except Exception as exc:  # noqa: BLE001
+        problems.append(f"cannot read SGLANG_ENABLE_DP_SPEC_PREFILL_COORDINATION: {type(exc).__name__}: {exc}")
+    return "; ".join(problems) or None
+
+
+FEATURES = [
+    Feature(
+        name=FEATURE,
+        area="prefill-graph",
+        description="one DP prefill CUDA-graph decision: every forward-time check in the min-reduced vote, "
+                    "padding on the shared bucket, idle ranks as participants, no rank-local eager fallback",
+        switch=S.SWITCH,
+        default_on=True,
+        available=_available,
+        roles=frozenset({Role.SCHEDULER}),
+    ),
+    Feature(
+        name="tbo-idle-rank-vote",
+        area="prefill-graph",
+        description="an idle or absent batch votes can-run-TBO in TboDPAttentionPreparer.prepare_all_gather",
+        upstream_probe=lambda: __import__("dspark_harden.prefill_graph.tbo", fromlist=["x"]).probe_idle_votes_tbo(),
+        roles=frozenset({Role.SCHEDULER}),
+    ),
+    Feature(
+        name="tbo-decode-graph-capture",
+        area="prefill-graph",
+        description="decode-graph TBO capture is skipped only when TBO is off (not per model)",
+        upstream_probe=lambda: __import__("dspark_harden.prefill_graph.tbo", fromlist=["x"]).probe_decode_tbo_capture(),
+        roles=frozenset({Role.SCHEDULER}),
+    ),
+]
+
+
+def _vote_builder(stock):
+    from .admission import build_vote
+
+    return build_vote(stock)
+
+
+def _gather_builder(stock):
+    from .admission import build_update_gather
+
+    return build_update_gather(stock)
+
+
+def _guard_builder(stock):
+    from .admission import build_guard
+
+    return build_guard(stock)
+
+
+@hookimpl
+def dspark_features():
+    return FEATURES
+
+
+@hookimpl
+def dspark_settings():
+    return S.SETTINGS
+
+
+@hookimpl
+def dspark_metrics():
+    from .metrics import GROUP
+
+    return [GROUP]
+
+
+def patches() -> list:
+    common = dict(feature=FEATURE, kind=Kind.WRAP, roles={Role.SCHEDULER})
+    return [
+        Patch(
+            target=VOTE_TARGET, build=_vote_builder, fingerprint=VOTE_FINGERPRINT, **common,
+            why="stock's min-reduced vote skips forward-time checks (capture_hidden_mode, the backend's "
+                "can_run_prefill_cuda_graph hook, token_indices_to_pool, CP) and bounds padding on the local "
+                "count; any skipped check can turn one rank eager after a shared 'graph' verdict",
+            retire_when="the stock vote evaluates every can_run_graph / _forward_raw condition (upstream #37561 class)",
+        ),
+        Patch(
+            target=GATHER_TARGET, build=_gather_builder, fingerprint=GATHER_FINGERPRINT, **common,
+            why="bucket, padding bound (factor x global max) and idle-participant validity must be derived "
+                "from gathered values so every rank reaches the same verdict and bucket",
+            retire_when="stock finalises the DP prefill-graph verdict from the gathered table",
+        ),
+        Patch(
+            target=GUARD_TARGET, build=_guard_builder, fingerprint=GUARD_FINGERPRINT, **common,
+            why="after a shared 'graph' verdict stock falls back to eager on one rank without telling its "
+                "peer (ModelRunner._forward_raw): collectives mismatch (hang or wrong tokens)",
+            retire_when="ModelRunner._forward_raw refuses a rank-local eager fallback under a DP graph verdict",
+        ),
+    ]
+
+
+@hookimpl
+def dspark_patches(role, settings):
+    if role is not Role.SCHEDULER or not settings[S.SWITCH]:
+        return []
+    return patches()
+
+
+def _status(report):
+    return next((f for f in getattr(report, "features", []) if f.name == FEATURE), None)
+
+
+@hookimpl
+def dspark_process_bound(role, settings, report):
+    if role is not Role.SCHEDULER:
+        return
+    st = _status(report)
+    if st is None or st.status != "bound":
+        return
+    from ..core.binder import BindError
+
+    ctx = roles.CONTEXT
+    factor = settings[S.PADDING]
+    present, detail = probe_mirrored_sources()
+    allow = settings["DSPARK_HARDEN_ALLOW_DRIFT"]
+    if not present and "all" not in allow:
+        st.status, st.detail = "failed", detail
+        raise BindError(f"dspark-harden refuses to start ({role.value}): [{FEATURE}] {detail} "
+                        f"(DSPARK_HARDEN_ALLOW_DRIFT=all overrides)", report)
+    from .tbo import probe_prefill_tbo_unsupported
+
+    unsupported, tbo_detail = probe_prefill_tbo_unsupported()
+    st.detail = (
+        f"padding factor {factor:g} ({S.PADDING}); {detail}; prefill graphs with TBO: refused at startup "
+        f"(stock {'cannot capture them' if unsupported else 'may now support them: revisit the refusal'}: {tbo_detail})"
+    )
+    if ctx is None or ctx.server_args is None:
+        return
+    from . import tbo
+
+    message = tbo.refusal(_resolved(ctx.server_args) or ctx.server_args)
+    if message:
+        raise BindError(f"dspark-harden refuses to start ({role.value}): [{FEATURE}] {message}", report)
+    from .admission import RUNTIME
+    from . import metrics
+
+    RUNTIME.factor = factor
+    RUNTIME.dp_rank = ctx.dp_rank
+    metrics.attach(RUNTIME, dp_label=ctx.dp_label)
+
+
+@hookimpl
+def dspark_cli(subparsers, bench_subparsers):
+    from .bench_cli import add_bench_parser
+
+    add_bench_parser(bench_subparsers)
