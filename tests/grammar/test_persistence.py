@@ -277,13 +277,20 @@ def test_prune_skips_locked_entries_and_reports_failure(hf_tokenizer, cache_dir)
         assert os.path.exists(ns.entry_path(held))
         assert ns.read_ledger() == ns.scan_bytes() == os.stat(ns.entry_path(held)).st_size
         # a publish that cannot get under the hard limit is withdrawn and reported
-        small = disk.Namespace(ns.root, ns.scope, max_bytes=1)
         data = open(ns.entry_path(held), "rb").read()
         new_key = "cd" * 32
+        new_data = disk.encode_entry(ns.scope_hex, new_key, 1, data[disk.HEADER_SIZE:-32])
+        small = disk.Namespace(ns.root, ns.scope, max_bytes=len(new_data))  # fits alone, not beside `held`
         with pytest.raises(disk.PruneError, match="could not prune below its hard limit"):
-            small.publish(new_key, disk.encode_entry(ns.scope_hex, new_key, 1, data[disk.HEADER_SIZE:-32]))
+            small.publish(new_key, new_data)
         assert not os.path.exists(ns.entry_path(new_key))
         assert ns.read_ledger() == ns.scan_bytes()
+        # an entry larger than the whole limit is refused alone: nothing is written or pruned
+        tiny = disk.Namespace(ns.root, ns.scope, max_bytes=len(new_data) - 1)
+        before = sorted(e.name for e in ns.iter_entries())
+        with pytest.raises(disk.PruneError, match="is larger than the namespace's hard limit"):
+            tiny.publish(new_key, new_data)
+        assert sorted(e.name for e in ns.iter_entries()) == before and ns.temp_files() == []
     finally:
         lock.release()
 
