@@ -25,7 +25,12 @@ def register(subparsers: Any, bench_subparsers: Any) -> None:
     v = sub.add_parser("verify", help="check every entry's checksum/scope/key and the byte ledger (exit 1 on problems)")
     common(v)
     v.add_argument("--quarantine", action="store_true",
-                   help="move invalid entries to <namespace>/quarantine/ and fix the ledger")
+                   help="move invalid entries to <namespace>/quarantine/ and fix the ledger (still exits 1)")
+    v.add_argument("--deep", action="store_true",
+                   help="also deserialize every serialized entry with the namespace's tokenizer (needs --tokenizer)")
+    v.add_argument("--tokenizer", action="append", default=[], metavar="PATH",
+                   help="local Hugging Face tokenizer (or model) directory the server ran with; checked against "
+                        "each namespace's recorded tokenizer digest; repeat for several models")
     v.set_defaults(func=verify_main)
     r = sub.add_parser("prune", help="remove stale temp files, prune to a byte limit, rebuild the ledger")
     common(r)
@@ -114,14 +119,65 @@ def stats_main(args: Any) -> int:
     return 0
 
 
+def _load_tokenizers(paths: list) -> list:
+    from transformers import AutoTokenizer
+
+    out = []
+    for path in paths:
+        try:
+            out.append((path, AutoTokenizer.from_pretrained(path, local_files_only=True)))
+        except Exception as exc:  # noqa: BLE001 - report which path and why, as a usage error
+            raise SystemExit(f"grammar-cache verify: cannot load tokenizer {path}: {type(exc).__name__}: {exc}")
+    return out
+
+
+def _namespace_tokenizer_info(ns: Any, tokenizers: list) -> tuple[Any, str]:
+    """(TokenizerInfo, "") for the first tokenizer whose xgrammar TokenizerInfo, built the way the
+    XGrammar backend builds it (vocab size and stop tokens from scope.json), has the digest the
+    namespace records; (None, why) when none does."""
+    from xgrammar import TokenizerInfo
+
+    from .xgr import tokenizer_digest
+
+    want = ns.scope.get("tokenizer_sha256")
+    seen = []
+    for path, tok in tokenizers:
+        try:
+            info = TokenizerInfo.from_huggingface(tok, vocab_size=int(ns.scope["vocab_size"]),
+                                                  stop_token_ids=list(ns.scope["stop_token_ids"]))
+        except Exception as exc:  # noqa: BLE001
+            seen.append(f"{path}: {type(exc).__name__}: {exc}")
+            continue
+        got = tokenizer_digest(info)
+        if got == want:
+            return info, ""
+        seen.append(f"{path} has digest {got}")
+    return None, (f"deep check impossible: no --tokenizer matches the namespace's tokenizer digest {want} "
+                  f"({'; '.join(seen)}); pass the tokenizer the server ran with")
+
+
 def verify_main(args: Any) -> int:
+    if args.deep and not args.tokenizer:
+        print("grammar-cache verify --deep needs --tokenizer PATH: a namespace records only its tokenizer's "
+              "digest (scope.json tokenizer_sha256), and deserializing an entry needs the tokenizer itself",
+              file=sys.stderr)
+        return 2
+    if args.tokenizer and not args.deep:
+        print("grammar-cache verify: --tokenizer is only used with --deep", file=sys.stderr)
+        return 2
+    tokenizers = _load_tokenizers(args.tokenizer) if args.deep else []
     root = _root(args)
     report = []
     problems = 0
-    lines = [f"grammar cache root {root}"]
+    lines = [f"grammar cache root {root}" + (" (deep: deserializing serialized entries)" if args.deep else "")]
     for path in disk.namespaces(root):
         ns = disk.Namespace.open_existing(path)
-        ok, bad = ns.verify_all()
+        info, deep_error = (None, "")
+        if args.deep:
+            info, deep_error = _namespace_tokenizer_info(ns, tokenizers)
+            if info is None:
+                problems += 1
+        ok, bad = ns.verify_all(tokenizer_info=info) if info is not None else ns.verify_all()
         moved = []
         if args.quarantine:
             for p, _reason in bad:
@@ -136,16 +192,24 @@ def verify_main(args: Any) -> int:
             ledger_ok = ledger == scanned
         except disk.GrammarCacheError as exc:
             ledger, ledger_ok = f"invalid: {exc}", False
-        if not args.quarantine:
-            problems += len(bad)
+        # an invalid entry is a problem whether or not it was quarantined: the exit status says
+        # "the cache had problems", quarantining is the repair (run verify again to confirm it)
+        problems += len(bad)
         problems += 0 if ledger_ok else 1
-        report.append({"path": path, "ok": ok, "invalid": [{"path": p, "reason": r} for p, r in bad],
-                       "quarantined": moved, "ledger_bytes": ledger, "entry_bytes": scanned, "ledger_ok": ledger_ok})
+        entry = {"path": path, "ok": ok, "invalid": [{"path": p, "reason": r} for p, r in bad],
+                 "quarantined": moved, "ledger_bytes": ledger, "entry_bytes": scanned, "ledger_ok": ledger_ok,
+                 "deep": info is not None}
+        if deep_error:
+            entry["deep_error"] = deep_error
+        report.append(entry)
         lines.append(f"  {path}: {ok} valid, {len(bad)} invalid; ledger {ledger} vs entries {scanned} "
-                     f"({'ok' if ledger_ok else 'MISMATCH: run grammar-cache prune to rebuild'})")
+                     f"({'ok' if ledger_ok else 'MISMATCH: run grammar-cache prune to rebuild'})"
+                     + ("; deserialized" if info is not None else ""))
+        if deep_error:
+            lines.append(f"    DEEP CHECK FAILED: {deep_error}")
         for p, r in bad:
             lines.append(f"    INVALID {p}: {r}" + ("  -> quarantined" if args.quarantine else ""))
-    _emit(args, {"root": root, "namespaces": report, "problems": problems}, lines)
+    _emit(args, {"root": root, "namespaces": report, "problems": problems, "deep": bool(args.deep)}, lines)
     return 1 if problems else 0
 
 

@@ -159,6 +159,18 @@ def encode_marker(scope_hex: str, key_hex: str, marker: Marker) -> bytes:
     return encode_entry(scope_hex, key_hex, KIND_MARKER, payload)
 
 
+def _key_difference(written: str, expected: str) -> str:
+    """Both full key digests and where they first differ (two digests can share a long prefix)."""
+    i = next((n for n, (a, b) in enumerate(zip(written, expected)) if a != b), min(len(written), len(expected)))
+    lo = max(0, i - 4)
+
+    def around(h: str) -> str:
+        return ("…" if lo else "") + h[lo:i] + "[" + h[i:i + 1] + "]" + h[i + 1:i + 5] + "…"
+
+    return (f"written for key {written}, not {expected}: they first differ at hex digit {i + 1} "
+            f"({around(written)} vs {around(expected)})")
+
+
 def decode_entry(path: str, data: bytes, scope_hex: Optional[str], key_hex: Optional[str]) -> Entry:
     """Validate ``data`` read from ``path``; raise CorruptEntryError naming the file."""
     if len(data) < HEADER_SIZE + TRAILER_SIZE:
@@ -180,7 +192,7 @@ def decode_entry(path: str, data: bytes, scope_hex: Optional[str], key_hex: Opti
     if scope_hex is not None and scope_b.hex() != scope_hex:
         raise CorruptEntryError(path, f"foreign entry: written for scope {scope_b.hex()[:16]}…, not this namespace")
     if key_hex is not None and key_b.hex() != key_hex:
-        raise CorruptEntryError(path, f"foreign entry: written for key {key_b.hex()[:16]}…, not {key_hex[:16]}… (swapped?)")
+        raise CorruptEntryError(path, f"foreign entry: {_key_difference(key_b.hex(), key_hex)} (swapped?)")
     entry = Entry(kind, bytes(data[HEADER_SIZE:-TRAILER_SIZE]))
     if kind == KIND_MARKER:
         if plen != _MARKER.size:
@@ -450,15 +462,22 @@ class Namespace:
         return PruneResult(before, total, removed, skipped, limit)
 
     # -- verification ----------------------------------------------------------------------
-    def verify_all(self) -> tuple[int, list[tuple[str, str]]]:
-        """Check every entry's envelope (checksum, scope, key); return (n_ok, [(path, reason)])."""
+    def verify_all(self, tokenizer_info=None) -> tuple[int, list[tuple[str, str]]]:
+        """Check every entry's envelope (checksum, scope, key); return (n_ok, [(path, reason)]).
+
+        With ``tokenizer_info`` (the namespace's own tokenizer; the caller checks its digest
+        against the scope) every serialized entry is also deserialized by xgrammar — a payload
+        that was cut or edited and re-checksummed passes the envelope check but fails here."""
         ok, bad = 0, []
         for e in self.iter_entries():
             key_hex = e.name[: -len(ENTRY_SUFFIX)]
             try:
                 with open(e.path, "rb") as fh:
                     data = fh.read()
-                decode_entry(e.path, data, self.scope_hex, key_hex)
+                entry = decode_entry(e.path, data, self.scope_hex, key_hex)
+                del data
+                if tokenizer_info is not None and entry.kind == KIND_SERIALIZED:
+                    _deserialize_check(e.path, entry.payload, tokenizer_info)
                 ok += 1
             except CorruptEntryError as exc:
                 bad.append((e.path, exc.reason))
@@ -476,6 +495,17 @@ class Namespace:
             # rescan: a corrupted entry may no longer have the size the ledger accounted for
             self._write_ledger(self.scan_bytes())
         return dest
+
+
+def _deserialize_check(path: str, payload: bytes, tokenizer_info) -> None:
+    from xgrammar import CompiledGrammar
+
+    try:
+        CompiledGrammar.deserialize_json(payload.decode("utf-8"), tokenizer_info)
+    except Exception as exc:  # noqa: BLE001 - any rejection makes the entry invalid
+        raise CorruptEntryError(
+            path, f"xgrammar rejected the serialized grammar: {type(exc).__name__}: {exc}"
+        ) from None
 
 
 def namespaces(root: str) -> list[str]:
