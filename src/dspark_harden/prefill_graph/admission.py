@@ -118,7 +118,7 @@ def build_vote(stock: Callable, runtime: Optional[Runtime] = None) -> Callable:
             # lift the local padding bound: padding is judged on the shared bucket after the exchange
             kwargs["num_tokens"] = runner._pad_to_bucket(local, runner.capture_num_tokens)
         ok = bool(stock(**kwargs))
-        reason = None if ok else _why_stock_said_eager(runner, local_batch, rt)
+        reason = None if ok else _why_stock_said_eager(runner, local_batch, local, rt)
         if ok:
             view = D.schedule_view(
                 local_batch, server_mode=rt.get_server_mode(),
@@ -138,12 +138,14 @@ def build_vote(stock: Callable, runtime: Optional[Runtime] = None) -> Callable:
     return _local_prefill_cuda_graph_vote
 
 
-def _why_stock_said_eager(runner, batch, rt: Runtime) -> str:
+def _why_stock_said_eager(runner, batch, local_tokens: int, rt: Runtime) -> str:
     """Name the check behind a stock "eager" vote (metrics); only runs on that path."""
     from sglang.srt.model_executor.forward_batch_info import ForwardMode
 
     if batch.forward_mode not in (ForwardMode.EXTEND, ForwardMode.MIXED):
         return "forward_mode"
+    if local_tokens > runner.max_num_tokens:
+        return "num_tokens"
     vote = runner._backend_vote_prefill_cuda_graph
     try:
         if vote is not None and not vote(batch):
