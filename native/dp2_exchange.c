@@ -92,6 +92,11 @@ struct dspark_dp2_channel {
     uint64_t timeout_ns;
     uint64_t spin_ns;
     int debug_hold_until_peer_closed; /* fault-injection hook, see dspark_dp2_debug_hold_until_peer_closed */
+    int pending;                      /* local_seq is published and still waits for the peer */
+    int pending_cpu;
+    uint32_t pending_futex_waits;
+    uint64_t pending_start;           /* when the pending exchange began (stats span every wait period) */
+    uint64_t pending_published_at;
     char name[64];
 };
 
@@ -452,13 +457,9 @@ fail_fd:
     return rc;
 }
 
-int dspark_dp2_exchange(dspark_dp2_channel *ch, const int64_t *local, int64_t *out, dspark_dp2_stats *stats,
-                        char *err, size_t errlen) {
-    if (err == NULL || errlen < DSPARK_DP2_ERRBUF_MIN) return DSPARK_DP2_E_ARG;
-    if (ch == NULL || local == NULL || out == NULL) {
-        set_err(err, errlen, "dp2 exchange: NULL argument");
-        return DSPARK_DP2_E_ARG;
-    }
+static int wait_for_peer(dspark_dp2_channel *ch, int64_t *out, dspark_dp2_stats *stats, char *err, size_t errlen);
+
+static int check_handle(dspark_dp2_channel *ch, char *err, size_t errlen) {
     if (ch->closed) {
         set_err(err, errlen, "dp2 channel %s rank %d: handle already closed", ch->name, ch->rank);
         return DSPARK_DP2_E_CLOSED;
@@ -471,13 +472,31 @@ int dspark_dp2_exchange(dspark_dp2_channel *ch, const int64_t *local, int64_t *o
                 ch->name, ch->rank, (int)ch->owner_pid, (int)me);
         return DSPARK_DP2_E_FORK;
     }
+    return DSPARK_DP2_OK;
+}
+
+int dspark_dp2_exchange(dspark_dp2_channel *ch, const int64_t *local, int64_t *out, dspark_dp2_stats *stats,
+                        char *err, size_t errlen) {
+    if (err == NULL || errlen < DSPARK_DP2_ERRBUF_MIN) return DSPARK_DP2_E_ARG;
+    if (ch == NULL || local == NULL || out == NULL) {
+        set_err(err, errlen, "dp2 exchange: NULL argument");
+        return DSPARK_DP2_E_ARG;
+    }
+    int hrc = check_handle(ch, err, errlen);
+    if (hrc != DSPARK_DP2_OK) return hrc;
+    pid_t me = getpid();
     dp2_shared *s = ch->shm;
     dp2_header *h = &s->header;
     uint32_t code = atomic_load_explicit(&h->error_code, memory_order_acquire);
     if (code != 0) return report_poisoned(ch, code, err, errlen);
-    const int r = ch->rank, p = 1 - ch->rank, w = ch->width;
+    if (ch->pending) {
+        set_err(err, errlen,
+                "dp2 channel %s rank %d: sequence %" PRIu64 " is still waiting for the peer; call "
+                "dspark_dp2_wait before the next exchange", ch->name, ch->rank, ch->local_seq);
+        return DSPARK_DP2_E_ARG;
+    }
+    const int r = ch->rank, w = ch->width;
     dp2_rank_block *mine = &s->ranks[r];
-    dp2_rank_block *peer = &s->ranks[p];
     if (atomic_load_explicit(&mine->pid, memory_order_relaxed) != (int32_t)me)
         return publish(ch, DSPARK_DP2_E_OWNERSHIP, err, errlen, "rank %d slot now holds pid %d, opened by pid %d", r,
                        (int)atomic_load(&mine->pid), (int)me);
@@ -497,11 +516,54 @@ int dspark_dp2_exchange(dspark_dp2_channel *ch, const int64_t *local, int64_t *o
     atomic_store_explicit(&mine->published_seq, seq, memory_order_seq_cst);
     atomic_fetch_add_explicit(&mine->epoch, 1, memory_order_seq_cst);
     if (atomic_load_explicit(&mine->waiters, memory_order_seq_cst) != 0) futex_wake_all(&mine->epoch);
-    uint64_t published_at = now_ns();
+    ch->pending = 1;
+    ch->pending_start = start;
+    ch->pending_published_at = now_ns();
+    ch->pending_cpu = my_cpu;
+    ch->pending_futex_waits = 0;
+    return wait_for_peer(ch, out, stats, err, errlen);
+}
 
-    uint32_t futex_waits = 0;
+int dspark_dp2_wait(dspark_dp2_channel *ch, int64_t *out, dspark_dp2_stats *stats, char *err, size_t errlen) {
+    if (err == NULL || errlen < DSPARK_DP2_ERRBUF_MIN) return DSPARK_DP2_E_ARG;
+    if (ch == NULL || out == NULL) {
+        set_err(err, errlen, "dp2 wait: NULL argument");
+        return DSPARK_DP2_E_ARG;
+    }
+    int hrc = check_handle(ch, err, errlen);
+    if (hrc != DSPARK_DP2_OK) return hrc;
+    if (!ch->pending) {
+        set_err(err, errlen, "dp2 channel %s rank %d: no exchange is waiting for the peer", ch->name, ch->rank);
+        return DSPARK_DP2_E_ARG;
+    }
+    return wait_for_peer(ch, out, stats, err, errlen);
+}
+
+/* Wait for the peer's row of the pending sequence for one timeout period. Completes (OK), fails
+ * (an error published to shared state) or, when the period ends while the peer is attached and
+ * provably alive, returns DSPARK_DP2_STALLED without publishing anything: the exchange stays
+ * pending and dspark_dp2_wait continues it. */
+static int wait_for_peer(dspark_dp2_channel *ch, int64_t *out, dspark_dp2_stats *stats, char *err, size_t errlen) {
+    dp2_shared *s = ch->shm;
+    dp2_header *h = &s->header;
+    const int r = ch->rank, p = 1 - ch->rank, w = ch->width;
+    dp2_rank_block *mine = &s->ranks[r];
+    dp2_rank_block *peer = &s->ranks[p];
+    const uint64_t seq = ch->local_seq;
+    const int slot = (int)(seq & 1u);
+    const uint64_t start = ch->pending_start, published_at = ch->pending_published_at;
+    const int my_cpu = ch->pending_cpu;
+    uint32_t code = atomic_load_explicit(&h->error_code, memory_order_acquire);
+    if (code != 0) {
+        ch->pending = 0;
+        return report_poisoned(ch, code, err, errlen);
+    }
+    const uint64_t period_start = now_ns();
+    if (period_start == 0) return publish(ch, DSPARK_DP2_E_CLOCK, err, errlen, "clock_gettime failed: %s", strerror(errno));
+
+    uint32_t futex_waits = ch->pending_futex_waits;
     uint64_t peer_seq = atomic_load_explicit(&peer->published_seq, memory_order_acquire);
-    if (peer_seq < seq && ch->spin_ns > 0) {
+    if (peer_seq < seq && ch->spin_ns > 0 && futex_waits == 0) {
         uint64_t spin_until = published_at + ch->spin_ns;
         /* Busy-poll for the peer. If the peer last ran on our CPU it cannot make progress while we
          * spin: yield between polls so it runs. Otherwise spin without yielding (a yield on a busy
@@ -546,8 +608,18 @@ int dspark_dp2_exchange(dspark_dp2_channel *ch, const int64_t *local, int64_t *o
                            peer_seq, r, seq);
         }
         uint64_t now = now_ns();
-        uint64_t elapsed = now - start;
+        uint64_t elapsed = now - period_start;
         if (elapsed >= ch->timeout_ns) {
+            if (pstate == ST_ATTACHED && atomic_load(&peer->pid) > 0) {
+                /* alive (pid + start time checked above) and attached: a stall, not a failure */
+                ch->pending_futex_waits = futex_waits;
+                set_err(err, errlen,
+                        "dp2 channel %s rank %d: peer rank %d (pid %d) alive but has not reached sequence %" PRIu64
+                        " after %.1f ms (peer at %" PRIu64 ")",
+                        ch->name, r, p, (int)atomic_load(&peer->pid), seq, (double)(now - start) / 1e6,
+                        atomic_load(&peer->published_seq));
+                return DSPARK_DP2_STALLED;
+            }
             if (pstate == ST_NEVER)
                 return publish(ch, DSPARK_DP2_E_TIMEOUT, err, errlen,
                                "timed out after %.1f ms: peer rank %d never attached (wanted sequence %" PRIu64 ")",
@@ -576,6 +648,7 @@ int dspark_dp2_exchange(dspark_dp2_channel *ch, const int64_t *local, int64_t *o
         atomic_fetch_sub_explicit(&peer->waiters, 1, memory_order_seq_cst);
         peer_seq = atomic_load_explicit(&peer->published_seq, memory_order_acquire);
     }
+    ch->pending = 0;
     if (peer_seq > seq + 1)
         return publish(ch, DSPARK_DP2_E_LAPPED, err, errlen,
                        "peer rank %d is at sequence %" PRIu64 ", more than one ahead of rank %d at %" PRIu64, p, peer_seq,
@@ -584,7 +657,7 @@ int dspark_dp2_exchange(dspark_dp2_channel *ch, const int64_t *local, int64_t *o
     if (peer_arrival == 0)
         return publish(ch, DSPARK_DP2_E_ARRIVAL, err, errlen, "peer rank %d has no arrival time for sequence %" PRIu64, p,
                        seq);
-    memcpy(out + (size_t)r * (size_t)w, local, (size_t)w * sizeof(int64_t));
+    memcpy(out + (size_t)r * (size_t)w, mine->payload[slot], (size_t)w * sizeof(int64_t));
     memcpy(out + (size_t)p * (size_t)w, peer->payload[slot], (size_t)w * sizeof(int64_t));
     /* the peer may be one ahead (it already published seq+1 into the other slot): fine. But if it
      * got two ahead while we copied, the slot we read may have been overwritten. */

@@ -13,7 +13,7 @@
 #include <stdint.h>
 
 enum {
-    DSPARK_DP2_ABI_VERSION = 1,
+    DSPARK_DP2_ABI_VERSION = 2,
     DSPARK_DP2_LAYOUT_VERSION = 2,
     DSPARK_DP2_WORLD_SIZE = 2,
     DSPARK_DP2_MAX_WIDTH = 32,
@@ -42,7 +42,9 @@ enum {
     DSPARK_DP2_E_LAPPED = 15,      /* peer sequence is more than one ahead (or behind) */
     DSPARK_DP2_E_ARRIVAL = 16,     /* peer arrival timestamp missing for the slot */
     DSPARK_DP2_E_UNLINK = 17,      /* shm_unlink failed when both ranks were attached */
-    DSPARK_DP2_E_CALLER = 18       /* the caller found a problem and poisoned the channel */
+    DSPARK_DP2_E_CALLER = 18,      /* the caller found a problem and poisoned the channel */
+    DSPARK_DP2_STALLED = 19        /* not an error, nothing published: one timeout period passed while the
+                                      peer is attached and provably alive; dspark_dp2_wait continues */
 };
 
 typedef struct dspark_dp2_channel dspark_dp2_channel;
@@ -78,6 +80,10 @@ int dspark_dp2_open(const char *session_id, const char *channel, int rank, int w
  * in rank order into `out`. `stats` may be NULL. */
 int dspark_dp2_exchange(dspark_dp2_channel *ch, const int64_t *local, int64_t *out,
                         dspark_dp2_stats *stats, char *err, size_t errlen);
+
+/* Continue the exchange whose wait returned DSPARK_DP2_STALLED, for one more timeout period (same
+ * outcomes as dspark_dp2_exchange; `out` receives the rows on success). */
+int dspark_dp2_wait(dspark_dp2_channel *ch, int64_t *out, dspark_dp2_stats *stats, char *err, size_t errlen);
 
 /* Release this rank's slot, wake the peer, unlink the name if the peer is not attached, unmap,
  * free. In a forked child it only frees the child's copy (never touches shared state). */

@@ -37,6 +37,11 @@ def main():
         elif mode == "exchange-then-close":
             ch.close()
             say(event="closed", n=n)
+        elif mode == "exchange-then-late":
+            say(event="ready", n=n)
+            time.sleep(float(args[1]))
+            out = ch.exchange([rank * 1000 + n] * width)
+            say(event="late_exchange_done", out=out)
         elif mode == "exchange-then-exit":
             say(event="exiting", n=n)
             os._exit(0)  # no close: the slot still names this pid, which becomes a zombie

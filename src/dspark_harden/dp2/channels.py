@@ -94,16 +94,19 @@ class Dp2Runtime:
         self.accs: dict[str, _Acc] = {}
         self.session_id: Optional[str] = None
         self.timeout_ms = 30000
+        self.hard_timeout_ms = 1_800_000
         self.spin_ns = 50_000
         self.export = True
         self.rank: Optional[int] = None
         self.dp_label = "none"
         self._atexit = False
 
-    def configure(self, *, session_id: str, timeout_ms: int, spin_us: int, export: bool, rank: int, dp_label: str) -> None:
+    def configure(self, *, session_id: str, timeout_ms: int, spin_us: int, export: bool, rank: int, dp_label: str,
+                  hard_timeout_ms: int = 1_800_000) -> None:
         if rank not in (0, 1):
             raise Dp2Error(-1, f"dp2: this scheduler's rank must be 0 or 1, got {rank!r}")
         self.session_id, self.timeout_ms, self.spin_ns = session_id, timeout_ms, spin_us * 1000
+        self.hard_timeout_ms = hard_timeout_ms
         self.export, self.rank, self.dp_label = export, rank, dp_label
 
     def open(self, name: str, *, width: int, digest: int, out_tensor=None) -> Channel:
@@ -116,6 +119,7 @@ class Dp2Runtime:
             ch = Channel(
                 self.session_id, name, rank=self.rank, width=width, timeout_ms=self.timeout_ms,
                 spin_ns=self.spin_ns, config_digest=digest, out_tensor=out_tensor,
+                hard_timeout_ms=self.hard_timeout_ms, on_stall=self._stall_reporter(name),
             )
             self.channels[name] = ch
             self.accs[name] = _Acc(name, self.dp_label, self.export, ch.stats)
@@ -128,6 +132,17 @@ class Dp2Runtime:
                 self._atexit = True
             logger.info("dspark-harden dp2: opened channel %s (%s) as rank %d, width %d", name, ch.shm_name, self.rank, width)
             return ch
+
+    def _stall_reporter(self, name: str):
+        def report(message: str, waited_s: float) -> None:
+            logger.warning("dspark-harden dp2: channel %s: %s; still waiting (hard limit %s)", name, message,
+                           f"{self.hard_timeout_ms} ms" if self.hard_timeout_ms else "none")
+            if self.export:
+                from ..core import metrics
+
+                metrics.get("dspark_harden_dp2_exchange_stalls_total").labels(name, self.dp_label).inc()
+
+        return report
 
     def record_error(self, name: str, exc: BaseException) -> None:
         acc = self.accs.get(name)

@@ -59,6 +59,14 @@ GROUP = MetricGroup(
         aggregation="`sum by (code) (increase(...))`; the rank with `code!=\"poisoned\"` is the one that detected the problem.",
     ),
     Family(
+        "dspark_harden_dp2_exchange_stalls_total", "counter",
+        "Timeout periods (SGLANG_DSPARK_DP2_SHM_TIMEOUT_MS) one exchange spent waiting for a peer that is "
+        "alive but late; the exchange keeps waiting (up to SGLANG_DSPARK_DP2_SHM_HARD_TIMEOUT_MS).",
+        labels=("channel", "dp_rank"), feature=FEATURE, roles=("scheduler",),
+        precreate=tuple((c, DP_RANK) for c in DP2_CHANNELS),
+        aggregation="`sum by (dp_rank) (increase(...))`: the rank that stalls is the one *not* counting.",
+    ),
+    Family(
         "dspark_harden_dp2_exchange_sequence", "gauge",
         "Sequence number of the latest completed exchange (as of the latest flush).",
         labels=("channel", "dp_rank"), multiprocess_mode="mostrecent",

@@ -7,12 +7,15 @@ compiled into the library is checked at import: a stale ``.so`` refuses to load.
 
 from __future__ import annotations
 
+import logging
 import os
 from typing import Optional, Sequence
 
 from .._dp2_native import ffi, lib
 
-EXPECTED_ABI = 1
+logger = logging.getLogger("dspark_harden.dp2")
+
+EXPECTED_ABI = 2
 ERRBUF = 512
 
 
@@ -48,6 +51,7 @@ CODE_NAMES = {
     lib.DSPARK_DP2_E_ARRIVAL: "missing_arrival",
     lib.DSPARK_DP2_E_UNLINK: "unlink",
     lib.DSPARK_DP2_E_CALLER: "caller_error",
+    lib.DSPARK_DP2_STALLED: "stalled",
 }
 # Python-side failures (schema, geometry, misuse) share the errors metric under this name.
 PY_ERROR = "python_check"
@@ -114,7 +118,19 @@ class Channel:
         config_digest: int = 0,
         world_size: int = 2,
         out_tensor=None,
+        hard_timeout_ms: int = 0,
+        on_stall=None,
     ):
+        """``timeout_ms``: how long to wait for a peer that never attached, and the period after which a
+        wait for a peer that is attached and provably alive reports a stall (``on_stall(message,
+        waited_s)``, default: a WARNING log line) and keeps waiting. ``hard_timeout_ms`` > 0: after that
+        long, a stalled exchange fails (code ``timeout``) and poisons the channel; 0 = wait as long as the
+        peer is alive."""
+        if hard_timeout_ms < 0:
+            raise ValueError(f"hard_timeout_ms must be >= 0, got {hard_timeout_ms}")
+        self.hard_timeout_ms = hard_timeout_ms
+        self._on_stall = on_stall
+        self.stalls = 0
         self.session_id, self.channel, self.rank, self.width = session_id, channel, rank, width
         self.timeout_ms = timeout_ms
         self._h = None
@@ -152,9 +168,37 @@ class Channel:
             raise Dp2Error(lib.DSPARK_DP2_E_CLOSED, f"dp2 channel {self.channel} rank {self.rank}: handle already closed")
         self._local[0 : self.width] = values
         rc = lib.dspark_dp2_exchange(h, self._local, self._out, self.stats, self._err, ERRBUF)
+        if rc == lib.DSPARK_DP2_STALLED:
+            rc = self._keep_waiting(h)
         if rc:
             _check(rc, self._err, "dspark_dp2_exchange")
         return ffi.unpack(self._out, self._n_out)
+
+    def _keep_waiting(self, h) -> int:
+        """The peer is alive but late: report the stall each timeout period and keep waiting, until it
+        arrives, something fails, or the hard limit is reached."""
+        periods = 0
+        while True:
+            periods += 1
+            self.stalls += 1
+            waited_ms = periods * self.timeout_ms
+            msg = ffi.string(self._err).decode("utf-8", "replace")
+            try:
+                if self._on_stall is not None:
+                    self._on_stall(msg, waited_ms / 1000.0)
+                else:
+                    logger.warning("dspark-harden dp2: %s; still waiting (hard limit %s)", msg,
+                                   f"{self.hard_timeout_ms} ms" if self.hard_timeout_ms else "none")
+            except Exception:  # noqa: BLE001 - a reporting failure must not break the exchange
+                logger.exception("dp2: stall callback failed")
+            if self.hard_timeout_ms and waited_ms >= self.hard_timeout_ms:
+                text = (f"{msg}; gave up at the hard limit of {self.hard_timeout_ms} ms "
+                        f"(SGLANG_DSPARK_DP2_SHM_HARD_TIMEOUT_MS)")
+                self.poison(text)
+                raise Dp2Error(lib.DSPARK_DP2_E_TIMEOUT, text)
+            rc = lib.dspark_dp2_wait(h, self._out, self.stats, self._err, ERRBUF)
+            if rc != lib.DSPARK_DP2_STALLED:
+                return rc
 
     def poison(self, message: str) -> Dp2Error:
         """Publish a caller-detected problem so the peer stops too; returns the error to raise."""
