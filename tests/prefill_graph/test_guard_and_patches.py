@@ -1,0 +1,188 @@
+"""The forward-time guard, and the feature's patches bound on the real sglang 0.5.23 classes.
+
+The guard is exercised on a ``PrefillCudaGraphRunner`` of the real class (state from stock's
+default capture configuration, see ``dspark_harden.prefill_graph.bench.build_runner``) with a
+``PredictedForwardBatch`` standing in for the GPU ``ForwardBatch``. Prefill CUDA graphs cannot
+capture or replay on CPU: these tests prove the decision, not a replay. Tests that bind the
+patches onto SGLang's classes run forked.
+"""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+
+from dspark_harden.prefill_graph import admission as A
+from dspark_harden.prefill_graph import bench as B
+from dspark_harden.prefill_graph import decision as D
+
+
+@pytest.fixture()
+def runner():
+    return B.build_runner(B.capture_config(max_seq_len=8192))
+
+
+def _fb(bucket=1024, **over):
+    from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode, ForwardMode
+
+    fields = dict(
+        forward_mode=ForwardMode.EXTEND, batch_size=2, extend_seq_lens_cpu=[600, 300], extend_prefix_lens_cpu=[0, 100],
+        seq_lens_cpu=torch.tensor([600, 400]), capture_hidden_mode=CaptureHiddenMode.NULL,
+        extend_logprob_start_lens_cpu=[599, 299], input_ids=range(bucket), global_num_tokens_cpu=[bucket, bucket],
+        can_run_dp_prefill_cuda_graph=True,
+    )
+    fields.update(over)
+    return D.PredictedForwardBatch(**fields)
+
+
+def _stock_can_run():
+    from sglang.srt.model_executor.runner.prefill_cuda_graph_runner import PrefillCudaGraphRunner
+
+    return B._stock(PrefillCudaGraphRunner.__dict__["can_run_graph"])
+
+
+def _forced(name):
+    """One rank-local check forced to fail while the DP group agreed on "graph"."""
+    from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode
+
+    return {
+        "capture_hidden_mode": dict(capture_hidden_mode=CaptureHiddenMode.FULL),
+        "token_indices_to_pool": dict(token_indices_to_pool=[torch.tensor([5])]),
+        "input_embeds": dict(input_embeds=object()),
+        "max_context": dict(seq_lens_cpu=torch.tensor([9000, 10]), extend_prefix_lens_cpu=[0, 0]),
+        "request_slots": dict(batch_size=40, extend_seq_lens_cpu=[1] * 40, extend_prefix_lens_cpu=[0] * 40,
+                              seq_lens_cpu=torch.ones(40, dtype=torch.int64), extend_logprob_start_lens_cpu=[0] * 40),
+        "inactive_dp_rank": dict(global_num_tokens_cpu=[1024, 0]),
+        "num_tokens": dict(input_ids=range(20000), global_num_tokens_cpu=[20000, 20000]),
+        "prefix": dict(extend_prefix_lens_cpu=[9000, 0], seq_lens_cpu=torch.tensor([600, 300])),
+    }[name]
+
+
+CHECKS = ["capture_hidden_mode", "token_indices_to_pool", "input_embeds", "max_context", "request_slots",
+          "inactive_dp_rank", "num_tokens", "prefix"]
+
+
+def test_guard_passes_a_batch_every_check_admits(runner):
+    guard = A.build_guard(_stock_can_run(), A.Runtime(dp_rank=0))
+    assert guard(runner, _fb()) is True
+
+
+@pytest.mark.parametrize("check", CHECKS)
+def test_guard_raises_naming_the_check_under_a_shared_graph_verdict(runner, check):
+    seen = []
+    rt = A.Runtime(dp_rank=1, on_divergence=seen.append)
+    guard = A.build_guard(_stock_can_run(), rt)
+    fb = _fb(**_forced(check))
+    # stock would silently run this rank eager while its peer replays the graph
+    stock_local = _stock_can_run()(runner, fb) and fb.token_indices_to_pool is None
+    assert stock_local is False
+    with pytest.raises(D.PrefillGraphDivergence) as info:
+        guard(runner, fb)
+    exc = info.value
+    assert exc.check == check and check in exc.failed and exc.dp_rank == 1
+    msg = str(exc)
+    assert f"dp_rank 1" in msg and repr(check) in msg and "batch_size=" in msg and "global_num_tokens=" in msg
+    assert seen == [exc]
+
+
+@pytest.mark.parametrize("check", CHECKS)
+def test_shared_eager_runs_eager_on_both_ranks(runner, check):
+    guard = A.build_guard(_stock_can_run(), A.Runtime())
+    rank0 = _fb(can_run_dp_prefill_cuda_graph=False)  # every local check passes
+    rank1 = _fb(can_run_dp_prefill_cuda_graph=False, **_forced(check))  # a local check fails
+    assert guard(runner, rank0) is False and guard(runner, rank1) is False
+
+
+def test_guard_leaves_non_dp_batches_to_stock(runner):
+    guard = A.build_guard(_stock_can_run(), A.Runtime())
+    fb = _fb(global_num_tokens_cpu=None, **_forced("capture_hidden_mode"))
+    assert guard(runner, fb) is False  # stock's rank-local answer: no DP group to split
+
+
+def test_guard_skips_draft_runners(runner):
+    guard = A.build_guard(_stock_can_run(), A.Runtime())
+    runner.model_runner = types.SimpleNamespace(is_draft_worker=True, lora_manager=None)
+    assert guard(runner, _fb(**_forced("capture_hidden_mode"))) is False
+
+
+def test_finalize_is_a_function_of_gathered_values_only(runner):
+    from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode
+
+    bs = list(B.capture_config().buckets)
+    kw = dict(runner=runner, bs=bs, factor=4.0, server_mode=CaptureHiddenMode.NULL)
+    a = D.finalize([900, 0], vote=True, **kw)
+    b = D.finalize([900, 0], vote=True, **kw)
+    assert a == b and a.graph and a.bucket == 960  # 576..1024 step 64
+    assert D.finalize([900, 0], vote=False, **kw).reason == "peer_vote"
+    assert D.finalize([0, 0], vote=True, **kw).reason == "no_tokens"
+    assert D.finalize([20000, 5], vote=True, **kw).reason == "too_many_tokens"
+    short = B.build_runner(B.capture_config(max_seq_len=930))  # the dummy extend has seq_len 960
+    assert D.finalize([900, 0], vote=True, **{**kw, "runner": short}).reason == "idle_participant"
+    assert D.finalize([900, 5], vote=True, **{**kw, "runner": short}).graph  # both busy: no dummy extend
+
+
+# --- bound on the real classes (forked: they patch SGLang) ---------------------------------------
+
+
+@pytest.mark.forked
+def test_patches_bind_wrap_and_revert_on_real_sglang():
+    from sglang.srt.managers.scheduler_components import dp_attn
+    from sglang.srt.model_executor.runner.prefill_cuda_graph_runner import PrefillCudaGraphRunner
+
+    from dspark_harden.prefill_graph import feature
+
+    stock = (dp_attn._local_prefill_cuda_graph_vote, dp_attn._update_gather_batch,
+             PrefillCudaGraphRunner.__dict__["can_run_graph"])
+    patches = feature.patches()
+    for p in patches:
+        p.apply()
+        p.apply()  # idempotent
+        assert p.live_check() is None, p.target
+        assert p.found_fingerprint == p.fingerprint
+    assert dp_attn._local_prefill_cuda_graph_vote.__wrapped__ is stock[0]
+    assert dp_attn._update_gather_batch.__wrapped__ is stock[1]
+    assert PrefillCudaGraphRunner.can_run_graph.__wrapped__ is stock[2]
+    # the live class method now raises where stock ran eager alone
+    runner = B.build_runner(B.capture_config())
+    fb = _fb(**_forced("capture_hidden_mode"))
+    with pytest.raises(D.PrefillGraphDivergence):
+        runner.can_run_graph(fb)
+    for p in reversed(patches):
+        p.revert()
+    assert (dp_attn._local_prefill_cuda_graph_vote, dp_attn._update_gather_batch,
+            PrefillCudaGraphRunner.__dict__["can_run_graph"]) == stock
+    assert runner.can_run_graph(fb) is False  # stock again: eager alone, silently
+    for p in patches:  # and again
+        p.apply()
+    assert PrefillCudaGraphRunner.can_run_graph.__wrapped__ is stock[2]
+
+
+@pytest.mark.forked
+def test_bound_vote_folds_forward_time_checks_into_the_stock_column():
+    """Through the live module function (as prepare_mlp_sync_batch_raw calls it)."""
+    from sglang.srt.managers.scheduler_components import dp_attn
+    from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
+
+    from dspark_harden.prefill_graph import feature
+    from dspark_harden.prefill_graph import trace as T
+
+    for p in feature.patches():
+        p.apply()
+    from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode
+
+    A.RUNTIME.server_mode = CaptureHiddenMode.NULL
+    runner = B.build_runner(B.capture_config())
+    rank = T.RankStep("extend", (T.TraceReq(extend=500, hidden=True),))
+    kw = dict(local_batch=T.schedule_batch(rank), num_tokens=500, prefill_graph_runner=runner, coordinated_prefill=True,
+              breakable_prefill=False, spec_algorithm=SpeculativeAlgorithm.NONE, model_config=None)
+    assert dp_attn._local_prefill_cuda_graph_vote.__wrapped__(**kw) is True  # stock: "graph"
+    assert dp_attn._local_prefill_cuda_graph_vote(**kw) is False  # ours: the forward-time check, now
+    assert A.RUNTIME.step.local_reason == "capture_hidden_mode"
+    # the vote still travels as the stock 0/1 column of MLPSyncBatchInfo
+    info = dp_attn.MLPSyncBatchInfo(num_dp_ranks=2, tp_size=1, cp_size=1, num_tokens=500, num_tokens_for_logprob=1,
+                                    can_run_decode_cuda_graph=False, can_run_draft_cuda_graph=True,
+                                    can_run_prefill_cuda_graph=dp_attn._local_prefill_cuda_graph_vote(**kw),
+                                    is_extend_in_batch=True, local_can_run_tbo=False, local_forward_mode=1)
+    assert info._get_local_tensor(device="cpu").tolist()[6] == 0
