@@ -1,0 +1,218 @@
+"""Settings, the TBO upstream probes and refusal, the bench CLI and the self-check report."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import types
+
+import pytest
+
+from dspark_harden.core.settings import SettingsError, load_settings
+from dspark_harden.prefill_graph import settings as S
+from dspark_harden.prefill_graph import tbo
+from dspark_harden.prefill_graph import trace as T
+
+# --- settings ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("raw", S.padding_factor.bad_examples)
+def test_bad_padding_factor_rejected_by_name(raw):
+    with pytest.raises(SettingsError) as info:
+        load_settings(S.SETTINGS, {S.PADDING: raw})
+    assert S.PADDING in str(info.value) and "1 < f <= 8" in str(info.value)
+
+
+@pytest.mark.parametrize("raw,value", [("1.01", 1.01), ("2", 2.0), ("4", 4.0), (" 8 ", 8.0), ("8.0", 8.0)])
+def test_good_padding_factors(raw, value):
+    assert load_settings(S.SETTINGS, {S.PADDING: raw})[S.PADDING] == value
+
+
+def test_defaults_on_and_four():
+    s = load_settings(S.SETTINGS, {})
+    assert s[S.SWITCH] is True and s[S.PADDING] == 4.0
+
+
+# --- TBO ---------------------------------------------------------------------------------------
+
+
+def test_tbo_upstream_probes_hold_on_stock_0_5_23():
+    ok, detail = tbo.probe_idle_votes_tbo()
+    assert ok, detail
+    ok, detail = tbo.probe_decode_tbo_capture()
+    assert ok, detail
+    unsupported, detail = tbo.probe_prefill_tbo_unsupported()
+    assert unsupported, detail
+
+
+def test_idle_vote_probe_detects_a_veto(monkeypatch):
+    from sglang.srt.batch_overlap import two_batch_overlap as two
+
+    def vetoing(self, local_batch):  # the seed's Bugbot finding: an idle peer votes "cannot run TBO"
+        return local_batch is not None and not local_batch.forward_mode.is_idle(), 0
+
+    monkeypatch.setattr(two.TboDPAttentionPreparer, "prepare_all_gather", vetoing)
+    ok, detail = tbo.probe_idle_votes_tbo()
+    assert not ok and "vetoes TBO" in detail and "absent/none" in detail and "idle/none" in detail
+
+
+def test_decode_capture_probe_detects_a_model_condition(monkeypatch):
+    src = ("def capture_one_batch_size(self, batch, num_tokens):\n    if not is_tbo_enabled():\n        return\n"
+           "    if self.model_type != 'deepseek_v4':\n        return\n")
+    monkeypatch.setattr(tbo.inspect, "getsource", lambda obj: src)
+    ok, detail = tbo.probe_decode_tbo_capture()
+    assert not ok and "model_type" in detail
+
+
+def _args(backend, tbo_on=True):
+    prefill = types.SimpleNamespace(backend=backend)
+    return types.SimpleNamespace(enable_two_batch_overlap=tbo_on, cuda_graph_config=types.SimpleNamespace(prefill=prefill))
+
+
+@pytest.mark.parametrize("backend", ["full", "breakable"])
+def test_tbo_with_prefill_graph_is_refused_with_the_reason(backend):
+    msg = tbo.refusal(_args(backend))
+    assert msg and "compute_split_seq_index asserts" in msg and "cannot be proven without a GPU" in msg
+
+
+@pytest.mark.parametrize("args", [_args("disabled"), _args("full", tbo_on=False)])
+def test_no_refusal_without_the_combination(args):
+    assert tbo.refusal(args) is None
+
+
+@pytest.mark.forked
+def test_scheduler_startup_refuses_tbo_with_full_prefill_graph():
+    from dspark_harden.core import binder, roles
+    from dspark_harden.core.patch import Role
+    from dspark_harden.prefill_graph import feature
+
+    sa = types.SimpleNamespace(enable_dp_attention=True, enable_two_batch_overlap=True,
+                               cuda_graph_config=types.SimpleNamespace(prefill=types.SimpleNamespace(backend="full")))
+    roles.CONTEXT = roles.ProcessContext(role=Role.SCHEDULER, server_args=sa, tp_rank=0, dp_rank=0)
+    report = binder.bind(Role.SCHEDULER, environ={})
+    st = next(f for f in report.features if f.name == feature.FEATURE)
+    assert st.status == "bound", st
+    with pytest.raises(binder.BindError) as info:
+        feature.dspark_process_bound(role=Role.SCHEDULER, settings=binder.STATE.settings, report=report)
+    assert "two-batch overlap" in str(info.value) and feature.FEATURE in str(info.value)
+
+
+@pytest.mark.forked
+@pytest.mark.parametrize("backend,dp,expect", [
+    ("disabled", True, "prefill CUDA graphs are not enabled"),
+    ("full", False, "DP attention is off"),
+])
+def test_feature_unavailable_where_preconditions_are_absent(backend, dp, expect):
+    from dspark_harden.core import binder, roles
+    from dspark_harden.core.patch import Role
+    from dspark_harden.prefill_graph import feature
+
+    sa = types.SimpleNamespace(enable_dp_attention=dp, enable_two_batch_overlap=False,
+                               cuda_graph_config=types.SimpleNamespace(prefill=types.SimpleNamespace(backend=backend)))
+    roles.CONTEXT = roles.ProcessContext(role=Role.SCHEDULER, server_args=sa, tp_rank=0, dp_rank=0)
+    report = binder.bind(Role.SCHEDULER, environ={})
+    st = next(f for f in report.features if f.name == feature.FEATURE)
+    assert st.status == "unavailable" and expect in st.detail, st
+    explicit = binder.bind(Role.SCHEDULER, environ={S.SWITCH: "1"})  # explicitly on: fail closed
+    st = next(f for f in explicit.features if f.name == feature.FEATURE)
+    assert st.status == "failed" and expect in st.detail
+
+
+# --- bench -------------------------------------------------------------------------------------
+
+
+def _cli(*args, timeout=600):
+    proc = subprocess.run([sys.executable, "-m", "dspark_harden", "bench", "prefill-admission", *args],
+                          capture_output=True, text=True, timeout=timeout)
+    return proc
+
+
+@pytest.fixture(scope="module")
+def bench_json():
+    proc = _cli("--json")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_bench_json_shape_and_judgement(bench_json):
+    assert set(bench_json) == {"batches", "stock", "harden"}
+    assert isinstance(bench_json["batches"], int) and bench_json["batches"] > 1000
+    for side in ("stock", "harden"):
+        assert set(bench_json[side]) == {"graph_token_coverage", "splits", "padding_overhead"}
+        assert isinstance(bench_json[side]["splits"], int)
+        assert 0.0 <= bench_json[side]["graph_token_coverage"] <= 1.0
+    assert bench_json["harden"]["splits"] == 0
+    assert bench_json["stock"]["splits"] > 0
+    assert bench_json["harden"]["graph_token_coverage"] >= 0.86
+
+
+def test_bench_trace_file_replays_the_same_steps(tmp_path, bench_json):
+    from dspark_harden.prefill_graph import bench as B
+
+    path = tmp_path / "trace.jsonl"
+    T.write_jsonl(T.generate(T.TraceShape(steps=300, seed=5)), str(path))
+    proc = _cli("--json", "--trace", str(path))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    via_cli = json.loads(proc.stdout.strip().splitlines()[-1])
+    direct = B.Simulator(B.capture_config()).run(T.read_jsonl(str(path)))
+    direct["harden"].pop("guard_raised")
+    assert via_cli == direct and via_cli["batches"] == 300
+
+
+def test_bench_rejects_a_bad_trace_naming_the_line(tmp_path):
+    path = tmp_path / "bad.jsonl"
+    path.write_text('{"ranks": [{"mode": "idle"}, {"mode": "extend", "reqs": [{"extend": 5}]}]}\n'
+                    '{"ranks": [{"mode": "extend", "reqs": [{"extend": 0}]}, {"mode": "idle"}]}\n')
+    proc = _cli("--trace", str(path))
+    assert proc.returncode == 2 and f"{path}:2" in proc.stderr and "extend must be an integer >= 1" in proc.stderr
+
+
+def test_bench_buckets_and_factor_options():
+    proc = _cli("--buckets", "64,4096", "--factor", "9")
+    assert proc.returncode == 2 and "1 < f <= 8" in proc.stderr
+    proc = _cli("--buckets", "64,4096", "--trace", "/nonexistent/trace.jsonl")
+    assert proc.returncode == 2 and "nonexistent" in proc.stderr
+
+
+def test_bench_and_cli_modules_do_not_import_the_feature_module():
+    code = ("import sys; import dspark_harden.prefill_graph.bench, dspark_harden.prefill_graph.bench_cli; "
+            "print('dspark_harden.prefill_graph.feature' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.stdout.strip().splitlines()[-1] == "False", out.stderr[-2000:]
+
+
+def test_trace_round_trip():
+    steps = T.generate(T.TraceShape(steps=50, seed=3, p_hidden=0.2, p_pool=0.2, p_embeds=0.2, p_logprob=0.5))
+    again = [T.parse_step(T.step_to_json(s)) for s in steps]
+    assert again == steps
+
+
+# --- self-check --------------------------------------------------------------------------------
+
+
+def test_check_reports_the_feature_bound_with_its_padding_factor():
+    from dspark_harden.cli.check import run_child
+
+    rep = run_child("scheduler")
+    assert rep["ok"], rep["errors"]
+    st = {f["name"]: f for f in rep["features"]}
+    feat = st["prefill-graph-dp"]
+    assert feat["status"] == "bound" and feat["switch"] == S.SWITCH and feat["default_on"] is True
+    assert "padding factor 4" in feat["detail"] and "refused at startup" in feat["detail"]
+    assert {t["target"] for t in feat["targets"] if t["bound"]} == {
+        "sglang.srt.managers.scheduler_components.dp_attn:_local_prefill_cuda_graph_vote",
+        "sglang.srt.managers.scheduler_components.dp_attn:_update_gather_batch",
+        "sglang.srt.model_executor.runner.prefill_cuda_graph_runner:PrefillCudaGraphRunner.can_run_graph",
+    }
+    assert st["tbo-idle-rank-vote"]["status"] == "upstream"
+    assert st["tbo-decode-graph-capture"]["status"] == "upstream"
+
+
+def test_check_fails_on_a_bad_padding_factor():
+    import os
+
+    from dspark_harden.cli.check import run_child
+
+    rep = run_child("scheduler", env={**os.environ, S.PADDING: "1"})
+    assert not rep.get("ok", False) and any(S.PADDING in e and "1 < f <= 8" in e for e in rep["errors"]), rep
