@@ -1,7 +1,8 @@
 """Feature ``dp2-native-exchange``: pluggy hooks (feature, settings, patches, startup, CLI).
 
 Opt-in (``SGLANG_DSPARK_DP2_SHM_MLP_SYNC=1``). Validated strictly at startup in every process
-that can see the configuration: session id present, conflicting sync switches off, and (where
+that can see the configuration: session id present (in the main process a per-launch id is derived
+when unset: :mod:`.session`), conflicting sync switches off, and (where
 ``server_args`` is known: DP controller, schedulers) the geometry DP2 / attention-TP1 / CP1 /
 PP1 / one node / no elastic EP. Schedulers then open their channels when the plugin is bound;
 the two ranks' configurations are compared by the native open (digest + timeout + width), so a
@@ -17,6 +18,7 @@ from ..core import roles
 from ..core.feature import Feature
 from ..core.hookspecs import hookimpl
 from ..core.patch import Kind, Patch, Role
+from . import session
 from . import settings as S
 
 logger = logging.getLogger("dspark_harden.dp2")
@@ -60,13 +62,17 @@ def conflicting_switches() -> list:
 
 def _available(settings) -> Optional[str]:
     problems = []
-    if not settings[S.SESSION_ID]:
-        problems.append(f"{S.SESSION_ID} is not set (required: a new value per launch, same for both ranks)")
+    ctx = roles.CONTEXT
+    if (not settings[S.SESSION_ID] and ctx is not None and ctx.role is not Role.MAIN
+            and ctx.server_args is not None):
+        # the main process exports a per-launch id before it spawns us (dp2/session.py)
+        problems.append(f"{S.SESSION_ID} is not set in this {ctx.role.value} process: the main process "
+                        f"derives one per launch when dspark-harden is loaded there (SGLANG_PLUGINS must "
+                        f"include dspark_harden in the launching process), or export one")
     try:
         problems.extend(conflicting_switches())
     except Exception as exc:  # noqa: BLE001
         problems.append(f"cannot read SGLang's sync switches: {type(exc).__name__}: {exc}")
-    ctx = roles.CONTEXT
     if ctx is not None and ctx.server_args is not None:
         problems.extend(geometry_problems(ctx.server_args))
         if ctx.role is Role.SCHEDULER:
@@ -130,7 +136,20 @@ def dspark_settings():
 
 @hookimpl
 def dspark_patches(role, settings):
-    if role is not Role.SCHEDULER or not settings[S.SWITCH]:
+    if not settings[S.SWITCH]:
+        return []
+    if role is Role.MAIN:
+        return [
+            Patch(
+                feature=FEATURE, target=session.LAUNCH_TARGET, kind=Kind.WRAP, roles={Role.MAIN},
+                build=session.build_launch_subprocesses(settings[S.SESSION_ID]),
+                fingerprint=session.LAUNCH_FINGERPRINT,
+                why=f"the native exchange needs a session id unique per server; when {S.SESSION_ID} is unset "
+                    "the main process derives one per launch, before the schedulers are spawned",
+                retire_when="SGLang ships a shared-memory DP2 MLP sync that names its own segments",
+            )
+        ]
+    if role is not Role.SCHEDULER:
         return []
     patches = [
         Patch(
@@ -172,6 +191,7 @@ def dspark_process_bound(role, settings, report):
     RUNTIME.configure(
         session_id=settings[S.SESSION_ID], timeout_ms=settings[S.TIMEOUT_MS], spin_us=settings[S.SPIN_US],
         export=settings[S.METRICS], rank=ctx.tp_rank, dp_label=ctx.dp_label,
+        hard_timeout_ms=settings[S.HARD_TIMEOUT_MS],
     )
     mlp_sync.start(RUNTIME)
     bound_targets = {t.target for f in report.features if f.name == FEATURE for t in f.targets if t.bound}

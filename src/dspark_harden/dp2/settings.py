@@ -9,6 +9,7 @@ FEATURE = "dp2-native-exchange"
 SWITCH = "SGLANG_DSPARK_DP2_SHM_MLP_SYNC"
 SESSION_ID = "SGLANG_DSPARK_DP2_SHM_SESSION_ID"
 TIMEOUT_MS = "SGLANG_DSPARK_DP2_SHM_TIMEOUT_MS"
+HARD_TIMEOUT_MS = "SGLANG_DSPARK_DP2_SHM_HARD_TIMEOUT_MS"
 SPIN_US = "SGLANG_DSPARK_DP2_SHM_SPIN_US"
 METRICS = "SGLANG_DSPARK_DP2_SHM_METRICS"
 LIBRARY = "SGLANG_DSPARK_DP2_SHM_LIBRARY"
@@ -29,21 +30,32 @@ SETTINGS = [
         SWITCH, flag01, False,
         "1: replace the per-step gloo all-gather of MLPSyncBatchInfo (and DSpark's verify-tier gather) "
         "with the native shared-memory exchange. Only for DP2 / attention-TP1 / CP1 on one node; "
-        "any other geometry, a missing session id or a conflicting sync switch stops startup. "
+        "any other geometry or a conflicting sync switch stops startup. "
         "Once enabled there is no gloo fallback.",
         feature=FEATURE,
     ),
     Setting(
         SESSION_ID, nonempty_str, None,
-        "Session id naming the shared-memory segments (required when the exchange is enabled). "
-        "Use a new value for every launch (e.g. a UUID): both DP ranks must see the same value.",
+        "Session id naming the shared-memory segments. Unset (recommended): the main process derives a "
+        "fresh id for every launch (pid + 64 random bits) before it spawns the schedulers, which inherit "
+        "it, so two servers on one host never collide. Set: used as is by both DP ranks (then give every "
+        "concurrently running server its own value).",
         feature=FEATURE, accepts="non-empty string",
     ),
     Setting(
         TIMEOUT_MS, positive_int, 30000,
-        "How long one rank waits for its peer in one exchange before both ranks fail (milliseconds). "
+        "Milliseconds one rank waits for a peer that never attached (or closed) before both ranks fail; "
+        "while the peer is attached and provably alive (pid + process start time), the interval of "
+        "stall warnings (log WARNING + dspark_harden_dp2_exchange_stalls_total) while it keeps waiting. "
         "Peer death is detected within ~20 ms regardless.",
         feature=FEATURE,
+    ),
+    Setting(
+        HARD_TIMEOUT_MS, nonneg_int, 1_800_000,
+        "Milliseconds after which an exchange with a peer that is alive but stalled fails and stops both "
+        "ranks (default 30 min, torch's default process-group timeout, which bounds stock's gloo wait); "
+        "0 = wait as long as the peer is alive.",
+        feature=FEATURE, accepts="integer >= 0 (milliseconds)",
     ),
     Setting(
         SPIN_US, nonneg_int, 50,
