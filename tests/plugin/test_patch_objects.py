@@ -102,6 +102,32 @@ def test_drift_refuses_naming_target_and_fingerprints():
     assert not patch.applied
 
 
+@pytest.mark.forked
+def test_replaced_target_without_source_is_explained():
+    """Another party replaced the target with a function whose source cannot be read (here: built
+    by eval, as from a REPL or exec'd code): the refusal says the live object is not stock, which
+    fingerprint was expected and what to do, instead of a bare 'cannot read source'."""
+    from sglang.srt.managers.data_parallel_controller import DataParallelController
+
+    expected = fingerprint_source(_stock(TARGET)[2])
+    DataParallelController.refresh_load_budget = eval("lambda self: None")  # noqa: S307
+    patch = _wrap_patch(fingerprint=expected, feature="my-feature")
+    with pytest.raises(PatchError) as info:
+        patch.apply()
+    msg = str(info.value)
+    assert msg.startswith(TARGET + ": the live object is not the stock SGLang one")
+    assert "<lambda>" in msg and f"defined in {__name__!r}, not in 'sglang.srt.managers.data_parallel_controller'" in msg
+    assert f"fingerprint {expected}" in msg
+    assert "Remove that replacement, or disable feature 'my-feature'" in msg
+    assert not patch.applied
+    # one that claims the stock module: the unreadable source is what gives it away
+    fn = eval("lambda self: None")  # noqa: S307
+    fn.__module__ = "sglang.srt.managers.data_parallel_controller"
+    DataParallelController.refresh_load_budget = fn
+    with pytest.raises(PatchError, match="its source cannot be read"):
+        patch.apply()
+
+
 def test_missing_target_refuses():
     patch = _wrap_patch()
     patch.target = TARGET + "_does_not_exist"

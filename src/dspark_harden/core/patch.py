@@ -177,6 +177,27 @@ class Patch:
             return None
         return fingerprint_source(self.stock_object())
 
+    def _live_fingerprint(self, raw: Any) -> str:
+        """Fingerprint of the live object; a live object without readable source is not stock
+        SGLang's (stock functions are plain Python with source): say so, and what to do."""
+        try:
+            return fingerprint_source(raw)
+        except PatchError as exc:
+            func = unwrap_descriptor(raw)
+            module = getattr(func, "__module__", None) or "?"
+            name = getattr(func, "__qualname__", None) or type(func).__name__
+            expected_module = self.target.partition(":")[0]
+            origin = (f"defined in {module!r}, not in {expected_module!r}" if module != expected_module
+                      else f"its source cannot be read ({str(exc).rsplit(': ', 1)[-1]})")
+            raise PatchError(
+                f"{self.target}: the live object is not the stock SGLang one: it is {name} ({type(func).__name__}, "
+                f"{origin}), so its source cannot be fingerprinted. dspark-harden expected the stock source with "
+                f"fingerprint {self.fingerprint} (sglang {self.versions}). Something replaced this attribute before "
+                f"dspark-harden bound (another SGLANG_PLUGINS plugin or HookRegistry hook, or a monkeypatch in the "
+                f"launching code). Remove that replacement, or disable feature {self.feature!r}; "
+                f"DSPARK_HARDEN_ALLOW_DRIFT does not apply to an object without source."
+            ) from None
+
     # -- apply / revert ---------------------------------------------------------------------
     def apply(self, allow_drift: bool = False) -> None:
         if self.applied:
@@ -189,7 +210,7 @@ class Patch:
         if self.kind in (Kind.WRAP, Kind.REPLACE):
             if raw is _MISSING:
                 raise PatchError(f"{self.target}: attribute {attr!r} does not exist in this SGLang")
-            self.found_fingerprint = fingerprint_source(raw)
+            self.found_fingerprint = self._live_fingerprint(raw)
             if self.found_fingerprint != self.fingerprint:
                 if not allow_drift:
                     raise PatchError(
