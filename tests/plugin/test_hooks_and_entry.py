@@ -111,6 +111,25 @@ def test_check_json_against_real_sglang():
             assert isinstance(t["bound"], bool)
 
 
+def test_check_hides_test_only_features_unless_asked_or_failed():
+    """An operator's `check` does not list dspark-testsupport's feature (installed in this venv);
+    --include-test-features does; a FAILED test-only feature is always shown (it fails the check)."""
+    base = [sys.executable, "-m", "dspark_harden", "check", "--json", "--role", "main"]
+    env = {**os.environ, "SGLANG_PLUGINS": "dspark_harden"}
+    run = lambda *extra, **e: subprocess.run([*base, *extra], env={**env, **e}, capture_output=True, text=True,  # noqa: E731
+                                             timeout=300)
+    shown = json.loads(run().stdout)
+    assert "testfeature" not in {f["name"] for f in shown["features"]} and shown["hidden_test_features"] == ["testfeature"]
+    table = subprocess.run([*base[:4], "--role", "main"], env=env, capture_output=True, text=True, timeout=300).stdout
+    assert "testfeature" not in table.split("(1 test-only feature(s) not shown")[0]
+    assert "--include-test-features shows them" in table
+    everything = json.loads(run("--include-test-features").stdout)
+    assert "testfeature" in {f["name"] for f in everything["features"]}
+    broken = run(DSPARK_TESTFEATURE="1", DSPARK_TESTFEATURE_BREAK="drift")
+    data = json.loads(broken.stdout)
+    assert broken.returncode == 1 and [f["status"] for f in data["features"] if f["name"] == "testfeature"] == ["failed"]
+
+
 def test_bad_setting_makes_check_fail_naming_the_variable():
     proc = subprocess.run(
         [sys.executable, "-m", "dspark_harden", "check", "--json", "--role", "main"],

@@ -18,6 +18,8 @@ def build_parser(pm=None) -> argparse.ArgumentParser:
     p = sub.add_parser("check", help="bind and verify the plugin in a fresh child per process role")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--role", action="append", choices=[r for r in _check.ROLES], help="only these roles")
+    p.add_argument("--include-test-features", action="store_true",
+                   help="also list test-only features (e.g. dspark-testsupport's), hidden by default unless failed")
     p.set_defaults(func=_check.main)
 
     p = sub.add_parser("env", help="every environment variable the plugin reads")

@@ -42,7 +42,7 @@ def merge(reports: list[dict]) -> dict:
             cur = features.setdefault(feat["name"], {
                 "name": feat["name"], "area": feat.get("area", ""), "status": feat["status"],
                 "switch": feat.get("switch"), "default_on": feat.get("default_on", True),
-                "detail": feat.get("detail", ""), "targets": [],
+                "detail": feat.get("detail", ""), "targets": [], "test_only": bool(feat.get("test_only", False)),
             })
             if _RANK.get(feat["status"], 0) > _RANK.get(cur["status"], 0):
                 cur["status"], cur["detail"] = feat["status"], feat.get("detail", "")
@@ -61,6 +61,16 @@ def check(roles=ROLES, env: dict | None = None) -> dict:
     return merge(reports)
 
 
+def operator_view(result: dict, include_test: bool = False) -> dict:
+    """``result`` without test-only features (test support installed next to the plugin) unless
+    ``include_test``; a failed one is always shown (it is why the check failed)."""
+    if include_test:
+        return result
+    keep = [f for f in result["features"] if not f.get("test_only") or f["status"] == F.FAILED]
+    hidden = sorted(f["name"] for f in result["features"] if f not in keep)
+    return {**result, "features": keep, "hidden_test_features": hidden}
+
+
 def render_table(result: dict) -> str:
     rows = [("feature", "status", "switch (default)", "targets")]
     for f in result["features"]:
@@ -75,10 +85,14 @@ def render_table(result: dict) -> str:
     out = [head, *lines]
     for p in result["problems"]:
         out.append(f"PROBLEM: {p}")
+    if result.get("hidden_test_features"):
+        out.append(f"({len(result['hidden_test_features'])} test-only feature(s) not shown: "
+                   f"{', '.join(result['hidden_test_features'])}; --include-test-features shows them)")
     return "\n".join(out)
 
 
 def main(args) -> int:
     result = check(tuple(args.role) if args.role else ROLES)
-    print(json.dumps(result) if args.json else render_table(result))
+    shown = operator_view(result, include_test=getattr(args, "include_test_features", False))
+    print(json.dumps(shown) if args.json else render_table(shown))
     return 0 if result["ok"] else 1

@@ -60,6 +60,7 @@ class FeatureStatus:
     switch: Optional[str] = None
     default_on: bool = True
     targets: list = field(default_factory=list)
+    test_only: bool = False
 
 
 @dataclass
@@ -151,7 +152,8 @@ def bind(role: Role, *, environ: Optional[dict] = None, pm: Any = None) -> BindR
     for feat in features:
         if feat.roles is not None and role not in feat.roles:
             continue
-        st = FeatureStatus(name=feat.name, area=feat.area, status=F.BOUND, switch=feat.switch, default_on=feat.default_on)
+        st = FeatureStatus(name=feat.name, area=feat.area, status=F.BOUND, switch=feat.switch, default_on=feat.default_on,
+                           test_only=feat.test_only)
         by_name[feat.name] = st
         report.features.append(st)
         if feat.upstream_probe is not None:

@@ -26,6 +26,8 @@ class Feature:
     * ``available(settings)``: returns ``None`` when the feature can run here, else the reason.
       An explicitly enabled feature that is unavailable FAILS (fail closed); one that is merely on
       by default reports ``unavailable`` and binds nothing.
+    * ``test_only``: test support (e.g. dspark-testsupport's feature), left out of an operator's
+      view (``dspark-harden check``) unless asked for or failed.
     * ``upstream_probe()``: for behaviour stock SGLang already has; returns ``(present, detail)``.
       A feature with a probe binds no patches: it is ``upstream`` when the probe finds the
       behaviour, ``failed`` when it does not.
@@ -41,6 +43,7 @@ class Feature:
     # roles in which this feature is evaluated (None: all). Keeps e.g. scheduler-only probes from
     # importing scheduler modules into the detokenizer.
     roles: Optional[frozenset] = None
+    test_only: bool = False
 
     def enabled(self, settings: Settings) -> bool:
         if self.switch is None:

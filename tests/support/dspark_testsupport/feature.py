@@ -84,6 +84,7 @@ def dspark_features():
             switch=SWITCH,
             default_on=False,
             roles=ROLES,
+            test_only=True,
         )
     ]
 
