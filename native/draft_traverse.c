@@ -49,10 +49,16 @@ struct dsh_trav {
     int threads;
     int started;
     pthread_t workers[DSH_TRAV_MAX_THREADS];
+    struct worker_arg { struct dsh_trav *t; int idx; } args[DSH_TRAV_MAX_THREADS];
     pthread_mutex_t mu;
-    pthread_cond_t go, done;
-    atomic_uint_fast64_t posted;   /* task generation; task is published before it is bumped */
-    uint64_t wake_seq;             /* bumped by dsh_trav_prewake (under mu) */
+    pthread_cond_t go[DSH_TRAV_MAX_THREADS]; /* one per worker: only the workers a step needs are woken */
+    pthread_cond_t done;
+    /* task word: generation * POST_GEN + number of participating workers (workers 0..n-1), published
+     * in one store so a worker never pairs one task's generation with another task's participants;
+     * the task pointer is published before the word is bumped */
+    atomic_uint_fast64_t posted;
+    atomic_llong participations;   /* worker entries into a task (diagnostics, tests) */
+    uint64_t wake_seq[DSH_TRAV_MAX_THREADS]; /* per worker, bumped by dsh_trav_prewake (under mu) */
     atomic_int active;             /* workers that have not finished the posted task */
     atomic_int stopping;
     atomic_llong spin_until_ns;    /* workers spin for a task until this CLOCK_MONOTONIC time */
@@ -266,24 +272,45 @@ static long long now_ns(void) {
 /* Workers sleep on `go` between steps. dsh_trav_prewake wakes them a little before a step (while
  * the caller resolves jobs) and they spin until the task is posted or spin_until_ns passes, so the
  * wake-up latency of a sleeping thread is not on the step's critical path. */
+#define POST_GEN 128u /* > DSH_TRAV_MAX_THREADS - 1 */
+_Static_assert(POST_GEN > DSH_TRAV_MAX_THREADS, "participant count must fit below one generation step");
+
 static void *worker_main(void *arg) {
-    dsh_trav *t = (dsh_trav *)arg;
+    struct worker_arg *wa = (struct worker_arg *)arg;
+    dsh_trav *t = wa->t;
+    const int idx = wa->idx;
     uint64_t seen = 0, woken = 0;
     for (;;) {
         pthread_mutex_lock(&t->mu);
-        while (!atomic_load(&t->stopping) && atomic_load(&t->posted) == seen && t->wake_seq == woken)
-            pthread_cond_wait(&t->go, &t->mu);
-        woken = t->wake_seq;
+        while (!atomic_load(&t->stopping) &&
+               (atomic_load(&t->posted) == seen || (int)(atomic_load(&t->posted) % POST_GEN) <= idx) &&
+               t->wake_seq[idx] == woken)
+            pthread_cond_wait(&t->go[idx], &t->mu);
+        woken = t->wake_seq[idx];
         pthread_mutex_unlock(&t->mu);
         if (atomic_load(&t->stopping)) break;
-        uint64_t gen = atomic_load_explicit(&t->posted, memory_order_acquire);
-        for (unsigned spins = 0; gen == seen; spins++) {
-            if ((spins & 63) == 0 && (atomic_load(&t->stopping) || now_ns() > atomic_load(&t->spin_until_ns))) break;
-            cpu_relax();
+        uint64_t gen;
+        int mine = 0;
+        for (;;) {
             gen = atomic_load_explicit(&t->posted, memory_order_acquire);
+            for (unsigned spins = 0; gen == seen; spins++) {
+                if ((spins & 63) == 0 && (atomic_load(&t->stopping) || now_ns() > atomic_load(&t->spin_until_ns)))
+                    break;
+                cpu_relax();
+                gen = atomic_load_explicit(&t->posted, memory_order_acquire);
+            }
+            if (gen == seen) break; /* spun out (or stopping): sleep again */
+            seen = gen;
+            /* a worker outside this task's participants skips it without touching the task or `active`
+             * (and keeps spinning if it was woken for a later step); a participant keeps the task alive
+             * (run waits for `active`) until it has decremented */
+            if ((int)(gen % POST_GEN) > idx) {
+                mine = 1;
+                break;
+            }
         }
-        if (gen == seen) continue; /* spun out (or stopping): sleep again */
-        seen = gen;
+        if (!mine) continue;
+        atomic_fetch_add_explicit(&t->participations, 1, memory_order_relaxed);
         work(t, t->task);
         if (atomic_fetch_sub_explicit(&t->active, 1, memory_order_acq_rel) == 1) {
             pthread_mutex_lock(&t->mu);
@@ -294,12 +321,16 @@ static void *worker_main(void *arg) {
     return NULL;
 }
 
-void dsh_trav_prewake(dsh_trav *t, int spin_us) {
+void dsh_trav_prewake(dsh_trav *t, int spin_us, int workers) {
     if (!t || t->started == 0 || getpid() != t->owner) return;
+    int n = workers < 0 || workers > t->started ? t->started : workers;
+    if (n == 0) return;
     atomic_store(&t->spin_until_ns, now_ns() + (long long)(spin_us > 0 ? spin_us : 0) * 1000LL);
     pthread_mutex_lock(&t->mu);
-    t->wake_seq++;
-    pthread_cond_broadcast(&t->go);
+    for (int i = 0; i < n; i++) {
+        t->wake_seq[i]++;
+        pthread_cond_signal(&t->go[i]);
+    }
     pthread_mutex_unlock(&t->mu);
 }
 
@@ -329,12 +360,14 @@ int dsh_trav_open(const char *libpath, void *probe_matcher, int threads, dsh_tra
     }
     pthread_mutex_init(&t->mu, NULL);
     pthread_mutex_init(&t->run_mu, NULL);
-    pthread_cond_init(&t->go, NULL);
+    for (int i = 0; i < DSH_TRAV_MAX_THREADS; i++) pthread_cond_init(&t->go[i], NULL);
     pthread_cond_init(&t->done, NULL);
     t->owner = getpid();
     t->threads = threads;
     for (int i = 0; i < threads - 1; i++) {
-        int e = pthread_create(&t->workers[i], NULL, worker_main, t);
+        t->args[i].t = t;
+        t->args[i].idx = i;
+        int e = pthread_create(&t->workers[i], NULL, worker_main, &t->args[i]);
         if (e) {
             set_err(err, errlen, "pthread_create: %s", strerror(e));
             dsh_trav_close(t);
@@ -347,6 +380,8 @@ int dsh_trav_open(const char *libpath, void *probe_matcher, int threads, dsh_tra
 }
 
 int dsh_trav_threads(const dsh_trav *t) { return t ? t->threads : 0; }
+
+long long dsh_trav_participations(dsh_trav *t) { return t ? atomic_load(&t->participations) : -1; }
 
 static int cmp_ptr(const void *a, const void *b) {
     uintptr_t x = (uintptr_t)(*(void *const *)a), y = (uintptr_t)(*(void *const *)b);
@@ -482,11 +517,15 @@ int dsh_trav_run(dsh_trav *t, dsh_trav_job *jobs, int32_t n_jobs, const int64_t 
     int helpers = t->started < n_jobs - 1 ? t->started : n_jobs - 1;
     if (helpers > 0) {
         t->task = &k;
-        atomic_store(&t->active, t->started);
-        /* spinning workers see the new generation at once; sleeping ones are woken */
-        atomic_fetch_add_explicit(&t->posted, 1, memory_order_release);
+        /* only the workers that have a job take part: the step never waits for the wake-up of a worker
+         * it does not need, and idle workers stay asleep */
+        atomic_store(&t->active, helpers);
+        /* spinning participants see the new generation at once; sleeping ones are woken */
+        uint_fast64_t word = atomic_load_explicit(&t->posted, memory_order_relaxed);
+        atomic_store_explicit(&t->posted, (word / POST_GEN + 1) * POST_GEN + (uint_fast64_t)helpers,
+                              memory_order_release);
         pthread_mutex_lock(&t->mu);
-        pthread_cond_broadcast(&t->go);
+        for (int i = 0; i < helpers; i++) pthread_cond_signal(&t->go[i]);
         pthread_mutex_unlock(&t->mu);
     }
     work(t, &k);
@@ -516,17 +555,19 @@ int dsh_trav_run(dsh_trav *t, dsh_trav_job *jobs, int32_t n_jobs, const int64_t 
 void dsh_trav_close(dsh_trav *t) {
     if (!t) return;
     if (getpid() == t->owner) {
+        pthread_mutex_lock(&t->run_mu); /* a step still running finishes first (item 8: close vs run) */
         pthread_mutex_lock(&t->mu);
         atomic_store(&t->stopping, 1);
-        pthread_cond_broadcast(&t->go);
+        for (int i = 0; i < t->started; i++) pthread_cond_signal(&t->go[i]);
         pthread_mutex_unlock(&t->mu);
         for (int i = 0; i < t->started; i++) pthread_join(t->workers[i], NULL);
+        pthread_mutex_unlock(&t->run_mu);
         if (t->fn_traverse) t->decref(t->fn_traverse);
         if (t->fn_is_terminated) t->decref(t->fn_is_terminated);
     }
     pthread_mutex_destroy(&t->mu);
     pthread_mutex_destroy(&t->run_mu);
-    pthread_cond_destroy(&t->go);
+    for (int i = 0; i < DSH_TRAV_MAX_THREADS; i++) pthread_cond_destroy(&t->go[i]);
     pthread_cond_destroy(&t->done);
     if (t->lib) dlclose(t->lib);
     free(t->links);

@@ -22,7 +22,7 @@
 #include <stdint.h>
 
 enum {
-    DSH_TRAV_ABI_VERSION = 2,
+    DSH_TRAV_ABI_VERSION = 3,
     DSH_TRAV_MAX_THREADS = 64,
     DSH_TRAV_ERRBUF_MIN = 256
 };
@@ -63,7 +63,11 @@ int dsh_trav_run(dsh_trav *t, dsh_trav_job *jobs, int32_t n_jobs, const int64_t 
 
 /* Wakes the worker threads ahead of a step: they spin up to `spin_us` microseconds for the next
  * dsh_trav_run, then sleep again. Optional; takes the thread wake-up latency off the step. */
-void dsh_trav_prewake(dsh_trav *t, int spin_us);
+void dsh_trav_prewake(dsh_trav *t, int spin_us, int workers);
+
+/* How many times a worker thread took part in a step (the caller's own thread not counted): a step
+ * with n jobs wakes and waits for min(threads - 1, n - 1) workers, no more. */
+long long dsh_trav_participations(dsh_trav *t);
 
 int dsh_trav_threads(const dsh_trav *t);
 void dsh_trav_close(dsh_trav *t);

@@ -241,3 +241,64 @@ def test_module_exports_and_library_path():
     path = native.tvm_ffi_library()
     assert os.path.basename(path).startswith("libtvm_ffi.so")
     assert path in open("/proc/self/maps").read()
+
+
+def test_a_step_wakes_and_waits_only_for_workers_with_jobs():
+    """Item 5 of "Fail closed and bounded everywhere": with 8 threads, a step of n jobs takes
+    min(7, n - 1) workers (the caller takes a job too); the others are neither woken nor waited for.
+    Before the fix every started worker entered every step (7 per step)."""
+    t = native.NativeTraversal(8)
+    f = NativeFactory(vocab=2048, pad=64)
+    V = f.vocab_size
+    try:
+        seen = set()
+        for n_reqs in (1, 2, 3, 4, 16):
+            matchers, roots, draft = f.batch(n_reqs, 8, seed=n_reqs)
+            per_step = max(0, min(7, len(native_jobs(matchers, roots, draft, V)) - 1))
+            seen.add(per_step)
+            out = torch.empty((n_reqs * 8, _words(V)), dtype=torch.int32)
+            want = torch.empty_like(out)
+            ChainTraverser("scalar").traverse(native_jobs(matchers, roots, draft, V), draft, want, V)
+            before = t.participations()
+            for _ in range(5):
+                t.prewake()
+                t.run(native_jobs(matchers, roots, draft, V), draft, out, n_reqs, 8, V)
+                assert torch.equal(out, want)
+            assert t.participations() - before == 5 * per_step, (n_reqs, t.participations() - before)
+        assert {0, 7} <= seen and len(seen) >= 3  # idle, partial and full pools were exercised
+        assert native.PREWAKE_SPIN_MIN_US <= t.last_spin_us <= native.PREWAKE_SPIN_MAX_US
+    finally:
+        t.close()
+
+
+def test_close_racing_a_running_step_waits_for_it():
+    """Item 8: close() from another thread while a step runs waits for the step (the native pool is
+    not freed under it); the step's masks are complete and a later step fails clearly."""
+    import threading
+
+    f = NativeFactory(vocab=2048, pad=64)
+    matchers, roots, draft = f.batch(64, 8, seed=11)
+    V = f.vocab_size
+    want = torch.empty((64 * 8, _words(V)), dtype=torch.int32)
+    ChainTraverser("scalar").traverse(native_jobs(matchers, roots, draft, V), draft, want, V)
+    for _ in range(20):
+        t = ChainTraverser("native", threads=4)
+        out = torch.empty_like(want)
+        errors = []
+
+        def step():
+            try:
+                t.traverse(native_jobs(matchers, roots, draft, V), draft, out, V)
+            except TraversalError as exc:
+                errors.append(str(exc))
+
+        th = threading.Thread(target=step)
+        th.start()
+        t.close()
+        th.join(30)
+        if errors:  # close won the race: the step refused to run, naming why
+            assert all("closed" in e for e in errors)
+        else:
+            assert torch.equal(out, want)
+        with pytest.raises(TraversalError, match="closed"):
+            t.traverse(native_jobs(matchers, roots, draft, V), draft, out, V)

@@ -93,6 +93,8 @@ def test_bench_traversal_json_contract():
     )
     assert out.returncode == 0, out.stderr[-3000:]
     result = json.loads(out.stdout.strip().splitlines()[-1])
-    assert set(result) == {"requests", "chain", "stock_ms", "harden_ms", "speedup", "identical"}
+    assert set(result) == {"requests", "chain", "stock_ms", "harden_ms", "speedup", "identical",
+                           "stock_cpu_s_per_step", "harden_cpu_s_per_step"}
+    assert result["stock_cpu_s_per_step"] > 0 and result["harden_cpu_s_per_step"] > 0
     assert result["requests"] == 6 and result["chain"] == 4 and result["identical"] is True
     assert isinstance(result["stock_ms"], float) and isinstance(result["harden_ms"], float)

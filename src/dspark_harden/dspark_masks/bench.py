@@ -113,20 +113,26 @@ def run(requests: int = 64, chain: int = 8, vocab: int = 32000, steps: int = 30,
         made the debris instead of to the path that happens to follow it."""
         times = [[] for _ in fns]
         masks = [[] for _ in fns]
+        cpu[:] = [[] for _ in fns]
         while len(times[0]) < n:
             for i, fn in enumerate(fns):
                 settle(fn())  # untimed: absorbs the previous block's allocator debris
                 for _ in range(min(BLOCK, n - len(times[i]))):
+                    c0 = time.process_time()  # every thread of this process: workers and their spins
                     t0 = time.perf_counter()
                     m = fn()
                     times[i].append(time.perf_counter() - t0)
+                    cpu[i].append(time.process_time() - c0)
                     masks[i].append(settle(m))
         return times, masks
+
+    cpu: list = []
 
     ours = make_ours(engine)
     chosen = I.runtime().traverser.engine
     measure([stock_step, ours], 2)  # warm-up (xgrammar caches, allocator, thread pools)
     times, masks = measure([stock_step, ours], steps)
+    step_cpu = [list(c) for c in cpu]
     def same(a, b):
         a = all_ones if a is None else a
         b = all_ones if b is None else b
@@ -143,6 +149,9 @@ def run(requests: int = 64, chain: int = 8, vocab: int = 32000, steps: int = 30,
         "harden_ms": round(harden_ms, 3),
         "speedup": round(stock_ms / harden_ms, 2) if harden_ms > 0 else float("inf"),
         "identical": bool(identical),
+        # CPU seconds per step (process-wide: includes native workers' spinning), medians
+        "stock_cpu_s_per_step": round(statistics.median(step_cpu[0]), 6),
+        "harden_cpu_s_per_step": round(statistics.median(step_cpu[1]), 6),
     }
     if all_engines:
         extra = {"engine": chosen, "vocab_size": wl.vocab_size, "mix": mix,
@@ -174,6 +183,7 @@ def main(args) -> int:
         print(f"  stock build_grammar_vocab_mask : {result['stock_ms']:.3f} ms/step")
         print(f"  dspark-harden                  : {result['harden_ms']:.3f} ms/step")
         print(f"  speedup {result['speedup']}x, identical masks: {result['identical']}")
+        print(f"  CPU s/step: stock {result['stock_cpu_s_per_step']:.6f}, dspark-harden {result['harden_cpu_s_per_step']:.6f}")
         for eng, v in result.get("detail", {}).get("engines_ms", {}).items():
             print(f"  engine {eng:8s}: {v['ms']:.3f} ms (stock {v['stock_ms']:.3f}), identical {v['identical']}")
     return 0 if result["identical"] else 1

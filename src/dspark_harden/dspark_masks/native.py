@@ -10,6 +10,7 @@ verify step; see :class:`~.traversal.ChainTraverser` (engine ``native``).
 from __future__ import annotations
 
 import os
+import time
 import weakref
 from typing import Any, Optional, Sequence
 
@@ -25,10 +26,13 @@ except ImportError as exc:  # pragma: no cover - only without the built extensio
 else:
     IMPORT_ERROR = None
 
-ABI_VERSION = 2
-# How long woken workers spin for the step they were woken for: covers the barrier, job resolution
-# and the draft-copy wait that separate the wake-up from the traversal (a few hundred us at most).
-PREWAKE_SPIN_US = 3000
+ABI_VERSION = 3
+# How long woken workers spin for the step they were woken for. Adaptive: 1.5x the recent gap
+# between prewake() and run() (the barrier, job resolution and draft-copy wait between them) plus
+# 50 us, within [PREWAKE_SPIN_MIN_US, PREWAKE_SPIN_MAX_US]; the first step uses the maximum.
+# (A fixed 3 ms spin took cores from the scheduler and tokenizer on every step.)
+PREWAKE_SPIN_MIN_US = 50
+PREWAKE_SPIN_MAX_US = 1000
 
 
 def unavailable_reason() -> Optional[str]:
@@ -90,6 +94,10 @@ class NativeTraversal:
         self._failed = ffi.new("int32_t *")
         self._cache: dict = {}  # per_matcher cache of _describe
         self._finalizer = weakref.finalize(self, NativeTraversal._close_handle, self._t, self._pid)
+        self._gap_ewma_us: Optional[float] = None  # recent prewake -> run gap
+        self._prewoke_at: Optional[float] = None
+        self._last_jobs = threads  # workers a step needs: from the previous step's job count
+        self.last_spin_us = 0
 
     @staticmethod
     def _close_handle(handle, pid) -> None:
@@ -100,10 +108,25 @@ class NativeTraversal:
     def close(self) -> None:
         self._finalizer()
 
-    def prewake(self, spin_us: int = PREWAKE_SPIN_US) -> None:
-        """Wake the worker threads ahead of :meth:`run` (they spin up to ``spin_us`` for it)."""
-        if not self.stale():
-            lib.dsh_trav_prewake(self._t, spin_us)
+    def prewake(self, spin_us: Optional[int] = None) -> None:
+        """Wake the workers the next step is expected to need (as many as the previous step had jobs,
+        minus the calling thread) ahead of :meth:`run`; they spin up to ``spin_us`` for it (default:
+        adaptive, see PREWAKE_SPIN_*)."""
+        if self.stale():
+            return
+        if spin_us is None:
+            if self._gap_ewma_us is None:
+                spin_us = PREWAKE_SPIN_MAX_US
+            else:
+                spin_us = int(min(PREWAKE_SPIN_MAX_US, max(PREWAKE_SPIN_MIN_US, 1.5 * self._gap_ewma_us + 50)))
+        self.last_spin_us = spin_us
+        workers = max(0, min(self.threads - 1, self._last_jobs - 1))
+        self._prewoke_at = time.perf_counter()
+        lib.dsh_trav_prewake(self._t, spin_us, workers)
+
+    def participations(self) -> int:
+        """Worker-thread entries into steps so far (see dsh_trav_participations)."""
+        return int(lib.dsh_trav_participations(self._t))
 
     def stale(self) -> bool:
         """True in a forked child of the process that opened this traversal."""
@@ -122,7 +145,12 @@ class NativeTraversal:
         ``>= vocab_size`` (so :func:`~.resolve.resolve_jobs` may leave it at ``chain``)."""
         if self.stale():
             raise TraversalError("native traversal used after fork; create a new ChainTraverser in this process")
+        if self._prewoke_at is not None:
+            gap_us = (time.perf_counter() - self._prewoke_at) * 1e6
+            self._gap_ewma_us = gap_us if self._gap_ewma_us is None else 0.8 * self._gap_ewma_us + 0.2 * gap_us
+            self._prewoke_at = None
         n = len(jobs)
+        self._last_jobs = max(1, n)
         cj = ffi.new("dsh_trav_job[]", n) if n else ffi.NULL
         for i, j in enumerate(jobs):
             c = cj[i]

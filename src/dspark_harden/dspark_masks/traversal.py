@@ -117,6 +117,7 @@ class ChainTraverser:
         self._pool: Optional[ThreadPoolExecutor] = None
         self._batch: Optional[Any] = None
         self._lock = threading.Lock()
+        self._closed = False
         self._native: Optional[Any] = None
         if engine == "native":
             self._native = self._open_native()
@@ -145,18 +146,24 @@ class ChainTraverser:
             self._native.prewake()  # a no-op in a forked child (see NativeTraversal.prewake)
 
     def close(self) -> None:
-        if self._native is not None:
-            self._native.close()
-            self._native = None
-        if self._pool is not None:
-            self._pool.shutdown(wait=True)
-            self._pool = None
+        """Idempotent. Takes the traversal lock, so a close racing a running step waits for it to end
+        instead of freeing the native pool under it (the C side also serialises close with run)."""
+        with self._lock:
+            self._closed = True
+            if self._native is not None:
+                self._native.close()
+                self._native = None
+            if self._pool is not None:
+                self._pool.shutdown(wait=True)
+                self._pool = None
 
     # ------------------------------------------------------------------------------------------
     def traverse(self, jobs: Sequence[Job], draft: torch.Tensor, out: torch.Tensor, vocab_size: int) -> None:
         bs, chain = draft.shape
         _check_buffers(draft, out, bs, chain, vocab_size)
         with self._lock:  # one step at a time per traverser (buffers and native pools are shared)
+            if self._closed:
+                raise TraversalError("the grammar traversal was closed (scheduler shutting down); no masks are built")
             live = [j for j in jobs if j.end > j.root]
             if self.engine == "native":
                 # validation (rows, ranges, shared matchers), all-ones prefill and repair run in C
