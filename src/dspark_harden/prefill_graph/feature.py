@@ -214,7 +214,16 @@ def dspark_process_bound(role, settings, report):
     if role is not Role.SCHEDULER:
         return
     st = _status(report)
-    if st is None or st.status != "bound":
+    if st is None:
+        return
+    if st.status == "unavailable":
+        ctx = roles.CONTEXT
+        logger.warning(
+            "dspark-harden %s not applied in this scheduler (dp_rank %s): %s",
+            FEATURE, ctx.dp_label if ctx is not None else "?", st.detail,
+        )
+        return
+    if st.status != "bound":
         return
     from ..core.binder import BindError
 
