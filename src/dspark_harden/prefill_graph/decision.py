@@ -159,7 +159,14 @@ def schedule_view(batch: Any, *, server_mode: Any, decode_as_extend: bool = Fals
     ForwardMode, CaptureHiddenMode = _modes()
     mode = batch.forward_mode
     reqs = list(getattr(batch, "reqs", None) or ())
-    pool = [r.token_indices_to_pool for r in reqs if getattr(r, "token_indices_to_pool", None) is not None]
+    # ForwardBatch.init_new (_maybe_init_non_generation_fields): set only for prefill-only batches
+    # in which every request carries it (the scheduler keeps readout batches homogeneous)
+    pool = (
+        [r.token_indices_to_pool for r in reqs]
+        if reqs and getattr(batch, "is_prefill_only", False)
+        and all(getattr(r, "token_indices_to_pool", None) is not None for r in reqs)
+        else None
+    )
     capture = required_capture_hidden_mode(batch, server_mode)
     if mode in (ForwardMode.EXTEND, ForwardMode.MIXED):
         seq = batch.seq_lens_cpu
@@ -177,7 +184,7 @@ def schedule_view(batch: Any, *, server_mode: Any, decode_as_extend: bool = Fals
             input_embeds=batch.input_embeds,
             replace_embeds=getattr(batch, "replace_embeds", None),
             spec_info=getattr(batch, "spec_info", None),
-            token_indices_to_pool=pool or None,
+            token_indices_to_pool=pool,
             mm_inputs=any(m is not None and m.contains_mm_input() for m in (getattr(batch, "multimodal_inputs", None) or ())),
             extend_num_tokens=getattr(batch, "extend_num_tokens", None),
         )
@@ -193,7 +200,7 @@ def schedule_view(batch: Any, *, server_mode: Any, decode_as_extend: bool = Fals
             capture_hidden_mode=capture,
             extend_logprob_start_lens_cpu=[s - 1 for s in seq],
             spec_info=getattr(batch, "spec_info", None),
-            token_indices_to_pool=pool or None,
+            token_indices_to_pool=pool,
             extend_num_tokens=len(seq),
         )
     return None

@@ -11,7 +11,8 @@ One JSON object per line, one line per scheduler step::
 
 ``mode``: ``extend`` | ``mixed`` | ``decode`` | ``idle``. ``extend`` / ``mixed`` need ``reqs``
 (each ``extend`` >= 1 new tokens, optional ``prefix`` cached tokens, flags ``logprob``,
-``hidden`` (return_hidden_states), ``pool`` (multi-position pooling readout, e.g. scoring),
+``hidden`` (return_hidden_states), ``pool`` (multi-position pooling readout, e.g. scoring: a batch
+whose requests all carry it is a prefill-only readout batch),
 ``embeds`` (input embeddings instead of ids)). ``decode`` needs ``seq``: the sequence length of
 each running request. Exactly two ranks per step (DP2).
 """
@@ -255,6 +256,7 @@ class TraceBatch:
     return_hidden_states_mode: Any = None
     extend_num_tokens: int = 0
     is_extend_in_batch: bool = False
+    is_prefill_only: bool = False
     extra: dict = field(default_factory=dict)
 
     def batch_size(self) -> int:
@@ -295,6 +297,7 @@ def schedule_batch(rank: RankStep) -> Optional[TraceBatch]:
         return_hidden_states_mode=max((r.return_hidden_states_mode for r in reqs), default=CaptureHiddenMode.NULL),
         extend_num_tokens=total,
         is_extend_in_batch=True,
+        is_prefill_only=all(q.pool for q in rank.reqs),  # scoring batches are prefill-only and homogeneous
     )
 
 
