@@ -186,3 +186,58 @@ def test_bound_vote_folds_forward_time_checks_into_the_stock_column():
                                     can_run_prefill_cuda_graph=dp_attn._local_prefill_cuda_graph_vote(**kw),
                                     is_extend_in_batch=True, local_can_run_tbo=False, local_forward_mode=1)
     assert info._get_local_tensor(device="cpu").tolist()[6] == 0
+
+
+# --- metrics and the exchange column -------------------------------------------------------------
+
+
+@pytest.mark.forked
+def test_recorder_counts_decisions_tokens_buckets_and_prevented_splits():
+    import prometheus_client
+
+    from dspark_harden.core import metrics as M
+    from dspark_harden.prefill_graph import metrics as PM
+    from dspark_harden.prefill_graph import trace as T
+
+    M.reset_for_tests()
+    M.use(M.registry(load_extensions=False))
+    assert M.precreate_process("scheduler", ["prefill-graph-dp"], "1")
+    sim = B.Simulator(B.capture_config())
+    PM.attach(sim.rts[1], dp_label="1")  # this process is dp_rank 1
+    idle = T.RankStep("idle")
+    steps = [
+        T.Step((T.RankStep("extend", (T.TraceReq(extend=900),)), T.RankStep("extend", (T.TraceReq(extend=100),)))),
+        T.Step((T.RankStep("extend", (T.TraceReq(extend=500),)), T.RankStep("extend", (T.TraceReq(extend=50, hidden=True),)))),
+        T.Step((T.RankStep("extend", (T.TraceReq(extend=50),)), idle)),
+    ]
+    for s in steps:
+        sim._side(s, harden=True)
+
+    def value(name, **labels):
+        return prometheus_client.REGISTRY.get_sample_value(name, {"dp_rank": "1", **labels})
+
+    assert value("dspark_harden_prefill_graph_decisions_total", outcome="graph", reason="admitted") == 2
+    assert value("dspark_harden_prefill_graph_decisions_total", outcome="eager", reason="capture_hidden_mode") == 1
+    assert value("dspark_harden_prefill_graph_decisions_total", outcome="eager", reason="padding") == 0  # pre-created
+    assert value("dspark_harden_prefill_graph_splits_prevented_total", check="capture_hidden_mode") == 1
+    assert value("dspark_harden_prefill_graph_tokens_total", kind="useful") == 100 + 0  # idle participant: 0 useful
+    assert value("dspark_harden_prefill_graph_tokens_total", kind="executed") == 960 + 64
+    assert value("dspark_harden_prefill_graph_bucket_tokens_count") == 2
+    assert value("dspark_harden_prefill_graph_divergence_total", check="backend_hook") == 0
+
+
+def test_the_vote_travels_in_the_stock_column_of_both_exchange_paths():
+    """The stock all_gather and the native DP2 exchange (dp2/mlp_sync.py) both read the row schema
+    from the live class: the vote stays the existing 0/1 ``can_run_prefill_cuda_graph`` column,
+    min-reduced by both, and the feature adds no field."""
+    import dataclasses
+
+    from sglang.srt.managers.scheduler_components import dp_attn
+
+    from dspark_harden.dp2.mlp_sync import live_schema
+
+    schema = live_schema(dp_attn.MLPSyncBatchInfo)
+    col = schema.columns.index("can_run_prefill_cuda_graph")
+    assert schema.width == 11 and col == 6 and schema.fallback[col] == 0  # an inactive rank votes eager
+    names = {f.name for f in dataclasses.fields(dp_attn.MLPSyncBatchInfo)}
+    assert not any("dspark" in n or "harden" in n for n in names)
