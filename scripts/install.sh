@@ -9,7 +9,11 @@ VENV="${DSPARK_VENV:-$HOME/.cache/dspark-harden/venv}"
 PY="${PYTHON:-python3}"
 SGLANG_REQ="sglang==0.5.23"
 # runtime + test requirements that are not pulled by sglang itself
-EXTRA_REQS=(cffi pyzmq prometheus-client filelock "pluggy>=1.5" packaging "pytest>=8,<9" "pytest-forked>=1.6" pytest-timeout jsonschema numpy "setuptools>=77" wheel)
+# hypothesis < 6.170.10: hypothesis-jsonschema 0.23.1 (the latest) uses conjecture's many.more(), removed in 6.170.10
+EXTRA_REQS=(cffi pyzmq prometheus-client filelock "pluggy>=1.5" packaging "pytest>=8,<9" "pytest-forked>=1.6" pytest-timeout jsonschema numpy "setuptools>=77" wheel "hypothesis>=6.100,<6.170.10" "hypothesis-jsonschema==0.23.1")
+# the grammar tests' real-world schema corpus: the JSON Schema Test Suite from the npm registry
+NPM_PREFIX="${DSPARK_HARDEN_NPM_PREFIX:-$HOME/.cache/dspark-harden/npm}"
+NPM_CORPUS="json-schema-test-suite@0.0.10"
 STAMP="$VENV/.dspark-harden-venv"
 WANT="$(printf '%s\n' "$SGLANG_REQ" "${EXTRA_REQS[@]}" | sha256sum | cut -c1-16)"
 
@@ -21,6 +25,7 @@ venv_complete() {
 import importlib.metadata as md
 assert md.version("sglang") == "0.5.23"
 import sglang, torch, xgrammar, zmq, cffi, pluggy, filelock, prometheus_client, pytest, pytest_forked  # noqa
+import hypothesis, hypothesis_jsonschema  # noqa
 PY
 }
 
@@ -49,6 +54,24 @@ if ! command -v promtool >/dev/null 2>&1 || ! command -v prometheus >/dev/null 2
   else
     log "WARNING: prometheus/promtool missing and not root: install the Debian package 'prometheus'"
   fi
+fi
+
+corpus_complete() {
+  [[ -f "$NPM_PREFIX/node_modules/json-schema-test-suite/package.json" ]] || return 1
+  grep -q '"version": "0.0.10"' "$NPM_PREFIX/node_modules/json-schema-test-suite/package.json"
+}
+if corpus_complete; then
+  log "reusing the JSON Schema Test Suite corpus in $NPM_PREFIX"
+else
+  if ! command -v npm >/dev/null 2>&1 && [[ "$(id -u)" == 0 ]]; then
+    log "installing Debian packages nodejs + npm (for the grammar tests' schema corpus)"
+    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq nodejs npm >/dev/null) \
+      || log "WARNING: could not install npm; the grammar corpus tests will fail"
+  fi
+  log "installing npm $NPM_CORPUS (the JSON Schema Test Suite) into $NPM_PREFIX"
+  mkdir -p "$NPM_PREFIX"
+  npm install --prefix "$NPM_PREFIX" --no-audit --no-fund --no-save --loglevel=error "$NPM_CORPUS" >/dev/null \
+    || log "WARNING: npm install $NPM_CORPUS failed; the grammar corpus tests will fail"
 fi
 
 log "building tiny local models and tokenizers (cached)"
