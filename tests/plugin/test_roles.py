@@ -64,3 +64,65 @@ def test_dp_attention_rank_from_server_args():
     assert _dp_rank_of(Args(dp_size=2, tp_size=1), 0, None) is None  # DP without attention DP
     assert _dp_rank_of(Args(attn_dp_size=1, tp_size=2), 1, 5) == 5  # explicit rank wins
     assert _dp_rank_of(None, None, None) is None
+
+
+def _launch_server_help(env: dict):
+    """SGLang's real main-process entry point: ``python -m sglang.launch_server`` runs
+    ``load_plugins()`` at module level, before it parses (here: ``--help``) its arguments."""
+    import os
+    import subprocess
+    import sys
+
+    full = dict(os.environ)
+    full.pop("DSPARK_HARDEN_ROLE", None)
+    full.update(env)
+    return subprocess.run([sys.executable, "-m", "sglang.launch_server", "--help"], env=full,
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_role_variable_left_in_a_real_launch_stops_startup():
+    """Item 7 of "Fail closed and bounded everywhere": DSPARK_HARDEN_ROLE is inherited by every SGLang
+    child; left exported in a launch it used to bind the main process as a scheduler. Now SGLang's own
+    main entry point refuses to start, naming the variable and the real role."""
+    r = _launch_server_help({"SGLANG_PLUGINS": "dspark_harden", "DSPARK_HARDEN_ROLE": "scheduler"})
+    assert r.returncode != 0
+    err = r.stdout + r.stderr
+    assert "DSPARK_HARDEN_ROLE=scheduler is set, but SGLang started this process as its main" in err, err[-3000:]
+    ok = _launch_server_help({"SGLANG_PLUGINS": "dspark_harden", "DSPARK_HARDEN_ROLE": "main"})
+    assert ok.returncode == 0, (ok.stdout + ok.stderr)[-3000:]  # agreeing value: harmless
+    plain = _launch_server_help({"SGLANG_PLUGINS": "dspark_harden"})
+    assert plain.returncode == 0 and "dspark-harden" in plain.stderr + plain.stdout
+
+
+def test_unknown_caller_without_a_role_is_refused_not_bound_as_main():
+    """No SGLang process function on the stack and no role given: refuse instead of falling back to
+    'main' (which would silently skip every other role's patches)."""
+    rc, result, out = run_py(
+        """
+        from sglang.srt.plugins import load_plugins
+        try:
+            load_plugins()
+        except SystemExit as exc:
+            emit({"exit": str(exc)})
+            raise
+        emit({"exit": None})
+        """,
+        env={"SGLANG_PLUGINS": "dspark_harden"},
+    )
+    assert rc != 0 and result and result["exit"], out[-3000:]
+    assert "cannot tell which SGLang process called load_plugins()" in result["exit"]
+    assert "Refusing to bind as 'main'" in result["exit"]
+
+
+def test_bad_role_value_is_named():
+    rc, result, out = run_py(
+        """
+        from dspark_harden import entry
+        try:
+            entry.load()
+        except SystemExit as exc:
+            emit({"exit": str(exc)})
+        """,
+        env={"DSPARK_HARDEN_ROLE": "worker"},
+    )
+    assert result and "DSPARK_HARDEN_ROLE='worker' is not a role" in result["exit"], out[-3000:]

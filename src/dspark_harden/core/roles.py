@@ -19,6 +19,24 @@ _CALLERS = {
     "run_data_parallel_controller_process": Role.CONTROLLER,
     "run_detokenizer_process": Role.DETOKENIZER,
 }
+# main-process callers of load_plugins() in sglang 0.5.23: (file path suffix, function); "<module>"
+# is module-level code (python -m sglang.launch_server; our multi-tokenizer HTTP worker app)
+_MAIN_CALLERS = frozenset({
+    ("sglang/launch_server.py", "<module>"),
+    ("sglang/cli/serve.py", "serve"),
+    ("sglang/srt/entrypoints/engine.py", "__init__"),
+    ("sglang/srt/entrypoints/engine.py", "_launch_subprocesses"),
+    ("dspark_harden/ingress/app.py", "<module>"),
+})
+ROLE_ENV = "DSPARK_HARDEN_ROLE"
+
+
+class RoleError(SystemExit):
+    """The process role cannot be trusted: stop instead of binding the wrong patches (a SystemExit,
+    so SGLang's ``except Exception`` around plugins cannot swallow it)."""
+
+    def __init__(self, message: str):
+        super().__init__(f"dspark-harden: {message}")
 
 
 @dataclass(frozen=True)
@@ -49,17 +67,54 @@ def _dp_rank_of(server_args: Any, tp_rank: Optional[int], dp_rank: Optional[int]
     return tp_rank // attn_tp
 
 
+def _main_caller(frame) -> bool:
+    path = frame.f_code.co_filename.replace("\\", "/")
+    return any(path.endswith(suffix) and frame.f_code.co_name == fn for suffix, fn in _MAIN_CALLERS)
+
+
 def detect_context(forced: Optional[str] = None) -> ProcessContext:
+    """The role of this process, from the SGLang function that called ``load_plugins()``.
+
+    ``forced`` (the entry point's argument) or ``DSPARK_HARDEN_ROLE`` decide only where no SGLang
+    process caller is on the stack (``dspark-harden check`` children, test interpreters). In a
+    process SGLang started, a role variable that disagrees with it stops startup (the variable is
+    inherited by every child of a launch that left it exported), and a caller that is neither a
+    known SGLang process function nor a known main-process entry point stops startup too, instead
+    of falling back to ``main`` and silently skipping the scheduler's patches."""
     frame = sys._getframe(1)
-    found_role, found_locals = None, {}
+    found_role, found_locals, callers = None, {}, []
     while frame is not None:
         role = _CALLERS.get(frame.f_code.co_name)
         if role is not None and frame.f_globals.get("__name__", "").startswith("sglang."):
             found_role, found_locals = role, dict(frame.f_locals)
             break
+        if _main_caller(frame):
+            found_role = Role.MAIN
+            break
+        callers.append(f"{frame.f_globals.get('__name__', '?')}:{frame.f_code.co_name}")
         frame = frame.f_back
-    name = forced or os.environ.get("DSPARK_HARDEN_ROLE")
-    role = Role(name) if name else (found_role or Role.MAIN)
+    name = forced or os.environ.get(ROLE_ENV)
+    if name:
+        try:
+            wanted = Role(name)
+        except ValueError:
+            raise RoleError(f"{ROLE_ENV}={name!r} is not a role (main, controller, scheduler, detokenizer)") from None
+        if found_role is not None and wanted is not found_role:
+            raise RoleError(
+                f"{ROLE_ENV}={name} is set, but SGLang started this process as its {found_role.value} (pid "
+                f"{os.getpid()}): the variable is only for `dspark-harden check` children and would bind the "
+                f"wrong patches here. Unset {ROLE_ENV} in the server's environment."
+            )
+        role = wanted
+    elif found_role is not None:
+        role = found_role
+    else:
+        raise RoleError(
+            "cannot tell which SGLang process called load_plugins() (no scheduler, DP controller, "
+            "detokenizer or main-process entry point of sglang 0.5.23 on the stack; innermost callers: "
+            f"{', '.join(callers[1:5]) or '?'}). Refusing to bind as 'main', which would skip the patches "
+            f"of any other role. Start SGLang through its own entry points, or set {ROLE_ENV} for a check."
+        )
     server_args = found_locals.get("server_args")
     tp_rank = found_locals.get("tp_rank")
     return ProcessContext(

@@ -208,8 +208,9 @@ CORE_SETTINGS = [
         "DSPARK_HARDEN_ROLE",
         choice("main", "controller", "scheduler", "detokenizer"),
         None,
-        "Force the process role instead of detecting it from the caller of load_plugins() "
-        "(used by `dspark-harden check` children; not needed in a server).",
+        "Role for a process SGLang did not start (`dspark-harden check` children). In a process SGLang "
+        "started, the role comes from the caller of load_plugins() and a disagreeing value stops startup "
+        "(never leave it exported in a server's environment).",
     ),
     Setting(
         "DSPARK_HARDEN_STRICT_EXTENSIONS",
