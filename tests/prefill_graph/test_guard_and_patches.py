@@ -241,3 +241,21 @@ def test_the_vote_travels_in_the_stock_column_of_both_exchange_paths():
     assert schema.width == 11 and col == 6 and schema.fallback[col] == 0  # an inactive rank votes eager
     names = {f.name for f in dataclasses.fields(dp_attn.MLPSyncBatchInfo)}
     assert not any("dspark" in n or "harden" in n for n in names)
+
+
+def test_bucket_choice_is_stocks_own_expression():
+    import random as _r
+
+    code = D._stock_padding_code()
+    assert code["bucket"].co_filename == "<stock prepare_mlp_sync_batch>"
+    bs = list(B.capture_config().buckets)
+    rng = _r.Random(1)
+    for _ in range(2000):
+        n = rng.randint(1, 16384)
+        assert D.stock_bucket(bs, n) == min(b for b in bs if b >= n)
+    assert D.stock_bucket(bs, 16385) is None
+    assert D.stock_forces_max_len(verdict=True, is_extend_in_batch=True, bs=bs, global_num_tokens=[900, 0])
+    assert not D.stock_forces_max_len(verdict=False, is_extend_in_batch=True, bs=bs, global_num_tokens=[900, 0])
+    assert not D.stock_forces_max_len(verdict=True, is_extend_in_batch=True, bs=bs, global_num_tokens=[900, 0],
+                                      tolerates_sum_len=True)
+    assert not D.stock_forces_max_len(verdict=True, is_extend_in_batch=True, bs=bs, global_num_tokens=[20000, 0])

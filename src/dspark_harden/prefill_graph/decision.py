@@ -347,11 +347,60 @@ class SharedDecision:
     detail: str = ""
 
 
+_STOCK_PADDING: dict = {}
+
+
+def _stock_padding_code() -> dict:
+    """The MAX_LEN condition and the bucket expression of stock
+    ``ForwardBatch.prepare_mlp_sync_batch`` (L1795-1810), compiled from the live source: the
+    decision evaluates stock's own code, not a copy (its fingerprint is checked at bind time)."""
+    if _STOCK_PADDING:
+        return _STOCK_PADDING
+    import ast
+    import inspect
+    import textwrap
+
+    from sglang.srt.model_executor.forward_batch_info import ForwardBatch
+
+    tree = ast.parse(textwrap.dedent(inspect.getsource(ForwardBatch.prepare_mlp_sync_batch)))
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and "can_run_dp_prefill_cuda_graph" in ast.unparse(node.test):
+            assigns = [st for st in node.body if isinstance(st, ast.Assign)
+                       and any(isinstance(t, ast.Name) and t.id == "bucket" for t in st.targets)]
+            if len(assigns) == 1:
+                _STOCK_PADDING["max_len"] = compile(ast.Expression(node.test), "<stock prepare_mlp_sync_batch>", "eval")
+                _STOCK_PADDING["bucket"] = compile(ast.Expression(assigns[0].value), "<stock prepare_mlp_sync_batch>", "eval")
+                return _STOCK_PADDING
+    raise RuntimeError("ForwardBatch.prepare_mlp_sync_batch no longer picks a shared prefill-graph bucket")
+
+
 def stock_bucket(bs: Sequence[int], max_tokens: int) -> Optional[int]:
-    """Stock ``ForwardBatch.prepare_mlp_sync_batch``'s shared bucket (L1795-1810):
-    ``min(size for size in prefill_cg.bs if size >= max(global_num_tokens))``."""
-    fits = [size for size in bs if size >= max_tokens]
-    return min(fits) if fits else None
+    """Stock's shared bucket: ``min(size for size in prefill_cg.bs if size >= max(global_num_tokens))``
+    (evaluated from the stock source), or ``None`` when no size fits."""
+    if not bs or max_tokens > max(bs):
+        return None
+    ns = {"prefill_cg": _Bs(list(bs)), "global_num_tokens": [int(max_tokens)], "min": min, "max": max}
+    return eval(_stock_padding_code()["bucket"], ns)  # noqa: S307 - stock's own expression
+
+
+def stock_forces_max_len(*, verdict: bool, is_extend_in_batch: bool, bs: Sequence[int], global_num_tokens: Sequence[int],
+                         tolerates_sum_len: bool = False) -> bool:
+    """Stock's condition for MAX_LEN padding to one shared bucket (evaluated from the stock source)."""
+    me = _Flags(can_run_dp_prefill_cuda_graph=verdict, is_extend_in_batch=is_extend_in_batch)
+    ns = {"self": me, "prefill_cg": _Bs(list(bs)), "global_num_tokens": list(global_num_tokens), "max": max,
+          "prefill_graph_tolerates_sum_len": lambda: tolerates_sum_len}
+    return bool(eval(_stock_padding_code()["max_len"], ns))  # noqa: S307 - stock's own expression
+
+
+@dataclass(frozen=True)
+class _Bs:
+    bs: list
+
+
+@dataclass(frozen=True)
+class _Flags:
+    can_run_dp_prefill_cuda_graph: bool
+    is_extend_in_batch: bool
 
 
 def finalize(
@@ -407,7 +456,8 @@ def after_mlp_sync(
     dummy extend; otherwise SUM_LEN with the rank's own count). ``None``: the rank runs no
     extend (idle / decode forward)."""
     n_max = max(global_num_tokens)
-    max_len = bool(verdict and is_extend_in_batch and bs and n_max <= max(bs) and not tolerates_sum_len)
+    max_len = stock_forces_max_len(verdict=verdict, is_extend_in_batch=is_extend_in_batch, bs=bs,
+                                   global_num_tokens=global_num_tokens, tolerates_sum_len=tolerates_sum_len)
     if max_len:
         bucket = stock_bucket(bs, n_max)
         padded = [bucket] * len(global_num_tokens)
