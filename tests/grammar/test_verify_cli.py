@@ -75,6 +75,9 @@ def test_deep_deserializes_with_the_namespace_tokenizer(hf_tokenizer, cache_dir)
     rc, out, err = _cli("--dir", str(cache_dir), "--deep")
     assert rc == 2 and "--deep needs --tokenizer PATH" in err and "tokenizer_sha256" in err
 
+    rc, out, err = _cli("--dir", str(cache_dir), "--deep", "--tokenizer", str(cache_dir / "no-such-tokenizer"))
+    assert rc == 2 and "cannot load tokenizer" in err, out + err
+
     rc, out, err = _cli("--dir", str(cache_dir), "--deep", "--tokenizer", wrong)
     assert rc == 1 and "deep check impossible" in out and ns.scope["tokenizer_sha256"] in out, out + err
 

@@ -119,7 +119,8 @@ def stats_main(args: Any) -> int:
     return 0
 
 
-def _load_tokenizers(paths: list) -> list:
+def _load_tokenizers(paths: list) -> tuple[list, str]:
+    """([(path, tokenizer)], "") or ([], why one path could not be loaded)."""
     from transformers import AutoTokenizer
 
     out = []
@@ -127,8 +128,8 @@ def _load_tokenizers(paths: list) -> list:
         try:
             out.append((path, AutoTokenizer.from_pretrained(path, local_files_only=True)))
         except Exception as exc:  # noqa: BLE001 - report which path and why, as a usage error
-            raise SystemExit(f"grammar-cache verify: cannot load tokenizer {path}: {type(exc).__name__}: {exc}")
-    return out
+            return [], f"grammar-cache verify: cannot load tokenizer {path}: {type(exc).__name__}: {exc}"
+    return out, ""
 
 
 def _namespace_tokenizer_info(ns: Any, tokenizers: list) -> tuple[Any, str]:
@@ -165,7 +166,10 @@ def verify_main(args: Any) -> int:
     if args.tokenizer and not args.deep:
         print("grammar-cache verify: --tokenizer is only used with --deep", file=sys.stderr)
         return 2
-    tokenizers = _load_tokenizers(args.tokenizer) if args.deep else []
+    tokenizers, load_error = _load_tokenizers(args.tokenizer) if args.deep else ([], "")
+    if load_error:
+        print(load_error, file=sys.stderr)
+        return 2
     root = _root(args)
     report = []
     problems = 0
