@@ -42,10 +42,6 @@ def _random_steps(n: int, seed: int) -> list:
     return [s for shape in shapes for s in T.generate(shape)]
 
 
-def _bucket(step, side):
-    return side["bucket"]
-
-
 @pytest.fixture(scope="module")
 def results(sim):
     steps = _random_steps(N_PAIRS, seed=2026)
@@ -176,18 +172,17 @@ def test_crafted_pair_checks_the_stock_vote_already_covers(name):
 
 
 def test_padding_is_judged_on_the_shared_bucket():
-    """A 3-token rank next to an idle peer: stock's local 2x bound (bucket 4 > 2 x 3 ... no: 4 <= 6)
-    admits it, but 1 token (bucket 4 > 2) is refused by stock and admitted by 4x on the global max."""
     sim = _sim_for({})
+    # 1 token per rank: bucket 4 is > 2 x 1, stock's local bound refuses; 4 <= 4 x 1 on the global max
     step = T.Step((T.RankStep("extend", (T.TraceReq(extend=1),)), T.RankStep("extend", (T.TraceReq(extend=1),))))
     assert sim._side(step, harden=False)["decisions"] == [False, False]
     assert sim._side(step, harden=True)["decisions"] == [True, True]
-    # a tiny rank next to a large one: stock votes eager on the tiny rank's local padding? no: local
-    # bucket(10)=12 <= 20; both replay the shared bucket of the large one
+    # a tiny rank next to a large one replays the large one's bucket on both ranks
     step = T.Step((T.RankStep("extend", (T.TraceReq(extend=10),)), T.RankStep("extend", (T.TraceReq(extend=5000),))))
     assert sim._side(step, harden=True)["decisions"] == [True, True]
+    # sparse buckets and f=2: 4096 > 2 x 1000 -> eager on both ranks, reason "padding" on both
     tight = B.Simulator(B.capture_config([64, 4096]), factor=2.0)
-    step = T.Step((T.RankStep("extend", (T.TraceReq(extend=1000),)), IDLE))  # bucket 4096 > 2 x 1000
+    step = T.Step((T.RankStep("extend", (T.TraceReq(extend=1000),)), IDLE))
     assert tight._side(step, harden=True)["decisions"] == [False, False]
     assert tight.rts[0].last.reason == "padding" and tight.rts[1].last.reason == "padding"
 

@@ -19,7 +19,6 @@ The bench builds the same wrappers around the same stock functions with its own
 from __future__ import annotations
 
 import logging
-import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
@@ -56,7 +55,6 @@ class Runtime:
     on_divergence: Optional[Callable] = None
     step: StepState = field(default_factory=StepState)
     last: Optional[D.SharedDecision] = None
-    lock: threading.Lock = field(default_factory=threading.Lock)
 
     def get_bs(self) -> list:
         if self.bs is not None:

@@ -123,7 +123,7 @@ def build_runner(cfg: CaptureConfig, *, server_mode: Any = None) -> Any:
     r.capture_hidden_mode = server_mode  # non-speculative target: return_hidden_states_mode
     # chunked-prefix variants (__init__ / _resolve_prefix_chunk_shape with chunked_prefill_size)
     r._capture_chunked_prefix = True
-    max_prefix = min(cfg.context_len, cfg.context_len)
+    max_prefix = cfg.context_len  # _max_addressable_prefix_len: min(req_to_token width, context_len)
     r._prefix_chunk_len = max(min(cfg.chunked_prefill, max_prefix * cfg.slots) // cfg.slots, 1)
     max_real_chunks = -(-max_prefix // r._prefix_chunk_len)
     r._prefix_capture_variants = tuple(n for n in pcg._CHUNKED_PREFIX_VARIANTS if n // 2 < max_real_chunks)

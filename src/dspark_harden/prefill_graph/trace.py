@@ -22,7 +22,7 @@ from __future__ import annotations
 import json
 import random
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Iterator, Optional
+from typing import Any, Iterable, Optional
 
 MODES = ("extend", "mixed", "decode", "idle")
 REQ_FLAGS = ("logprob", "hidden", "pool", "embeds")
