@@ -28,8 +28,8 @@ from dspark_harden.ingress import feature as F
 from dspark_harden.ingress.harness import Endpoints, Peer, build_controller, close_controller, make_batch, make_request
 
 
-def bind(atomic=True, loop=True, poll_ms=100):
-    settings = Settings(values={F.ATOMIC_SWITCH: atomic, F.LOOP_SWITCH: loop, F.POLL_MS: poll_ms})
+def bind(atomic=True, loop=True, poll_ms=100, spin_us=F.DEFAULT_SPIN_US):
+    settings = Settings(values={F.ATOMIC_SWITCH: atomic, F.LOOP_SWITCH: loop, F.POLL_MS: poll_ms, F.SPIN_US: spin_us})
     bound = F.patches(Role.CONTROLLER, settings)
     for p in bound:
         p.apply()
@@ -201,12 +201,34 @@ def test_blocking_loop_dispatches_and_feeds_the_watchdog_while_idle(tmp_path):
     run_loop(ctrl)
     peer.send(make_request("first"))
     assert peer.recv_any(5000)[1].rid == "first"
+    time.sleep(0.05)  # past the busy-poll window after the message (2 ms by default)
     c0 = ctrl.soft_watchdog._counter
     time.sleep(1.0)
     fed = ctrl.soft_watchdog._counter - c0
     # blocked in poll (at most ~1 s / 100 ms wakeups), yet fed: the stock loop feeds on every spin
     assert 1 <= fed <= 50, fed
     peer.send(make_request("second"))
+    assert peer.recv_any(5000)[1].rid == "second"
+
+
+@pytest.mark.forked
+def test_loop_busy_polls_only_for_the_window_after_a_message(tmp_path):
+    """After a message the loop keeps polling like stock (one feed per attempt) for SPIN_US, so a
+    follow-up is picked up without a wake-up; then it blocks again (a few feeds per second)."""
+    bind(atomic=False, loop=True, poll_ms=100, spin_us=400_000)
+    ctrl, peer = rig(tmp_path, watchdog_timeout=0.4)
+    run_loop(ctrl)
+    peer.send(make_request("first"))
+    assert peer.recv_any(5000)[1].rid == "first"
+    c0 = ctrl.soft_watchdog._counter
+    time.sleep(0.15)  # inside the 0.4 s window: spinning
+    spinning = ctrl.soft_watchdog._counter - c0
+    time.sleep(0.5)  # the window has passed
+    c1 = ctrl.soft_watchdog._counter
+    time.sleep(0.5)
+    blocked = ctrl.soft_watchdog._counter - c1
+    assert spinning > 1000 and blocked <= 25, (spinning, blocked)
+    peer.send(make_request("second"))  # and it still wakes for the next one
     assert peer.recv_any(5000)[1].rid == "second"
 
 

@@ -8,12 +8,14 @@ patches. Stock behaviour they keep:
   containing a health check) goes to the stock per-item dispatch unchanged.
 * ``dispatching_with_trace``: a request with a valid (or no) ``routed_dp_rank`` goes to stock.
 * ``event_loop``: same drain-then-dispatch order, same ``soft_watchdog.feed()`` per message;
-  only the idle wait changes from a spin to ``socket.poll(timeout)``.
+  it spins like stock only for a short window after each message, then waits in
+  ``socket.poll(timeout)`` instead of spinning.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any, Optional
 
 import zmq
@@ -180,22 +182,41 @@ def effective_poll_ms(ctrl: Any, poll_ms: int) -> int:
     return max(1, int(poll_ms))
 
 
-def build_event_loop(poll_ms: int):
+def build_event_loop(poll_ms: int, spin_us: int = 0):
     def event_loop(self):
-        """Block in ``poll`` (bounded) instead of spinning; drain and dispatch like stock."""
+        """Stock's drain-and-dispatch loop, which busy-polls (``recv(NOBLOCK)`` until ``Again``,
+        one ``soft_watchdog.feed()`` per attempt), but only for ``spin_us`` after the last message:
+        then it blocks in ``poll`` (bounded by ``poll_ms``) until the next message, so an idle
+        controller costs no CPU while traffic is picked up exactly as fast as by stock's loop.
+
+        (Measured alternatives that were not faster: a ``ZMQ_EVENTS`` flag check instead of the
+        raising receive, yielding the CPU while spinning, and blocking right away; docs/ingress.md.)"""
         dpc = _dpc()
         sock = self.recv_from_tokenizer
         timeout = effective_poll_ms(self, poll_ms)
-        logger.info("dspark-harden: DP controller event loop blocks on its socket (poll timeout %d ms)", timeout)
+        spin_s = max(0, int(spin_us)) / 1e6
+        clock = time.perf_counter
+        recv, feed = dpc.sock_recv, self.soft_watchdog.feed
+        POLLIN, NOBLOCK, Again = zmq.POLLIN, zmq.NOBLOCK, zmq.ZMQError
+        logger.info("dspark-harden: DP controller event loop blocks on its socket when idle (poll timeout %d ms, "
+                    "busy-poll window %d us after each message)", timeout, int(spin_us))
         while True:
-            self.soft_watchdog.feed()
-            sock.poll(timeout, zmq.POLLIN)
+            feed()
+            if not sock.poll(timeout, POLLIN):
+                continue  # idle timeout: feed the watchdog and block again (no spinning)
+            last = clock()
+            empty = 0
+            # stock's drain loop, verbatim in effect; it only also leaves after spin_s without a message
             while True:
                 self.soft_watchdog.feed()
                 try:
-                    recv_req = dpc.sock_recv(sock, flags=zmq.NOBLOCK)
-                except zmq.ZMQError:
-                    break
+                    recv_req = recv(self.recv_from_tokenizer, flags=NOBLOCK)
+                except Again:
+                    empty += 1
+                    if (not empty & 63 or not spin_s) and clock() - last >= spin_s:
+                        break  # no message for spin_s (checked every 64 attempts): block again
+                    continue
                 self._request_dispatcher(recv_req)
+                last = clock()
 
     return event_loop

@@ -29,8 +29,8 @@ from . import controller as C
 from . import scheduler as S
 from .patches import DPC, SCHED, TM, patches  # noqa: F401 - the feature's patch table (re-exported)
 from .settings import (  # noqa: F401 - re-exported: the feature's public names
-    APP_PATH_VAR, ATOMIC, ATOMIC_SWITCH, DEFAULT_POLL_MS, HEALTH_SWITCH, LOOP, LOOP_SWITCH, OUR_APP_PATH,
-    POLL_MS, SETTINGS, STOCK_APP_PATH,
+    APP_PATH_VAR, ATOMIC, ATOMIC_SWITCH, DEFAULT_POLL_MS, DEFAULT_SPIN_US, HEALTH_SWITCH, LOOP, LOOP_SWITCH,
+    OUR_APP_PATH, POLL_MS, SETTINGS, SPIN_US, STOCK_APP_PATH,
 )
 
 logger = logging.getLogger("dspark_harden.ingress")

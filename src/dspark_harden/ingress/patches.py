@@ -7,7 +7,7 @@ from ..core.patch import Kind, Patch, Role
 from . import controller as C
 from . import scheduler as S
 from . import tokenizer as T
-from .settings import ATOMIC, ATOMIC_SWITCH, LOOP, LOOP_SWITCH, POLL_MS
+from .settings import ATOMIC, ATOMIC_SWITCH, DEFAULT_SPIN_US, LOOP, LOOP_SWITCH, POLL_MS, SPIN_US
 
 TM = "sglang.srt.managers.tokenizer_manager:TokenizerManager"
 DPC = "sglang.srt.managers.data_parallel_controller:DataParallelController"
@@ -37,10 +37,10 @@ def patches(role: Role, settings) -> list:
                   why="count batch messages per DP rank where they arrive (observability only)", **common),
         ]
     if settings[LOOP_SWITCH]:
-        poll_ms = settings[POLL_MS]
+        poll_ms, spin_us = settings[POLL_MS], settings.get(SPIN_US, DEFAULT_SPIN_US)
         out.append(
             Patch(feature=LOOP, target=f"{DPC}.event_loop", kind=Kind.REPLACE, roles={Role.CONTROLLER},
-                  build=lambda _stock: C.build_event_loop(poll_ms), fingerprint="804af740481d2c51",
+                  build=lambda _stock: C.build_event_loop(poll_ms, spin_us), fingerprint="804af740481d2c51",
                   why="stock event_loop is a non-blocking busy loop: one core at 100 % when idle",
                   retire_when="SGLang's DP controller blocks on its socket (zmq poll) when idle")
         )

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from ..core.settings import Setting, flag01, positive_int
+from ..core.settings import Setting, flag01, nonneg_int, positive_int
 
 ATOMIC = "atomic-routed-batch"
 LOOP = "dp-controller-blocking-loop"
@@ -11,6 +11,8 @@ ATOMIC_SWITCH = "DSPARK_HARDEN_ATOMIC_ROUTED_BATCH"
 LOOP_SWITCH = "DSPARK_HARDEN_DP_CONTROLLER_LOOP"
 POLL_MS = "DSPARK_HARDEN_DP_CONTROLLER_POLL_MS"
 DEFAULT_POLL_MS = 100
+SPIN_US = "DSPARK_HARDEN_DP_CONTROLLER_SPIN_US"
+DEFAULT_SPIN_US = 2000
 
 HEALTH_SWITCH = "DSPARK_HARDEN_HEALTH_SCHEDULER"  # declared by dspark_harden.health
 APP_PATH_VAR = "SGLANG_HTTP_SERVER_APP_PATH"  # SGLang's own variable (read, and set when unset)
@@ -30,4 +32,9 @@ SETTINGS = [
             "wakes the loop at once; the bound only sets how often an idle controller wakes to "
             "feed its soft watchdog (it is shortened to a quarter of the watchdog timeout).",
             feature=LOOP, accepts="positive integer (ms)"),
+    Setting(SPIN_US, nonneg_int, DEFAULT_SPIN_US,
+            "Microseconds the DP controller keeps polling its socket without sleeping after each message "
+            "before it blocks again: a follow-up message is dispatched as fast as by stock's busy loop. "
+            "Costs at most this much CPU per message burst; an idle controller still uses none. 0: block "
+            "right after draining.", feature=LOOP, accepts="non-negative integer (us)"),
 ]
