@@ -46,6 +46,7 @@ def test_tbo_upstream_probes_hold_on_stock_0_5_23():
     assert unsupported, detail
 
 
+@pytest.mark.forked  # patches SGLang's TboDPAttentionPreparer
 def test_idle_vote_probe_detects_a_veto(monkeypatch):
     from sglang.srt.batch_overlap import two_batch_overlap as two
 
@@ -57,6 +58,7 @@ def test_idle_vote_probe_detects_a_veto(monkeypatch):
     assert not ok and "vetoes TBO" in detail and "absent/none" in detail and "idle/none" in detail
 
 
+@pytest.mark.forked  # patches inspect.getsource process-wide
 def test_decode_capture_probe_detects_a_model_condition(monkeypatch):
     src = ("def capture_one_batch_size(self, batch, num_tokens):\n    if not is_tbo_enabled():\n        return\n"
            "    if self.model_type != 'deepseek_v4':\n        return\n")
