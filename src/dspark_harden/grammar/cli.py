@@ -54,14 +54,14 @@ def _bench_main(args: Any) -> int:
 
 
 def _settings():
-    from ..core.settings import load_settings
-    from .feature import dspark_settings
+    from ..core.manager import feature_settings, make_manager
+    from .settings import FEATURE
 
-    return load_settings(dspark_settings())
+    return feature_settings(make_manager(load_extensions=False), FEATURE)
 
 
 def _root(args: Any) -> str:
-    from .feature import DISK_DIR
+    from .settings import DISK_DIR
 
     return os.path.abspath(os.path.expanduser(args.dir)) if args.dir else _settings()[DISK_DIR]
 
@@ -218,7 +218,7 @@ def verify_main(args: Any) -> int:
 
 
 def prune_main(args: Any) -> int:
-    from .feature import DISK_BYTES
+    from .settings import DISK_BYTES
 
     root = _root(args)
     limit = args.max_bytes if args.max_bytes is not None else _settings()[DISK_BYTES]
