@@ -1,0 +1,252 @@
+"""GC freeze after warm-up, and gen-2 pause measurement through ``gc.callbacks``.
+
+Stock 0.5.23 freezes only on demand (``/freeze_gc``); graph capture freezes and then *unfreezes*
+(``base_cuda_graph_runner.freeze_gc``). A scheduler holds a large, long-lived object graph
+(model wrappers, radix tree, request pools): every gen-2 collection walks all of it (400-430 ms
+measured upstream with 1.1M objects, #30693), and a pause on one DP rank stalls every rank.
+
+When warm-up is over — the process is serving (scheduler: its event loop runs, i.e. after model
+load and any graph capture; detokenizer: its loop runs; main: the server answered SGLang's
+warm-up request) and it processed ``DSPARK_HARDEN_GC_FREEZE_AFTER_BATCHES`` batches, plus
+``DSPARK_HARDEN_GC_FREEZE_DELAY_S`` — :func:`freeze_now` runs ``gc.collect()`` then
+``gc.freeze()`` once. Never during capture: it waits while SGLang's capture mode is on, and
+re-freezes if a later capture unfroze the heap.
+
+:class:`PauseRecorder` measures every collection (a ``gc.callbacks`` pair) into a lock-free
+buffer (a collection can start while any lock is held, so the callback never takes one); a
+daemon thread moves them into the Prometheus families once a second.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import threading
+import time
+from collections import deque
+from typing import Callable, Optional
+
+from ..core import metrics
+
+logger = logging.getLogger("dspark_harden.lifecycle")
+
+#: pause buckets (seconds): sub-millisecond young collections to ~1 s gen-2 walks
+PAUSE_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+
+
+def _capturing() -> bool:
+    try:
+        from sglang.srt.model_executor.runner_utils.capture_mode import get_is_capture_mode
+
+        return bool(get_is_capture_mode())
+    except Exception:  # noqa: BLE001 - no capture machinery loaded: nothing is capturing
+        return False
+
+
+class PauseRecorder:
+    """``gc.callbacks`` timing of every collection: (generation, seconds, frozen-at-the-time)."""
+
+    def __init__(self, maxlen: int = 100_000) -> None:
+        self._t0 = 0.0
+        self.frozen = False
+        self.pending: deque = deque(maxlen=maxlen)
+        self.installed = False
+
+    def __call__(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._t0 = time.perf_counter()
+        else:
+            self.pending.append((info.get("generation", -1), time.perf_counter() - self._t0, self.frozen,
+                                 info.get("collected", 0)))
+
+    def install(self) -> None:
+        if not self.installed:
+            gc.callbacks.append(self)
+            self.installed = True
+
+    def uninstall(self) -> None:
+        if self.installed:
+            try:
+                gc.callbacks.remove(self)
+            except ValueError:
+                pass
+            self.installed = False
+
+    def drain(self) -> list:
+        out = []
+        while True:
+            try:
+                out.append(self.pending.popleft())
+            except IndexError:
+                return out
+
+
+def summarize(pauses: list, generation: int = 2) -> dict:
+    """{"gen2_pauses", "p50_ms", "p99_ms", "max_ms"} over ``pauses`` of ``generation``."""
+    ms = sorted(p[1] * 1000.0 for p in pauses if p[0] == generation)
+    if not ms:
+        return {"gen2_pauses": 0, "p50_ms": 0.0, "p99_ms": 0.0, "max_ms": 0.0}
+
+    def q(f: float) -> float:
+        idx = min(len(ms) - 1, max(0, int(round(f * (len(ms) - 1)))))
+        return round(ms[idx], 3)
+
+    return {"gen2_pauses": len(ms), "p50_ms": q(0.5), "p99_ms": q(0.99), "max_ms": round(ms[-1], 3)}
+
+
+class GcFreezer:
+    """One per process: measure, then freeze once after warm-up."""
+
+    def __init__(self) -> None:
+        self.recorder = PauseRecorder()
+        self.role = "none"
+        self.dp_label = "none"
+        self.after_batches = 8
+        self.delay_s = 0.0
+        self.enabled = True
+        self.frozen_objects = 0
+        self.frozen_at: Optional[float] = None
+        self._lock = threading.Lock()
+        self._flusher: Optional[threading.Thread] = None
+        self._watcher: Optional[threading.Thread] = None
+
+    def configure(self, *, role: str, dp_label: str, after_batches: int, delay_s: float) -> None:
+        self.role, self.dp_label = role, dp_label
+        self.after_batches, self.delay_s = after_batches, delay_s
+        self.recorder.install()
+        if self._flusher is None:
+            self._flusher = threading.Thread(target=self._flush_loop, name="dspark-gc-metrics", daemon=True)
+            self._flusher.start()
+
+    # -- freezing ----------------------------------------------------------------------------
+    def freeze_now(self, reason: str) -> int:
+        with self._lock:
+            if self.frozen_at is not None and gc.get_freeze_count() > 0:
+                return self.frozen_objects
+            while _capturing():
+                time.sleep(0.05)
+            t0 = time.perf_counter()
+            gc.collect()
+            gc.freeze()
+            self.frozen_objects = gc.get_freeze_count()
+            self.frozen_at = time.time()
+            self.recorder.frozen = True
+            dt = time.perf_counter() - t0
+        self._set_gauges()
+        logger.info("dspark-harden gc-freeze: %s (dp_rank %s) froze %d objects after warm-up (%s) in %.0f ms",
+                    self.role, self.dp_label, self.frozen_objects, reason, dt * 1000)
+        return self.frozen_objects
+
+    def watch(self, progress: Callable[[], int], ready: Callable[[], bool] = lambda: True,
+              what: str = "batches", threshold: Optional[int] = None) -> None:
+        """Freeze from a daemon thread once ``ready()`` and ``progress()`` reached the threshold."""
+        if self._watcher is not None:
+            return
+
+        need = self.after_batches if threshold is None else threshold
+
+        def run():
+            start = None
+            while True:
+                try:
+                    if ready():
+                        if start is None:
+                            start = progress()
+                        if progress() - start >= need:
+                            break
+                except Exception:  # noqa: BLE001
+                    logger.debug("gc-freeze progress probe failed", exc_info=True)
+                time.sleep(0.25)
+            if self.delay_s:
+                time.sleep(self.delay_s)
+            self.freeze_now(f"{need} {what}" + (f" + {self.delay_s:g} s" if self.delay_s else ""))
+            # a later graph capture unfreezes (stock freeze_gc context): freeze again after it
+            while True:
+                time.sleep(5.0)
+                if gc.get_freeze_count() == 0 and not _capturing():
+                    self.frozen_at = None
+                    self.freeze_now("re-freeze: the heap was unfrozen (graph capture?)")
+
+        self._watcher = threading.Thread(target=run, name="dspark-gc-freeze", daemon=True)
+        self._watcher.start()
+
+    def count_batch(self) -> None:
+        """Inline variant for single-threaded loops (detokenizer): call once per batch."""
+        if self.frozen_at is not None:
+            return
+        self._inline = getattr(self, "_inline", 0) + 1
+        if self._inline >= self.after_batches:
+            if self.delay_s:
+                t = getattr(self, "_inline_ready_at", None)
+                if t is None:
+                    self._inline_ready_at = time.monotonic()
+                    return
+                if time.monotonic() - t < self.delay_s:
+                    return
+            self.freeze_now(f"{self.after_batches} batches served")
+
+    # -- metrics ------------------------------------------------------------------------------
+    def _set_gauges(self) -> None:
+        try:
+            metrics.child("dspark_harden_gc_frozen_objects", self.role, self.dp_label).set(self.frozen_objects)
+            metrics.child("dspark_harden_gc_frozen", self.role, self.dp_label).set(1 if self.frozen_at else 0)
+        except Exception:  # noqa: BLE001
+            logger.debug("gc metric update failed", exc_info=True)
+
+    def flush(self) -> None:
+        pauses = self.recorder.drain()
+        if not pauses:
+            return
+        try:
+            for gen, seconds, frozen, _collected in pauses:
+                metrics.child("dspark_harden_gc_pause_seconds", self.role, self.dp_label, str(gen),
+                              "1" if frozen else "0").observe(seconds)
+        except Exception:  # noqa: BLE001
+            logger.debug("gc metric flush failed", exc_info=True)
+
+    def _flush_loop(self) -> None:
+        while True:
+            time.sleep(1.0)
+            self.flush()
+
+
+FREEZER = GcFreezer()
+
+
+def build_scheduler_get_init_info(stock):
+    """``Scheduler.get_init_info`` runs once, after model load and graph capture, right before the
+    event loop starts: from here on, batches count towards warm-up."""
+
+    def get_init_info(self):
+        out = stock(self)
+        if FREEZER.enabled:
+            FREEZER.watch(lambda: int(getattr(self, "forward_ct", 0)), what="forward batches served")
+        return out
+
+    return get_init_info
+
+
+def build_detokenizer_batch(stock):
+    def handle_batch_token_id_out(self, recv_obj):
+        out = stock(self, recv_obj)
+        FREEZER.count_batch()
+        return out
+
+    return handle_batch_token_id_out
+
+
+def start_main_watch() -> None:
+    """Main process: warm-up is over when the server answered its warm-up request (status Up)."""
+
+    def tm():
+        from sglang.srt.entrypoints import http_server
+
+        state = getattr(http_server, "_global_state", None)
+        return getattr(state, "tokenizer_manager", None) if state is not None else None
+
+    def ready() -> bool:
+        t = tm()
+        status = getattr(t, "server_status", None)
+        return getattr(status, "value", status) == "Up"
+
+    FREEZER.watch(lambda: 0, ready, what="batches after the server answered its warm-up request", threshold=0)

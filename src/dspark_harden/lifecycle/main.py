@@ -1,0 +1,470 @@
+"""Main process (HTTP server + tokenizer manager): draining ordered shutdown and surfaced death.
+
+SIGTERM (stock ``SignalHandler.sigterm_handler`` + ``TokenizerManager.sigterm_watchdog``,
+replaced):
+
+1. at once: ``gracefully_exit`` is set (``/health``, ``/health_generate`` and ``/health_scheduler``
+   answer 503) and :class:`DrainGate` answers every new work request (any method but GET/HEAD/
+   OPTIONS, except ``/abort_request``) with 503 naming the shutdown;
+2. in-flight requests finish within ``DSPARK_HARDEN_SHUTDOWN_DRAIN_S`` (stock polls every 5 s and
+   has no bound); those still running at the deadline are answered with HTTP 503 naming the drain
+   window (stock's own abort path, ``_handle_abort_req``) and aborted in the schedulers;
+3. ``ShutdownReq`` goes to the schedulers (each forwards it to the detokenizer, leaves its loop,
+   releases host resources and meets its peers at a CPU barrier with a timeout before its groups
+   go away: :mod:`.scheduler`); the main process waits for every child to exit on its own (the DP
+   controller exits 0 once its schedulers did: :mod:`.controller`), kills only stragglers (named),
+   removes what the tree left in /dev/shm and its ZMQ ipc sockets (:mod:`.resources`), exits 0.
+
+A child's death (stock ``SubprocessWatchdog._check_processes`` and the running-phase SIGQUIT
+handler, replaced): the cause is built from the records the children wrote (:mod:`.records`),
+``/health_scheduler`` answers 503 naming it (attribute ``dspark_harden_fault`` on the tokenizer
+manager, read by the health feature), every in-flight request is answered with HTTP 503 naming it
+(instead of a dropped connection), then the tree is killed, leftovers removed, and the process exits
+with :data:`EXIT_CODES` (scheduler 3, detokenizer 4, DP controller 5, other 6).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import shutil
+import sys
+import threading
+import time
+from typing import Any, Optional
+
+from ..core import metrics
+from . import records
+from .resources import ResourceTracker, remove_leftovers
+
+logger = logging.getLogger("dspark_harden.lifecycle")
+
+EXIT_CODES = {"scheduler": 3, "detokenizer": 4, "controller": 5, "other": 6}
+#: methods that never do work: always served (GET /metrics, /health_scheduler ... during a drain)
+_SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
+#: work paths still accepted while refusing (they help a drain finish)
+_ALWAYS_ALLOWED = frozenset({"/abort_request"})
+SCHEDULER_EXIT_TIMEOUT_S = 15.0  # stock _SCHEDULER_EXIT_TIMEOUT_SECS, after the barrier timeout
+CHILD_EXIT_TIMEOUT_S = 10.0
+
+
+def _metric(name: str, *labels: Any):
+    try:
+        return metrics.child(name, *labels)
+    except Exception:  # noqa: BLE001 - metrics must never change the lifecycle
+        logger.debug("metric %s unavailable", name, exc_info=True)
+        return None
+
+
+def _set_phase(phase: str, seconds: float) -> None:
+    m = _metric("dspark_harden_shutdown_phase_seconds", "main", "none", phase)
+    if m is not None:
+        m.set(seconds)
+
+
+def _count(name: str, *labels: Any, n: float = 1) -> None:
+    m = _metric(name, *labels)
+    if m is not None and n:
+        m.inc(n)
+
+
+class MainLifecycle:
+    """The main process's view of the server's lifecycle (one per process: :data:`MAIN`)."""
+
+    def __init__(self) -> None:
+        self.drain_s = 30.0
+        self.death_grace_s = 2.0
+        self.barrier_timeout_s = 10.0
+        self.run_dir: Optional[str] = None
+        self.owns_run_dir = False
+        self.tm: Any = None
+        self.port_args: Any = None
+        self.tracker: Optional[ResourceTracker] = None
+        self.shutdown_started: Optional[float] = None
+        self.fault: Optional[dict] = None
+        self._lock = threading.Lock()
+        self.refused = 0
+
+    # -- configuration ---------------------------------------------------------------------
+    def configure(self, *, drain_s: float, death_grace_s: float, barrier_timeout_s: float) -> None:
+        self.drain_s, self.death_grace_s, self.barrier_timeout_s = drain_s, death_grace_s, barrier_timeout_s
+        run_dir = os.environ.get(records.RUN_DIR_ENV)
+        if not run_dir:
+            run_dir = records.default_run_dir()
+            os.environ[records.RUN_DIR_ENV] = run_dir  # inherited by every child spawned later
+            self.owns_run_dir = True
+        self.run_dir = run_dir
+
+    def attach(self, tm: Any, port_args: Any) -> None:
+        """Called from TokenizerManager.__init__ (the children exist by then)."""
+        self.tm, self.port_args = tm, port_args
+        if self.tracker is None:
+            self.tracker = ResourceTracker()
+            try:
+                self.tracker.scan()
+            except Exception:  # noqa: BLE001
+                logger.debug("initial resource scan failed", exc_info=True)
+            self.tracker.start()
+
+    # -- state -------------------------------------------------------------------------------
+    def refusing(self) -> Optional[str]:
+        """The 503 message for new work, or None while serving."""
+        if self.fault is not None:
+            return f"server is stopping: {self.fault['message']}"
+        if self.shutdown_started is not None:
+            return (f"server is shutting down (SIGTERM received {time.time() - self.shutdown_started:.1f} s ago); "
+                    "retry on another replica")
+        return None
+
+    def begin_shutdown(self) -> bool:
+        with self._lock:
+            if self.shutdown_started is not None:
+                return False
+            self.shutdown_started = time.time()
+            return True
+
+    # -- cleanup -------------------------------------------------------------------------------
+    def ipc_paths(self) -> list[str]:
+        out = []
+        pa = self.port_args
+        if pa is None:
+            return out
+        for name, value in vars(pa).items():
+            if isinstance(value, str) and value.startswith("ipc://"):
+                out.append(value[len("ipc://"):])
+        try:
+            from sglang.srt.managers.load_snapshot import shm_path_for
+
+            if getattr(pa, "instance_id", ""):
+                out.append(shm_path_for(pa.instance_id))
+        except Exception:  # noqa: BLE001
+            pass
+        return out
+
+    def cleanup(self) -> dict:
+        t0 = time.monotonic()
+        result = {"removed": [], "kept": []}
+        if self.tracker is not None:
+            self.tracker.stop()
+            try:
+                self.tracker.scan()  # whatever the survivors (this process) map now
+            except Exception:  # noqa: BLE001
+                pass
+            try:
+                result = remove_leftovers(self.tracker, extra=self.ipc_paths())
+            except Exception as exc:  # noqa: BLE001
+                logger.error("dspark-harden lifecycle: removing leftovers failed: %s: %s", type(exc).__name__, exc)
+        if self.run_dir and self.owns_run_dir:
+            shutil.rmtree(self.run_dir, ignore_errors=True)
+        _count("dspark_harden_lifecycle_leftovers_removed_total", n=len(result["removed"]))
+        _set_phase("cleanup", time.monotonic() - t0)
+        return result
+
+    # -- SIGTERM -------------------------------------------------------------------------------
+    def _open_rids(self, tm: Any) -> list[str]:
+        from sglang.srt.managers.utils import HEALTH_CHECK_RID_PREFIX
+
+        return [rid for rid in list(tm.rid_to_state) if not str(rid).startswith(HEALTH_CHECK_RID_PREFIX)]
+
+    def answer_all(self, tm: Any, message: str, status_code: int = 503) -> int:
+        """Finish every open request with an error response (stock ``_handle_abort_req``); event loop thread."""
+        from sglang.srt.managers.io_struct import AbortReq
+
+        n = 0
+        for rid in self._open_rids(tm):
+            try:
+                tm._handle_abort_req(AbortReq(
+                    rid=rid, abort_message=message,
+                    finished_reason={"type": "abort", "message": message, "status_code": status_code},
+                ))
+                n += 1
+            except Exception:  # noqa: BLE001 - one request must not stop answering the others
+                logger.exception("dspark-harden lifecycle: answering request %s failed", rid)
+        return n
+
+    async def run_shutdown(self, tm: Any) -> None:
+        self.begin_shutdown()
+        t_sig = self.shutdown_started or time.time()
+        t0 = time.monotonic() - max(0.0, time.time() - t_sig)
+        open_at_start = len(self._open_rids(tm))
+        logger.info("dspark-harden lifecycle: draining %d in-flight request(s) for up to %g s "
+                    "(DSPARK_HARDEN_SHUTDOWN_DRAIN_S); new requests get HTTP 503", open_at_start, self.drain_s)
+        deadline = t0 + self.drain_s
+        while self._open_rids(tm) and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        remaining = self._open_rids(tm)
+        drained = max(0, open_at_start - len(remaining))
+        _set_phase("drain", time.monotonic() - t0)
+        _count("dspark_harden_shutdown_requests_total", "drained", n=drained)
+        aborted = 0
+        if remaining:
+            t_abort = time.monotonic()
+            msg = (f"aborted by server shutdown: the request was still running when the drain window "
+                   f"(DSPARK_HARDEN_SHUTDOWN_DRAIN_S={self.drain_s:g} s) ended")
+            aborted = self.answer_all(tm, msg)
+            try:
+                tm.abort_request(abort_all=True)  # stop the work in the schedulers too
+            except Exception:  # noqa: BLE001
+                logger.debug("abort_all to the schedulers failed", exc_info=True)
+            _count("dspark_harden_shutdown_requests_total", "aborted", n=aborted)
+            # the aborted requests' responses are written by their handlers on this loop
+            await asyncio.sleep(0.2)
+            _set_phase("abort", time.monotonic() - t_abort)
+            logger.info("dspark-harden lifecycle: %d request(s) still running after the drain window were "
+                        "answered with HTTP 503", aborted)
+
+        # children now exit on purpose: the stock watchdog must not call that a crash
+        watchdog = getattr(tm, "_subprocess_watchdog", None)
+        procs = list(getattr(watchdog, "_processes", []) or [])
+        names = list(getattr(watchdog, "_names", []) or [])
+        if watchdog is not None:
+            watchdog.stop()
+        from sglang.srt.managers.io_struct import ShutdownReq
+        from sglang.srt.utils.cudacore_pyspy_dump_utils import collect_scheduler_processes
+
+        t_sched = time.monotonic()
+        tm._dispatch_to_scheduler(ShutdownReq())
+        sched_deadline = t_sched + self.barrier_timeout_s + SCHEDULER_EXIT_TIMEOUT_S
+        while time.monotonic() < sched_deadline and collect_scheduler_processes():
+            await asyncio.sleep(0.05)
+        stragglers = [p.pid for p in collect_scheduler_processes()]
+        _set_phase("schedulers", time.monotonic() - t_sched)
+        t_children = time.monotonic()
+        child_deadline = t_children + CHILD_EXIT_TIMEOUT_S
+        while time.monotonic() < child_deadline and any(p.is_alive() for p in procs):
+            await asyncio.sleep(0.05)
+        _set_phase("children", time.monotonic() - t_children)
+        failed = []
+        for p, name in zip(procs, names):
+            if p.is_alive():
+                stragglers.append(p.pid)
+            elif p.exitcode != 0:
+                failed.append(f"{name} (pid {p.pid}) {records.describe_exit(p.exitcode)}")
+        if stragglers:
+            logger.warning("dspark-harden lifecycle: processes still alive after ShutdownReq, killing them: %s",
+                           stragglers)
+        from sglang.srt.utils import kill_process_tree
+
+        kill_process_tree(os.getpid(), include_parent=False, wait_timeout=60)
+        left = self.cleanup()
+        total = time.monotonic() - t0
+        _set_phase("total", total)
+        if failed:
+            logger.error("dspark-harden lifecycle: shutdown finished in %.1f s but child process(es) failed: %s",
+                         total, "; ".join(failed))
+        logger.info("dspark-harden lifecycle: shutdown complete in %.1f s: %d request(s) drained, %d aborted, "
+                    "every child exited %s, %d leftover(s) removed%s", total, drained, aborted,
+                    "0" if not failed and not stragglers else "(see above)", len(left["removed"]),
+                    f", kept (in use elsewhere): {left['kept']}" if left["kept"] else "")
+        if failed or stragglers:
+            _flush_logs()
+            os._exit(EXIT_CODES["other"])
+
+    # -- death ------------------------------------------------------------------------------
+    def cause_of(self, name: str, pid: Optional[int], exitcode: Optional[int]) -> dict:
+        """What died and how, from the children's records (DP controller: its schedulers)."""
+        ranks = records.read(self.run_dir, "rank")
+        deaths = records.read(self.run_dir, "death")
+        faults = records.read(self.run_dir, "fault")
+        first = None
+        if deaths:  # a scheduler died first; its parent (controller) recorded it
+            first = min(deaths.values(), key=lambda r: r.get("time", 0))
+        if first is not None:
+            spid = int(first["pid"])
+            fault = faults.get(spid)
+            who = records.who(ranks.get(spid) or first, f"scheduler (pid {spid})")
+            how = records.describe_exit(first.get("exitcode"))
+            if fault:
+                how += f" after its event loop raised {fault.get('type')}: {fault.get('message')}"
+            return {"role": "scheduler", "who": who, "pid": spid, "exitcode": first.get("exitcode"),
+                    "dp_rank": (ranks.get(spid) or first).get("dp_rank"),
+                    "message": f"{who} (pid {spid}) {how}"}
+        if pid is not None and pid in faults:
+            fault = faults[pid]
+            who = records.who(ranks.get(pid), name)
+            return {"role": "scheduler", "who": who, "pid": pid, "exitcode": exitcode,
+                    "dp_rank": (ranks.get(pid) or {}).get("dp_rank"),
+                    "message": f"{who} (pid {pid}) {records.describe_exit(exitcode)} after its event loop raised "
+                               f"{fault.get('type')}: {fault.get('message')}"}
+        if pid is not None and pid in ranks:
+            who = records.who(ranks[pid], name)
+            return {"role": "scheduler", "who": who, "pid": pid, "exitcode": exitcode,
+                    "dp_rank": ranks[pid].get("dp_rank"),
+                    "message": f"{who} (pid {pid}) {records.describe_exit(exitcode)}"}
+        # a direct child without a scheduler rank record: the detokenizer, or (named "scheduler_i" by
+        # stock's watchdog under DP) the DP controller
+        if "detoken" in name:
+            role, label = "detokenizer", "detokenizer"
+        elif name.startswith("scheduler"):
+            role, label = "controller", "DP controller"
+        else:
+            role, label = "other", name
+        return {"role": role, "who": label, "pid": pid, "exitcode": exitcode, "dp_rank": None,
+                "message": f"{label} (pid {pid}) {records.describe_exit(exitcode)}"}
+
+    def on_child_death(self, name: str, pid: Optional[int], exitcode: Optional[int], via: str) -> None:
+        """A child died (or reported a fatal error): answer everyone, tear down, exit non-zero."""
+        with self._lock:
+            if self.fault is not None:
+                return
+            cause = self.cause_of(name, pid, exitcode)
+            self.fault = cause
+        tm = self.tm
+        if tm is not None:
+            try:
+                tm.dspark_harden_fault = dict(cause)
+            except Exception:  # noqa: BLE001
+                pass
+        threading.Thread(target=self._die, args=(cause, via), name="dspark-lifecycle-death", daemon=True).start()
+
+    def _die(self, cause: dict, via: str) -> None:
+        code = EXIT_CODES.get(cause["role"], EXIT_CODES["other"])
+        _count("dspark_harden_lifecycle_child_deaths_total", cause["role"])
+        tm = self.tm
+        loop = getattr(tm, "event_loop", None) if tm is not None else None
+        n_open = len(self._open_rids(tm)) if tm is not None else 0
+        logger.error("dspark-harden lifecycle: %s; answering %d in-flight request(s) with HTTP 503 and stopping "
+                     "the server (exit code %d)", cause["message"], n_open, code)
+        watchdog = getattr(tm, "_subprocess_watchdog", None) if tm is not None else None
+        if watchdog is not None:
+            watchdog._stop_event.set()  # never join: this may run on its thread
+        answered = 0
+        if tm is not None and loop is not None and n_open:
+            done = threading.Event()
+            box = {}
+
+            def answer():
+                try:
+                    box["n"] = self.answer_all(tm, f"request failed: {cause['message']}")
+                finally:
+                    done.set()
+
+            loop.call_soon_threadsafe(answer)
+            done.wait(5.0)
+            answered = box.get("n", 0)
+            _count("dspark_harden_lifecycle_requests_failed_total", n=answered)
+            # let the handlers write their 503 responses
+            deadline = time.monotonic() + self.death_grace_s
+            while time.monotonic() < deadline:
+                time.sleep(0.05)
+        from sglang.srt.utils import kill_process_tree
+
+        try:
+            kill_process_tree(os.getpid(), include_parent=False, wait_timeout=30)
+        except Exception as exc:  # noqa: BLE001
+            logger.error("dspark-harden lifecycle: killing the process tree failed: %s", exc)
+        left = self.cleanup()
+        logger.error("dspark-harden lifecycle: server stopped because %s (%d request(s) answered with 503, "
+                     "%d leftover(s) removed); exit code %d", cause["message"], answered, len(left["removed"]), code)
+        _flush_logs()
+        os._exit(code)
+
+
+MAIN = MainLifecycle()
+
+
+def _flush_logs() -> None:
+    for h in logging.getLogger().handlers:
+        try:
+            h.flush()
+        except Exception:  # noqa: BLE001
+            pass
+    sys.stdout.flush()
+    sys.stderr.flush()
+
+
+# -- patch builders ----------------------------------------------------------------------------
+
+def build_sigterm_handler(_stock):
+    def sigterm_handler(self, signum=None, frame=None):
+        first = MAIN.begin_shutdown()
+        tm = self.tokenizer_manager
+        if first:
+            n = len(MAIN._open_rids(tm)) if tm is not None else 0
+            logger.info("SIGTERM received: draining %d in-flight request(s) for up to %g s, then an ordered "
+                        "shutdown; new requests get HTTP 503", n, MAIN.drain_s)
+        tm.gracefully_exit = True
+
+    return sigterm_handler
+
+
+def build_sigterm_watchdog(_stock):
+    async def sigterm_watchdog(self):
+        while not self.gracefully_exit:
+            await asyncio.sleep(0.1)
+        await MAIN.run_shutdown(self)
+        if self._server_stop_hook is not None:
+            current = asyncio.current_task()
+            for task in self.asyncio_tasks:
+                if task is not current:
+                    task.cancel()
+            self._server_stop_hook()
+            return
+        sys.exit(0)
+
+    return sigterm_watchdog
+
+
+def build_sigquit_handler(_stock):
+    def running_phase_sigquit_handler(self, signum=None, frame=None):
+        # A child sent SIGQUIT (stock children do on a fatal error). Find which one died.
+        def find():
+            watchdog = getattr(self.tokenizer_manager, "_subprocess_watchdog", None)
+            procs = list(zip(getattr(watchdog, "_processes", []) or [], getattr(watchdog, "_names", []) or []))
+            deadline = time.monotonic() + 3.0
+            while time.monotonic() < deadline:
+                for proc, name in procs:
+                    if not proc.is_alive() and proc.exitcode != 0:
+                        MAIN.on_child_death(name, proc.pid, proc.exitcode, via="sigquit")
+                        return
+                time.sleep(0.05)
+            MAIN.on_child_death("a child process", None, None, via="sigquit")
+
+        threading.Thread(target=find, name="dspark-lifecycle-sigquit", daemon=True).start()
+
+    return running_phase_sigquit_handler
+
+
+def build_check_processes(_stock):
+    def _check_processes(self):
+        for proc, name in zip(self._processes, self._names):
+            if proc.is_alive() or proc.exitcode == 0:
+                continue
+            MAIN.on_child_death(name, proc.pid, proc.exitcode, via="watchdog")
+            return True
+        return False
+
+    return _check_processes
+
+
+def build_tm_init(stock):
+    def __init__(self, server_args, port_args, *args, **kwargs):
+        stock(self, server_args, port_args, *args, **kwargs)
+        MAIN.attach(self, port_args)
+
+    return __init__
+
+
+class DrainGate:
+    """ASGI middleware: 503 for new work while the server drains or after a child died."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope.get("type") == "http":
+            msg = MAIN.refusing()
+            if (msg is not None and scope.get("method", "GET") not in _SAFE_METHODS
+                    and scope.get("path") not in _ALWAYS_ALLOWED):
+                MAIN.refused += 1
+                _count("dspark_harden_shutdown_requests_total", "refused")
+                body = json.dumps({"error": {"message": msg, "type": "ServiceUnavailable", "code": 503}}).encode()
+                await send({"type": "http.response.start", "status": 503,
+                            "headers": [(b"content-type", b"application/json"),
+                                        (b"content-length", str(len(body)).encode()),
+                                        (b"connection", b"close")]})
+                await send({"type": "http.response.body", "body": body})
+                return
+        await self.app(scope, receive, send)
