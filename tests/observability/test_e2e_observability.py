@@ -18,10 +18,10 @@ imports CUDA kernels) — see UNPROVABLE_ON_CPU.
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import time
-import uuid
 from pathlib import Path
 
 import pytest
@@ -52,7 +52,7 @@ _FEATURES = {f.name for f in all_features(make_manager(load_extensions=False))}
 def _config(grammar_disk: Path) -> ServerConfig:
     env = {}
     if "dp2-native-exchange" in _FEATURES:  # opt-in, runs on CPU: enable it so its panels are proven
-        env.update(SGLANG_DSPARK_DP2_SHM_MLP_SYNC="1", SGLANG_DSPARK_DP2_SHM_SESSION_ID=f"obs-{uuid.uuid4().hex}")
+        env.update(SGLANG_DSPARK_DP2_SHM_MLP_SYNC="1")  # no session id: the main process derives one
     # the third-party test feature (tests/support, entry-point group dspark_harden.features): its own
     # metric family, declared through the dspark_metrics hook, must be exported like a built-in's
     env.update(DSPARK_TESTFEATURE="1")
@@ -200,6 +200,33 @@ def test_scrape_follows_conventions_and_declarations(observed):
     problems = [str(f) for f in lint.lint_scrape(scraped) if f.level == lint.PROBLEM]
     assert problems == []
     assert not [n for n in scraped if n.startswith(metrics.PREFIX) and n not in metrics.FAMILIES]
+
+
+def test_per_feature_summary_of_the_real_scrape(observed):
+    """The demo's summary: one block per bound feature with its key figure from this traffic; the
+    test-only feature is left out of the operator's view (and shown when not hidden)."""
+    from dspark_harden.observability import summary
+
+    hidden = summary.test_only_features()
+    assert hidden == {"testfeature"}
+    lines = summary.summarize(observed["scrape"], hide=hidden)
+    text = "\n".join(lines)
+    assert "testfeature" not in text
+    assert "observability [bound in: controller, detokenizer, main, scheduler]" in lines
+    assert "published by processes: controller, detokenizer, main, scheduler" in text
+    def figure(header):
+        assert header in lines, text
+        return lines[lines.index(header) + 1]
+
+    # the DP2 exchange binds in the main process too (the per-launch session id)
+    dp2 = figure("dp2-native-exchange [bound in: main, scheduler]")
+    assert re.search(r"rank 0: [1-9][0-9.e+]* native MLP-sync exchanges, mean [0-9.]+ us per exchange", dp2), dp2
+    assert "rank 1: " in dp2 and dp2.endswith("errors 0"), dp2
+    assert re.search(r"compile [1-9]", figure("grammar-service [bound in: scheduler]")), text
+    phases = figure("scheduler-phase-metrics [bound in: scheduler]")
+    assert re.search(r"rank 0: run_batch [1-9][0-9]* calls, mean", phases) and "rank 1: run_batch" in phases, phases
+    shown = "\n".join(summary.summarize(observed["scrape"]))
+    assert "testfeature [bound in: main, scheduler]" in shown and "testfeature_verify_calls_total" in shown
 
 
 def test_the_plugin_published_in_every_process_role(observed):

@@ -183,6 +183,21 @@ def test_cli_over_http_clean_and_dirty(serve, exported, capsys, tmp_path):
     assert rc == 1 and "unit 'ms' is not a base unit" in text
 
 
+def test_metrics_summary_cli_over_http(serve, exported, capsys):
+    """`dspark-harden metrics-summary` over real HTTP: the bound features with their key figure,
+    the upstream ones listed; an unreachable server is a usage error."""
+    rc = cli_main(["metrics-summary", "--url", serve(exported)])
+    lines = capsys.readouterr().out.splitlines()
+    assert rc == 0, lines
+    assert lines[0] == "observability [bound in: scheduler]"
+    assert "published by processes: scheduler" in lines[1]
+    i = lines.index("scheduler-phase-metrics [bound in: scheduler]")
+    assert "rank 0: run_batch 3 calls" in lines[i + 1] and "rank 1: run_batch 0 calls" in lines[i + 1]
+    assert "upstream: grammar-fsm-advance" in lines
+    assert cli_main(["metrics-summary", "--url", "http://127.0.0.1:9"]) == 2
+    assert "cannot scrape" in capsys.readouterr().err
+
+
 def test_cli_reports_unreachable_server(capsys):
     rc = cli_main(["metrics-lint", "--url", "http://127.0.0.1:9", "--promtool", "off"])
     assert rc == 2 and "cannot scrape http://127.0.0.1:9/metrics" in capsys.readouterr().err

@@ -32,6 +32,12 @@ def register(subparsers, bench_subparsers) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=lint_main)
 
+    p = subparsers.add_parser("metrics-summary", help="scrape a running server once; per feature: where it is bound, "
+                                                       "how often it ran, its key figure")
+    p.add_argument("--url", default="http://127.0.0.1:30000", help="server URL or its /metrics URL (default %(default)s)")
+    p.add_argument("--include-test-features", action="store_true", help="also show test-only features")
+    p.set_defaults(func=summary_main)
+
     p = subparsers.add_parser("dashboard", help="print the Grafana overview dashboard generated from the declared metrics")
     p.add_argument("--out", metavar="PATH", help="write it to PATH instead of stdout")
     p.add_argument("--extensions", action="store_true",
@@ -71,6 +77,20 @@ def lint_main(args) -> int:
         print(f"metrics-lint: {result.url}: {result.families} dspark_harden families, "
               f"{len(result.problems)} problem(s), {len(result.findings) - len(result.problems)} note(s)")
     return 1 if result.problems else 0
+
+
+def summary_main(args) -> int:
+    from . import lint, summary
+
+    try:
+        text = lint.scrape(lint.metrics_url(args.url))
+    except Exception as exc:  # noqa: BLE001 - any scrape failure is a usage problem
+        print(f"metrics-summary: cannot scrape {lint.metrics_url(args.url)}: {exc}", file=sys.stderr)
+        return 2
+    hide = set() if args.include_test_features else summary.test_only_features()
+    for line in summary.summarize(text, hide=hide):
+        print(line)
+    return 0
 
 
 def dashboard_main(args) -> int:
