@@ -70,6 +70,10 @@ class SparsePrefillPool:
 
         if not torch.cuda.is_available():
             raise SparsePrefillPoolError("the sparse-prefill pool needs CUDA (torch.cuda.is_available() is False)")
+        dev = torch.device(self.device)
+        if dev.index is None:  # the backend's device is often plain "cuda": the pool needs an index
+            dev = torch.device("cuda", torch.cuda.current_device())
+        self.device = dev
         self.pool = torch.cuda.MemPool()
         keep = []
         try:

@@ -35,7 +35,7 @@ def build_compute_q_b(stock: Callable, on_call: Callable[[], None]) -> Callable:
     def _compute_q_b(self, q, positions, q_out=None):
         if q_out is not None or not self.q_head_norm or self.use_mega_attention:
             return stock(self, q, positions, q_out)
-        from sglang.srt.models.deepseek_v4 import fused_q_norm_rope
+        from sglang.kernels.ops.attention.dsv4 import fused_q_norm_rope  # the object deepseek_v4 imports
 
         q, _ = self.wq_b(q)
         q = q.view(-1, self.n_local_heads, self.head_dim)
