@@ -5,7 +5,9 @@ native DP2, prefill graphs, HiCache, scheduler phases), templated by ``$datasour
 ``$dp_rank``. Families with hand-written panels (platform, scheduler phases) get those; every other
 family gets a generated panel chosen by its type (counter: per-second rate; gauge: current value;
 histogram: p50/p99), so every declared family — every fast path — has a panel as soon as it is
-declared. ``examples/grafana/dspark-harden-overview.json`` is this output (a test checks they are
+declared. Panels, targets, variables and the dashboard are built with Grafana's SDK
+(``grafana-foundation-sdk``, builders + its JSON encoder); this module decides which panel each
+family gets, the PromQL and the grid positions. ``examples/grafana/dspark-harden-overview.json`` is this output (a test checks they are
 identical; regenerate with ``dspark-harden dashboard --out examples/grafana/dspark-harden-overview.json``).
 
 Also here: :func:`panel_queries` (every query of a dashboard JSON, with template variables
@@ -81,8 +83,11 @@ def feature_areas(*, load_extensions: bool = False) -> dict:
 
 
 class _Layout:
+    """Places panels left to right in rows of 24 columns (a panel that does not fit starts a new
+    line) and numbers them; the SDK builders get explicit grid positions from here."""
+
     def __init__(self) -> None:
-        self.panels: list = []
+        self.panels: list = []  # (kind, builder): kind "row" or "panel"
         self.next_id = 1
         self.y = 0
         self.x = 0
@@ -95,10 +100,8 @@ class _Layout:
 
     def row(self, title: str) -> None:
         self.newline()
-        self.panels.append({
-            "id": self._id(), "type": "row", "title": title, "collapsed": False, "panels": [],
-            "gridPos": {"h": 1, "w": 24, "x": 0, "y": self.y},
-        })
+        self.panels.append(("row", _sdk().db.Row(title).id(self._id()).collapsed(False)
+                            .grid_pos(_sdk().dm.GridPos(h=1, w=24, x=0, y=self.y))))
         self.y += 1
 
     def newline(self) -> None:
@@ -106,64 +109,99 @@ class _Layout:
             self.y += self.row_h
         self.x, self.row_h = 0, 0
 
-    def add(self, panel: dict, w: int = 12, h: int = 8) -> dict:
+    def add(self, panel: Any, w: int = 12, h: int = 8) -> Any:
         if self.x + w > 24:
             self.newline()
-        panel["id"] = self._id()
-        panel["gridPos"] = {"h": h, "w": w, "x": self.x, "y": self.y}
+        panel.id(self._id()).grid_pos(_sdk().dm.GridPos(h=h, w=w, x=self.x, y=self.y))
         self.x += w
         self.row_h = max(self.row_h, h)
-        self.panels.append(panel)
+        self.panels.append(("panel", panel))
         return panel
 
 
-def _target(expr: str, legend: str = "", ref: str = "A", instant: bool = False) -> dict:
-    t = {"datasource": DS, "refId": ref, "expr": expr, "legendFormat": legend or "__auto", "range": not instant,
-         "instant": instant}
+class _SDK:
+    """grafana-foundation-sdk's builders and models, imported on first use (only the dashboard
+    generator needs them; the plugin itself never does)."""
+
+    def __init__(self) -> None:
+        from grafana_foundation_sdk.builders import common as cb
+        from grafana_foundation_sdk.builders import dashboard as db
+        from grafana_foundation_sdk.builders import prometheus, stat, table, text, timeseries
+        from grafana_foundation_sdk.cog.encoder import JSONEncoder
+        from grafana_foundation_sdk.models import common as cm
+        from grafana_foundation_sdk.models import dashboard as dm
+        from grafana_foundation_sdk.models import prometheus as pm
+        from grafana_foundation_sdk.models import text as tm
+
+        self.cb, self.db, self.prometheus, self.stat, self.table, self.text, self.timeseries = (
+            cb, db, prometheus, stat, table, text, timeseries)
+        self.cm, self.dm, self.pm, self.tm, self.JSONEncoder = cm, dm, pm, tm, JSONEncoder
+        self.ds = dm.DataSourceRef(type_val=DS["type"], uid=DS["uid"])
+
+
+_SDK_CACHE: list = []
+
+
+def _sdk() -> _SDK:
+    if not _SDK_CACHE:
+        _SDK_CACHE.append(_SDK())
+    return _SDK_CACHE[0]
+
+
+def to_dict(obj: Any) -> dict:
+    """The Grafana JSON of an SDK model or builder (what the SDK's own encoder writes)."""
+    if hasattr(obj, "build") and callable(obj.build):
+        obj = obj.build()
+    return json.loads(json.dumps(obj, cls=_sdk().JSONEncoder))
+
+
+def _target(expr: str, legend: str = "", ref: str = "A", instant: bool = False) -> Any:
+    g = _sdk()
+    q = g.prometheus.Dataquery().expr(expr).ref_id(ref).datasource(g.ds)
     if instant:
-        t["format"] = "table"
-    return t
+        return q.instant().format(g.pm.PromQueryFormat.TABLE)
+    return q.range().legend_format(legend or "__auto")
 
 
-def _timeseries(title: str, desc: str, targets: list, unit: str, stack: bool = False) -> dict:
-    return {
-        "type": "timeseries", "title": title, "description": desc, "datasource": DS,
-        "targets": targets,
-        "fieldConfig": {
-            "defaults": {
-                "unit": unit,
-                "custom": {"drawStyle": "line", "lineWidth": 1, "fillOpacity": 10 if stack else 0,
-                           "stacking": {"mode": "normal" if stack else "none", "group": "A"},
-                           "showPoints": "never", "spanNulls": False},
-            },
-            "overrides": [],
-        },
-        "options": {"legend": {"displayMode": "table", "placement": "bottom", "showLegend": True,
-                               "calcs": ["mean", "max"]},
-                    "tooltip": {"mode": "multi", "sort": "desc"}},
-    }
+def _timeseries(title: str, desc: str, targets: list, unit: str, stack: bool = False) -> Any:
+    g = _sdk()
+    cm, cb = g.cm, g.cb
+    panel = (g.timeseries.Panel().title(title).description(desc).datasource(g.ds).unit(unit)
+             .draw_style(cm.GraphDrawStyle.LINE).line_width(1).fill_opacity(10 if stack else 0)
+             .stacking(cb.StackingConfig().mode(cm.StackingMode.NORMAL if stack else cm.StackingMode.NONE).group("A"))
+             .show_points(cm.VisibilityMode.NEVER).span_nulls(False)
+             .legend(cb.VizLegendOptions().display_mode(cm.LegendDisplayMode.TABLE)
+                     .placement(cm.LegendPlacement.BOTTOM).show_legend(True).calcs(["mean", "max"]))
+             .tooltip(cb.VizTooltipOptions().mode(cm.TooltipDisplayMode.MULTI).sort(cm.SortOrder.DESCENDING)))
+    for t in targets:
+        panel.with_target(t)
+    return panel
 
 
-def _table(title: str, desc: str, targets: list) -> dict:
-    return {
-        "type": "table", "title": title, "description": desc, "datasource": DS, "targets": targets,
-        "fieldConfig": {"defaults": {"unit": "short"}, "overrides": []},
-        "options": {"showHeader": True, "cellHeight": "sm"},
-        "transformations": [{"id": "organize", "options": {"excludeByName": {"Time": True}}}],
-    }
+def _table(title: str, desc: str, targets: list) -> Any:
+    g = _sdk()
+    panel = (g.table.Panel().title(title).description(desc).datasource(g.ds).unit("short").show_header(True)
+             .cell_height(g.cm.TableCellHeight.SM)
+             .with_transformation(g.dm.DataTransformerConfig(id_val="organize", options={"excludeByName": {"Time": True}})))
+    for t in targets:
+        panel.with_target(t)
+    return panel
 
 
-def _stat(title: str, desc: str, targets: list, unit: str = "short") -> dict:
-    return {
-        "type": "stat", "title": title, "description": desc, "datasource": DS, "targets": targets,
-        "fieldConfig": {"defaults": {"unit": unit}, "overrides": []},
-        "options": {"reduceOptions": {"calcs": ["lastNotNull"], "fields": "", "values": False},
-                    "colorMode": "value", "graphMode": "none", "textMode": "auto"},
-    }
+def _stat(title: str, desc: str, targets: list, unit: str = "short") -> Any:
+    g = _sdk()
+    panel = (g.stat.Panel().title(title).description(desc).datasource(g.ds).unit(unit)
+             .reduce_options(g.cb.ReduceDataOptions().calcs(["lastNotNull"]).fields("").values(False))
+             .color_mode(g.cm.BigValueColorMode.VALUE).graph_mode(g.cm.BigValueGraphMode.NONE)
+             .text_mode(g.cm.BigValueTextMode.AUTO))
+    for t in targets:
+        panel.with_target(t)
+    return panel
 
 
-def _text(title: str, content: str) -> dict:
-    return {"type": "text", "title": title, "options": {"mode": "markdown", "content": content}}
+def _text(title: str, content: str) -> Any:
+    g = _sdk()
+    return g.text.Panel().title(title).content(content).mode(g.tm.TextMode.MARKDOWN)
 
 
 def _selector(fam: metrics.Family) -> str:
@@ -205,7 +243,11 @@ def _gauge_agg(fam: metrics.Family) -> str:
 
 
 def auto_panel(fam: metrics.Family) -> dict:
-    """A generated panel for ``fam`` chosen by its type."""
+    """A generated panel for ``fam`` chosen by its type (its Grafana JSON)."""
+    return to_dict(_auto_panel(fam))
+
+
+def _auto_panel(fam: metrics.Family) -> Any:
     sel, by, legend = _selector(fam), _by(fam.labels), _legend(fam.labels)
     agg = f"Across ranks: {fam.aggregation}." if fam.aggregation else ""
     desc = f"{fam.doc} `{fam.name}` ({fam.kind}). {agg}".strip()
@@ -302,40 +344,29 @@ def build(areas: Optional[dict] = None, *, extensions: bool = False) -> dict:
         covered = _CURATED[key](lay) if key in _CURATED else set()
         rest = [f for f in fams if f.name not in covered]
         for fam in rest:
-            lay.add(auto_panel(fam))
+            lay.add(_auto_panel(fam))
         if not fams and key not in _CURATED:
             lay.add(_text(f"{title}: no metrics", f"{what}\n\nNo `dspark_harden_*` family is declared for this "
                                                   "area in this build."), w=24, h=3)
     lay.newline()
-    return {
-        "uid": UID,
-        "title": TITLE,
-        "description": "Per-rank proof of which dspark-harden paths ran (generated by `dspark-harden dashboard`).",
-        "tags": ["dspark-harden", "sglang"],
-        "editable": True,
-        "graphTooltip": 1,
-        "schemaVersion": 39,
-        "version": 1,
-        "time": {"from": "now-1h", "to": "now"},
-        "refresh": "30s",
-        "timezone": "",
-        "annotations": {"list": [{
-            "builtIn": 1, "datasource": {"type": "grafana", "uid": "-- Grafana --"}, "enable": True,
-            "hide": True, "iconColor": "rgba(0, 211, 255, 1)", "name": "Annotations & Alerts", "type": "dashboard",
-        }]},
-        "templating": {"list": [
-            {"name": "datasource", "label": "Data source", "type": "datasource", "query": "prometheus",
-             "current": {}, "hide": 0, "includeAll": False, "multi": False, "options": [], "refresh": 1,
-             "regex": ""},
-            {"name": "dp_rank", "label": "DP rank", "type": "query", "datasource": DS,
-             "definition": "label_values(dspark_harden_scheduler_phase_calls_total, dp_rank)",
-             "query": {"query": "label_values(dspark_harden_scheduler_phase_calls_total, dp_rank)",
-                       "refId": "PrometheusVariableQueryEditor-VariableQuery", "qryType": 1},
-             "current": {}, "hide": 0, "includeAll": True, "allValue": ".*", "multi": True, "options": [],
-             "refresh": 2, "regex": "", "sort": 3},
-        ]},
-        "panels": lay.panels,
-    }
+    g = _sdk()
+    dm, db = g.dm, g.db
+    query = "label_values(dspark_harden_scheduler_phase_calls_total, dp_rank)"
+    dash = (db.Dashboard(TITLE).uid(UID)
+            .description("Per-rank proof of which dspark-harden paths ran (generated by `dspark-harden dashboard`).")
+            .tags(["dspark-harden", "sglang"]).editable().tooltip(dm.DashboardCursorSync.CROSSHAIR)
+            .time("now-1h", "now").refresh("30s").timezone("")
+            .annotation(db.AnnotationQuery().name("Annotations & Alerts").enable(True).hide(True)
+                        .icon_color("rgba(0, 211, 255, 1)").type("dashboard")
+                        .datasource(dm.DataSourceRef(type_val="grafana", uid="-- Grafana --")))
+            .with_variable(db.DatasourceVariable("datasource").label("Data source").type("prometheus"))
+            .with_variable(db.QueryVariable("dp_rank").label("DP rank").datasource(g.ds)
+                           .query({"query": query, "refId": "PrometheusVariableQueryEditor-VariableQuery", "qryType": 1})
+                           .include_all(True).all_value(".*").multi(True)
+                           .refresh(dm.VariableRefresh.ON_TIME_RANGE_CHANGED).sort(dm.VariableSort.NUMERICAL_ASC)))
+    for kind, panel in lay.panels:
+        (dash.with_row if kind == "row" else dash.with_panel)(panel)
+    return to_dict(dash)
 
 
 def render(areas: Optional[dict] = None, *, extensions: bool = False) -> str:

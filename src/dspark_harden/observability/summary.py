@@ -35,8 +35,8 @@ def _by(samples: dict, name: str, label: str, **match) -> dict:
     return dict(out)
 
 
-def _counts(d: dict) -> str:
-    items = [f"{k} {v:g}" for k, v in sorted(d.items()) if v]
+def _counts(d: dict, key: str = "") -> str:
+    items = [f"{key}{k}: {v:g}" if key else f"{k} {v:g}" for k, v in sorted(d.items()) if v]
     return ", ".join(items) or "none yet"
 
 
@@ -58,7 +58,7 @@ def _ingress(s: dict) -> str:
     batches = _by(s, "dspark_harden_atomic_batches_total", "dp_rank")
     msgs = _sum(s, "dspark_harden_scheduler_batch_messages_total")
     rej = _by(s, "dspark_harden_route_rejections_total", "reason")
-    return (f"routed batches sent as one message: {_counts(batches)} (by rank); batch messages received by "
+    return (f"routed batches sent as one message: {_counts(batches, 'rank ')}; batch messages received by "
             f"schedulers: {msgs:g}; bad-rank requests answered 400 instead of a crash: {_counts(rej)}")
 
 
