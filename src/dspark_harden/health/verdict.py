@@ -28,10 +28,13 @@ UNEXPECTED_RANKS = "unexpected_ranks"
 NON_POSITIVE_TIMESTAMP = "non_positive_timestamp"
 FUTURE_TIMESTAMP = "future_timestamp"
 STALE = "stale"
+#: a child process (scheduler of a DP rank, detokenizer, DP controller) died and the server is
+#: stopping; set by the lifecycle feature as ``tokenizer_manager.dspark_harden_fault``
+CHILD_DIED = "child_died"
 
 OUTCOMES = (
     OK, NO_STATE, SHUTTING_DOWN, STARTING, READ_ERROR, MISSING_RANKS, DUPLICATE_RANKS,
-    UNEXPECTED_RANKS, NON_POSITIVE_TIMESTAMP, FUTURE_TIMESTAMP, STALE,
+    UNEXPECTED_RANKS, NON_POSITIVE_TIMESTAMP, FUTURE_TIMESTAMP, STALE, CHILD_DIED,
 )
 
 
@@ -137,6 +140,11 @@ def evaluate_server(
     state does not exist yet)."""
     if tokenizer_manager is None:
         return _fail(NO_STATE, "the HTTP server has no tokenizer manager yet (global state missing)")
+    fault = getattr(tokenizer_manager, "dspark_harden_fault", None)
+    if isinstance(fault, dict) and fault.get("message"):
+        rank = fault.get("dp_rank")
+        return _fail(CHILD_DIED, f"{fault['message']}; the server is stopping",
+                     bad_ranks=[int(rank)] if rank is not None else [])
     if getattr(tokenizer_manager, "gracefully_exit", False):
         return _fail(SHUTTING_DOWN, "the server is shutting down")
     status = getattr(tokenizer_manager, "server_status", None)

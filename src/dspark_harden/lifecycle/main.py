@@ -48,6 +48,7 @@ _SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
 _ALWAYS_ALLOWED = frozenset({"/abort_request"})
 SCHEDULER_EXIT_TIMEOUT_S = 15.0  # stock _SCHEDULER_EXIT_TIMEOUT_SECS, after the barrier timeout
 CHILD_EXIT_TIMEOUT_S = 10.0
+ABORT_ANSWER_TIMEOUT_S = 10.0
 
 
 def _metric(name: str, *labels: Any):
@@ -203,14 +204,27 @@ class MainLifecycle:
             t_abort = time.monotonic()
             msg = (f"aborted by server shutdown: the request was still running when the drain window "
                    f"(DSPARK_HARDEN_SHUTDOWN_DRAIN_S={self.drain_s:g} s) ended")
-            aborted = self.answer_all(tm, msg)
+            aborted = len(remaining)
+            # the schedulers finish every request with this message and HTTP 503 through their own
+            # abort path (running: FINISH_ABORT(message, 503); waiting: the reason given here)
+            from sglang.srt.managers.io_struct import AbortReq
+
             try:
-                tm.abort_request(abort_all=True)  # stop the work in the schedulers too
+                tm._dispatch_to_scheduler(AbortReq(
+                    rid="", abort_all=True, abort_message=msg,
+                    finished_reason={"type": "abort", "message": msg, "status_code": 503}))
             except Exception:  # noqa: BLE001
                 logger.debug("abort_all to the schedulers failed", exc_info=True)
+            abort_deadline = time.monotonic() + ABORT_ANSWER_TIMEOUT_S
+            while self._open_rids(tm) and time.monotonic() < abort_deadline:
+                await asyncio.sleep(0.05)
+            left = self._open_rids(tm)
+            if left:  # schedulers did not answer in time: answer here (their late outputs are dropped)
+                logger.warning("dspark-harden lifecycle: %d request(s) not answered by the schedulers %g s after "
+                               "the abort; answering them with HTTP 503 here", len(left), ABORT_ANSWER_TIMEOUT_S)
+                self.answer_all(tm, msg)
             _count("dspark_harden_shutdown_requests_total", "aborted", n=aborted)
-            # the aborted requests' responses are written by their handlers on this loop
-            await asyncio.sleep(0.2)
+            await asyncio.sleep(0.2)  # the aborted requests' handlers write their responses on this loop
             _set_phase("abort", time.monotonic() - t_abort)
             logger.info("dspark-harden lifecycle: %d request(s) still running after the drain window were "
                         "answered with HTTP 503", aborted)
@@ -263,37 +277,42 @@ class MainLifecycle:
             os._exit(EXIT_CODES["other"])
 
     # -- death ------------------------------------------------------------------------------
-    def cause_of(self, name: str, pid: Optional[int], exitcode: Optional[int]) -> dict:
-        """What died and how, from the children's records (DP controller: its schedulers)."""
+    def cause_of(self, dead: list) -> dict:
+        """The root cause among the dead processes ``[(name, pid, exitcode), ...]``, from the records
+        the children wrote. A scheduler whose loop failed only because a peer died (``secondary``
+        fault) is never the cause; one killed by a signal or failing on its own is."""
         ranks = records.read(self.run_dir, "rank")
-        deaths = records.read(self.run_dir, "death")
+        deaths = records.read(self.run_dir, "death")  # written by a controller that owns its schedulers
         faults = records.read(self.run_dir, "fault")
-        first = None
-        if deaths:  # a scheduler died first; its parent (controller) recorded it
-            first = min(deaths.values(), key=lambda r: r.get("time", 0))
-        if first is not None:
-            spid = int(first["pid"])
-            fault = faults.get(spid)
-            who = records.who(ranks.get(spid) or first, f"scheduler (pid {spid})")
-            how = records.describe_exit(first.get("exitcode"))
+        items = [(name, pid, code) for name, pid, code in dead]
+        for pid, rec in deaths.items():  # the controller's children: their exit codes
+            if all(pid != p for _n, p, _c in items):
+                items.append(("scheduler", pid, rec.get("exitcode")))
+
+        def rank_key(item):
+            name, pid, code = item
+            fault = faults.get(pid)
+            if pid in ranks or pid in deaths:
+                if fault and fault.get("secondary"):
+                    return (3, fault.get("time", 0))
+                if fault:
+                    return (1, fault.get("time", 0))
+                return (0, 0) if code is not None and code != 0 else (2, 0)
+            return (4, 0)  # not a scheduler: the controller exiting 3 after its child, or the detokenizer
+
+        schedulers = [it for it in items if it[1] in ranks or it[1] in deaths]
+        if schedulers:
+            name, pid, code = min(schedulers, key=rank_key)
+            rank = ranks.get(pid) or deaths.get(pid) or {}
+            who = records.who(rank, f"scheduler (pid {pid})")
+            how = records.describe_exit(code)
+            fault = faults.get(pid)
             if fault:
                 how += f" after its event loop raised {fault.get('type')}: {fault.get('message')}"
-            return {"role": "scheduler", "who": who, "pid": spid, "exitcode": first.get("exitcode"),
-                    "dp_rank": (ranks.get(spid) or first).get("dp_rank"),
-                    "message": f"{who} (pid {spid}) {how}"}
-        if pid is not None and pid in faults:
-            fault = faults[pid]
-            who = records.who(ranks.get(pid), name)
-            return {"role": "scheduler", "who": who, "pid": pid, "exitcode": exitcode,
-                    "dp_rank": (ranks.get(pid) or {}).get("dp_rank"),
-                    "message": f"{who} (pid {pid}) {records.describe_exit(exitcode)} after its event loop raised "
-                               f"{fault.get('type')}: {fault.get('message')}"}
-        if pid is not None and pid in ranks:
-            who = records.who(ranks[pid], name)
-            return {"role": "scheduler", "who": who, "pid": pid, "exitcode": exitcode,
-                    "dp_rank": ranks[pid].get("dp_rank"),
-                    "message": f"{who} (pid {pid}) {records.describe_exit(exitcode)}"}
-        # a direct child without a scheduler rank record: the detokenizer, or (named "scheduler_i" by
+            return {"role": "scheduler", "who": who, "pid": pid, "exitcode": code, "dp_rank": rank.get("dp_rank"),
+                    "message": f"{who} (pid {pid}) {how}"}
+        name, pid, code = items[0] if items else ("a child process", None, None)
+        # a direct child without a scheduler rank record: the detokenizer, or (named "scheduler_0" by
         # stock's watchdog under DP) the DP controller
         if "detoken" in name:
             role, label = "detokenizer", "detokenizer"
@@ -301,15 +320,15 @@ class MainLifecycle:
             role, label = "controller", "DP controller"
         else:
             role, label = "other", name
-        return {"role": role, "who": label, "pid": pid, "exitcode": exitcode, "dp_rank": None,
-                "message": f"{label} (pid {pid}) {records.describe_exit(exitcode)}"}
+        return {"role": role, "who": label, "pid": pid, "exitcode": code, "dp_rank": None,
+                "message": f"{label} (pid {pid}) {records.describe_exit(code)}"}
 
-    def on_child_death(self, name: str, pid: Optional[int], exitcode: Optional[int], via: str) -> None:
-        """A child died (or reported a fatal error): answer everyone, tear down, exit non-zero."""
+    def on_child_death(self, dead: list, via: str) -> None:
+        """Children died (or one reported a fatal error): answer everyone, tear down, exit non-zero."""
         with self._lock:
             if self.fault is not None:
                 return
-            cause = self.cause_of(name, pid, exitcode)
+            cause = self.cause_of(dead)
             self.fault = cause
         tm = self.tm
         if tm is not None:
@@ -330,6 +349,15 @@ class MainLifecycle:
         watchdog = getattr(tm, "_subprocess_watchdog", None) if tm is not None else None
         if watchdog is not None:
             watchdog._stop_event.set()  # never join: this may run on its thread
+        # the surviving schedulers cannot serve without the dead process: stop them before they
+        # add collective-timeout noise (their requests are answered below either way)
+        try:
+            from sglang.srt.utils.cudacore_pyspy_dump_utils import collect_scheduler_processes
+
+            for proc in collect_scheduler_processes():
+                proc.kill()
+        except Exception:  # noqa: BLE001
+            logger.debug("stopping the schedulers failed", exc_info=True)
         answered = 0
         if tm is not None and loop is not None and n_open:
             done = threading.Event()
@@ -415,26 +443,35 @@ def build_sigquit_handler(_stock):
             procs = list(zip(getattr(watchdog, "_processes", []) or [], getattr(watchdog, "_names", []) or []))
             deadline = time.monotonic() + 3.0
             while time.monotonic() < deadline:
-                for proc, name in procs:
-                    if not proc.is_alive() and proc.exitcode != 0:
-                        MAIN.on_child_death(name, proc.pid, proc.exitcode, via="sigquit")
-                        return
+                dead = _dead(procs)
+                if dead:
+                    time.sleep(SETTLE_S)
+                    MAIN.on_child_death(_dead(procs), via="sigquit")
+                    return
                 time.sleep(0.05)
-            MAIN.on_child_death("a child process", None, None, via="sigquit")
+            MAIN.on_child_death([("a child process (SIGQUIT)", None, None)], via="sigquit")
 
         threading.Thread(target=find, name="dspark-lifecycle-sigquit", daemon=True).start()
 
     return running_phase_sigquit_handler
 
 
+SETTLE_S = 0.5
+
+
+def _dead(procs) -> list:
+    return [(name, proc.pid, proc.exitcode) for proc, name in procs
+            if not proc.is_alive() and proc.exitcode != 0]
+
+
 def build_check_processes(_stock):
     def _check_processes(self):
-        for proc, name in zip(self._processes, self._names):
-            if proc.is_alive() or proc.exitcode == 0:
-                continue
-            MAIN.on_child_death(name, proc.pid, proc.exitcode, via="watchdog")
-            return True
-        return False
+        procs = list(zip(self._processes, self._names))
+        if not _dead(procs):
+            return False
+        time.sleep(SETTLE_S)  # a peer failing because of this death also exits: see both, pick the cause
+        MAIN.on_child_death(_dead(procs), via="watchdog")
+        return True
 
     return _check_processes
 

@@ -73,18 +73,20 @@ def build_handle_shutdown(stock):
     return handle_shutdown
 
 
-def shutdown_barrier(timeout_s: float) -> str:
-    """Meet every rank of the world CPU (gloo) group; never hangs longer than ``timeout_s``."""
+def shutdown_barrier(timeout_s: float, group=None) -> str:
+    """Meet every rank of the world CPU (gloo) group (or ``group``); never hangs longer than
+    ``timeout_s``."""
     import torch.distributed as dist
 
     if not dist.is_available() or not dist.is_initialized():
         return "skipped (no process group)"
-    from sglang.srt.distributed import parallel_state as ps
+    if group is None:
+        from sglang.srt.distributed import parallel_state as ps
 
-    try:
-        group = ps.get_world_group().cpu_group
-    except Exception as exc:  # noqa: BLE001
-        return f"skipped (no world group: {type(exc).__name__})"
+        try:
+            group = ps.get_world_group().cpu_group
+        except Exception as exc:  # noqa: BLE001
+            return f"skipped (no world group: {type(exc).__name__})"
     world = dist.get_world_size(group)
     if world <= 1:
         return "skipped (single rank)"
@@ -132,17 +134,33 @@ def build_release_host_resources(barrier_timeout_s: float):
     return builder
 
 
+def dead_peers(run_dir) -> list:
+    """Rank records of other schedulers of this server whose process is gone."""
+    from .controller import _gone
+
+    return [rec for pid, rec in records.read(run_dir, "rank").items() if pid != os.getpid() and _gone(pid)]
+
+
 def build_run_event_loop(stock):
     def run_event_loop(self):
         try:
             return stock(self)
         except Exception as exc:
+            run_dir = os.environ.get(records.RUN_DIR_ENV)
             tb = traceback.format_exc()
-            records.write(os.environ.get(records.RUN_DIR_ENV), "fault", os.getpid(), {
-                **_rank_record(), "type": type(exc).__name__, "message": str(exc)[:500], "traceback": tb[-4000:]})
-            logger.error("dspark-harden lifecycle: %s (pid %d): event loop raised %s: %s; exiting with code 1 "
-                         "(the server stops and answers its in-flight requests)\n%s",
-                         _who(), os.getpid(), type(exc).__name__, exc, tb)
+            peers = dead_peers(run_dir)
+            records.write(run_dir, "fault", os.getpid(), {
+                **_rank_record(), "type": type(exc).__name__, "message": str(exc)[:500], "traceback": tb[-4000:],
+                "secondary": bool(peers)})
+            if peers:  # the cause is the peer's death, which the main process reports
+                logger.error("dspark-harden lifecycle: %s (pid %d) stopped: its peer %s is gone (%s: %s); exiting "
+                             "with code 1", _who(), os.getpid(),
+                             ", ".join(records.who(r, f"pid {r.get('pid')}") for r in peers), type(exc).__name__,
+                             str(exc).splitlines()[0][:200] if str(exc) else "")
+            else:
+                logger.error("dspark-harden lifecycle: %s (pid %d): event loop raised %s: %s; exiting with code 1 "
+                             "(the server stops and answers its in-flight requests)\n%s",
+                             _who(), os.getpid(), type(exc).__name__, exc, tb)
             raise SystemExit(1) from exc
 
     return run_event_loop

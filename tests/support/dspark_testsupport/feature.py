@@ -86,12 +86,12 @@ def dspark_features():
             roles=ROLES,
             test_only=True,
         )
-    ]
+    ] + _fault_features()
 
 
 @hookimpl
 def dspark_settings():
-    return [
+    return _fault_settings() + [
         Setting(
             SWITCH, flag01, False,
             "TEST ONLY (dspark-testsupport): 1 binds the test feature's harmless wrap of "
@@ -167,8 +167,9 @@ def _register_rogue_replace() -> None:
 
 @hookimpl
 def dspark_patches(role, settings):
+    faults = _fault_patches(role, settings)
     if not settings[SWITCH] or role not in ROLES:
-        return []
+        return faults
     mode = settings[BREAK]
     target, fingerprint = TARGET, FINGERPRINT
     if mode == "drift":
@@ -188,4 +189,71 @@ def dspark_patches(role, settings):
             why="TEST ONLY: exercises binding, verification and fail-closed startup in a real server",
             retire_when="never (test support)",
         )
-    ]
+    ] + faults
+
+
+# -- fault injection (lifecycle drills, issue 14) ------------------------------------------------
+# DSPARK_TESTFAULT_SCHEDULER_DP_RANK=N binds, in schedulers only, a wrap of
+# Scheduler.handle_generate_request that raises a RuntimeError inside DP rank N's event loop when a
+# request's rid starts with FAULT_RID_PREFIX: a real Python exception on the real scheduler thread,
+# to drill how the server surfaces a scheduler failure. Other ranks and other rids are untouched.
+
+FAULT_FEATURE = "testfault"
+FAULT_SWITCH = "DSPARK_TESTFAULT_SCHEDULER_DP_RANK"
+FAULT_RID_PREFIX = "dspark-testfault-"
+FAULT_TARGET = "sglang.srt.managers.scheduler:Scheduler.handle_generate_request"
+#: fingerprint_source(Scheduler.handle_generate_request) in sglang 0.5.23
+FAULT_FINGERPRINT = "d247ea868856f196"
+
+
+def parse_fault_rank(raw: str):
+    """a DP rank >= 1 (the value is also the feature's switch, so rank 0 cannot be chosen)"""
+    try:
+        value = int(raw.strip(), 10)
+    except ValueError:
+        raise ValueError(f"must be a DP rank >= 1, got {raw!r}") from None
+    if value < 1:
+        raise ValueError(f"must be a DP rank >= 1, got {raw!r}")
+    return value
+
+
+parse_fault_rank.bad_examples = ("", "0", "-1", "x", "1.5")
+
+
+def _wrap_generate(dp_rank: int):
+    def builder(stock):
+        def handle_generate_request(self, recv_req, *args, **kwargs):
+            from dspark_harden.core import roles
+
+            ctx = roles.CONTEXT
+            rid = str(getattr(recv_req, "rid", "") or "")
+            if rid.startswith(FAULT_RID_PREFIX) and ctx is not None and ctx.dp_rank == dp_rank:
+                raise RuntimeError(f"dspark-testsupport injected fault in DP rank {dp_rank} (request {rid})")
+            return stock(self, recv_req, *args, **kwargs)
+
+        return handle_generate_request
+
+    return builder
+
+
+def _fault_features():
+    return [Feature(name=FAULT_FEATURE, area="test",
+                    description="TEST ONLY: raise in one DP rank's scheduler loop for requests with a marked rid",
+                    switch=FAULT_SWITCH, default_on=False, roles=frozenset({Role.SCHEDULER}), test_only=True)]
+
+
+def _fault_settings():
+    return [Setting(FAULT_SWITCH, parse_fault_rank, None,
+                    f"TEST ONLY (dspark-testsupport): the DP rank whose scheduler raises RuntimeError for a request "
+                    f"whose rid starts with {FAULT_RID_PREFIX!r} (a real exception in its event loop). Unset: off.",
+                    feature=FAULT_FEATURE, accepts="DP rank >= 1")]
+
+
+def _fault_patches(role, settings):
+    rank = settings[FAULT_SWITCH]
+    if rank is None or role is not Role.SCHEDULER:
+        return []
+    return [Patch(feature=FAULT_FEATURE, target=FAULT_TARGET, kind=Kind.WRAP, roles={Role.SCHEDULER},
+                  build=_wrap_generate(rank), fingerprint=FAULT_FINGERPRINT,
+                  why="TEST ONLY: a real exception in a scheduler's event loop for the lifecycle drills",
+                  retire_when="never (test support)")]
