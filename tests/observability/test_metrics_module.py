@@ -144,6 +144,14 @@ def test_third_party_family_is_registered_documented_and_precreated(tmp_path):
     text = metrics_ref.markdown(metrics.registry())
     assert f"| `{name}` | counter | `role` |" in text
     assert [r for r in metrics_ref.rows(metrics.registry()) if r["name"] == name][0]["declared_by"] == "dspark_testfeature"
+    from dspark_harden.cli import main as cli_main
+    import contextlib, io
+    for argv, present in ((["metrics", "--markdown", "--extensions"], True), (["metrics", "--markdown"], False),
+                          (["metrics"], True)):
+        buf = io.StringIO()
+        with contextlib.redirect_stdout(buf):
+            assert cli_main(argv) == 0
+        assert (name in buf.getvalue()) is present, argv
     rc, res, out = run_py(f"""
         from dspark_harden.core import metrics
         off = metrics.precreate_process("scheduler", [], "0")

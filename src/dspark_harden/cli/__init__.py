@@ -9,6 +9,7 @@ from typing import Optional
 from . import check as _check
 from . import ledger as _ledger
 from . import metrics_ref as _metrics_ref
+from ..devtools.e2e import cli as _e2e_cli
 
 
 def build_parser(pm=None) -> argparse.ArgumentParser:
@@ -30,6 +31,8 @@ def build_parser(pm=None) -> argparse.ArgumentParser:
     p = sub.add_parser("metrics", help="every metric family the installed features declare")
     p.add_argument("--json", action="store_true")
     p.add_argument("--markdown", action="store_true", help="the text of docs/metrics.md (built-in features)")
+    p.add_argument("--extensions", action="store_true",
+                   help="with --markdown: also document installed third-party features' families")
     p.set_defaults(func=_metrics_ref.main)
 
     p = sub.add_parser("patches", help="the patch ledger: target, why, retire-when")
@@ -38,6 +41,7 @@ def build_parser(pm=None) -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="benchmarks against the stock path in the same run")
     bench_sub = bench.add_subparsers(dest="bench", required=True)
+    _e2e_cli.register(bench_sub)  # bench serve / bench soak: devtools, not a feature (docs/e2e.md)
 
     if pm is None:
         from ..core.manager import make_manager

@@ -100,7 +100,7 @@ def rows(reg: M.Registry) -> list[dict]:
 
 def main(args) -> int:
     if getattr(args, "markdown", False):
-        print(markdown(M.registry(load_extensions=False)), end="")
+        print(markdown(M.registry(load_extensions=bool(getattr(args, "extensions", False)))), end="")
         return 0
     reg = M.registry(load_extensions=True)
     if args.json:
