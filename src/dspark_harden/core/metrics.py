@@ -496,3 +496,28 @@ def reset_for_tests() -> None:
 
 def families(feature: Optional[str] = None) -> list[Family]:
     return [f for f in FAMILIES.values() if feature is None or f.feature == feature]
+
+
+# -- helpers for the features' runtime code -------------------------------------------------------
+
+
+def process_dp_label() -> str:
+    """This process's ``dp_rank`` label value ("none" outside DP schedulers or before binding)."""
+    from . import roles
+
+    ctx = roles.CONTEXT
+    return ctx.dp_label if ctx is not None else "none"
+
+
+def never_raises(fn: Callable) -> Callable:
+    """Decorator for a feature's metric helpers: a metric update must never fail a request."""
+    import functools
+
+    @functools.wraps(fn)
+    def run(*args: Any, **kwargs: Any) -> None:
+        try:
+            fn(*args, **kwargs)
+        except Exception:  # noqa: BLE001
+            logger.debug("metric update %s failed", fn.__qualname__, exc_info=True)
+
+    return run

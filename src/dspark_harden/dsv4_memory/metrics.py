@@ -56,21 +56,8 @@ GROUP = MetricGroup(
 )
 
 
-def _dp() -> str:
-    from ..core import roles
-
-    ctx = roles.CONTEXT
-    return ctx.dp_label if ctx is not None else "none"
-
-
-def _safe(fn):
-    def run(*args, **kwargs):
-        try:
-            fn(*args, **kwargs)
-        except Exception:  # noqa: BLE001
-            logger.debug("dsv4 metric update failed", exc_info=True)
-
-    return run
+_dp = M.process_dp_label
+_safe = M.never_raises
 
 
 @_safe

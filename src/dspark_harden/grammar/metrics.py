@@ -148,21 +148,8 @@ GROUP = MetricGroup(
 )
 
 
-def dp_label() -> str:
-    from ..core import roles
-
-    ctx = roles.CONTEXT
-    return ctx.dp_label if ctx is not None else "none"
-
-
-def _safe(fn):
-    def run(*args, **kwargs):
-        try:
-            fn(*args, **kwargs)
-        except Exception:  # noqa: BLE001
-            logger.debug("grammar metric update failed", exc_info=True)
-
-    return run
+dp_label = M.process_dp_label
+_safe = M.never_raises
 
 
 @_safe

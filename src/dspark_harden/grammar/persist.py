@@ -43,7 +43,7 @@ class PersistSettings:
     queue_max: int = 64
     memory_limit_bytes: int = 2 << 30
     deadline_s: float = 120.0
-    idle_exit_s: float = 60.0
+    idle_exit_s: float = 30.0
     start_timeout_s: float = 180.0
 
     def __post_init__(self) -> None:
@@ -154,9 +154,14 @@ class Helper:
         )
         self._buf = b""
         self.starts += 1
-        self.proc.stdin.write((json.dumps(self._init) + "\n").encode())
-        self.proc.stdin.flush()
-        msg = self._read_line(self.settings.start_timeout_s)
+        try:
+            self.proc.stdin.write((json.dumps(self._init) + "\n").encode())
+            self.proc.stdin.flush()
+            msg = self._read_line(self.settings.start_timeout_s)
+        except (EOFError, BrokenPipeError, OSError):
+            rc = self.proc.poll()
+            self.kill()
+            raise HelperError(f"grammar persistence helper exited during start-up (exit code {rc})") from None
         if msg is None or not msg.get("ready"):
             self.kill()
             raise HelperError(f"grammar persistence helper did not start within {self.settings.start_timeout_s:g} s")
@@ -294,9 +299,14 @@ class Persister:
                 return
             try:
                 self.slots.wait_for_helper_slot(self._stop)
-                self._one(job)
+                if not self._stop.is_set():
+                    self._one(job)
             except BaseException:  # noqa: BLE001 - never let the persister die
-                logger.exception("dspark-harden: grammar cache persistence failed")
+                # closing (or interpreter shutdown) kills the helper under a running job: not an error.
+                # Python 3.11 parses source while formatting a traceback, which races the main thread's
+                # own parsing during shutdown, so nothing is formatted then.
+                if not self._stop.is_set() and not sys.is_finalizing():
+                    logger.exception("dspark-harden: grammar cache persistence failed")
             finally:
                 with self._lock:
                     self._queued.discard(job["key_hex"])
