@@ -9,6 +9,7 @@ from typing import Optional
 from . import check as _check
 from . import ledger as _ledger
 from . import metrics_ref as _metrics_ref
+from ..devtools.e2e import cli as _e2e_cli
 
 
 def build_parser(pm=None) -> argparse.ArgumentParser:
@@ -40,6 +41,7 @@ def build_parser(pm=None) -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="benchmarks against the stock path in the same run")
     bench_sub = bench.add_subparsers(dest="bench", required=True)
+    _e2e_cli.register(bench_sub)  # bench serve / bench soak: devtools, not a feature (docs/e2e.md)
 
     if pm is None:
         from ..core.manager import make_manager
