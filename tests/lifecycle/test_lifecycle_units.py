@@ -17,11 +17,9 @@
 from __future__ import annotations
 
 import json
-import mmap
 import multiprocessing as mp
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -215,8 +213,10 @@ def test_shutdown_barrier_passes_and_never_hangs_on_an_absent_peer(tmp_path, pee
 # -- resource tracker --------------------------------------------------------------------------------
 
 _CHILD_RES = r"""
-import mmap, os, socket, sys, time
+import _multiprocessing, mmap, os, socket, sys, time
 shm, sock = sys.argv[1], sys.argv[2]
+if len(sys.argv) > 3:  # a named POSIX semaphore, as multiprocessing makes them (sem.mp-*), no tracker
+    sem = _multiprocessing.SemLock(1, 1, 1, sys.argv[3], False)
 fd = os.open(shm, os.O_CREAT | os.O_RDWR, 0o600)
 os.ftruncate(fd, 4096)
 m = mmap.mmap(fd, 4096)
@@ -233,7 +233,9 @@ def test_tracker_removes_what_a_killed_process_left_and_keeps_what_is_in_use(tmp
     shm = f"/dev/shm/{tag}-left"
     shared = f"/dev/shm/{tag}-shared"
     sock = str(tmp_path / "ipc.sock")
-    child = subprocess.Popen([PY, "-c", _CHILD_RES, shm, sock], stdout=subprocess.PIPE, text=True)
+    sem_name = f"/{tag}-sem"
+    sem = f"/dev/shm/sem.{tag}-sem"
+    child = subprocess.Popen([PY, "-c", _CHILD_RES, shm, sock, sem_name], stdout=subprocess.PIPE, text=True)
     # another live process outside the tree maps a second segment -> must be kept
     other = subprocess.Popen([PY, "-c", _CHILD_RES, shared, str(tmp_path / "other.sock")], stdout=subprocess.PIPE,
                              text=True)
@@ -243,18 +245,19 @@ def test_tracker_removes_what_a_killed_process_left_and_keeps_what_is_in_use(tmp
         tracker = resources.ResourceTracker(root=child.pid)
         tracker.scan()
         assert shm in tracker.shm and sock in tracker.sockets
+        assert sem in tracker.shm, "a semaphore is mapped under sem_open's unlinked temporary name: found by inode"
         tracker.add_paths(shm=[shared])
         os.kill(child.pid, signal.SIGKILL)
         child.wait(10)
         assert os.path.exists(shm) and os.path.exists(sock)  # SIGKILL unlinks nothing
         result = resources.remove_leftovers(tracker)
-        assert shm in result["removed"] and sock in result["removed"], result
+        assert shm in result["removed"] and sock in result["removed"] and sem in result["removed"], result
         assert shared in result["kept"], result
         assert not os.path.exists(shm) and not os.path.exists(sock) and os.path.exists(shared)
     finally:
         other.kill()
         other.wait(10)
-        for p in (shm, shared, str(tmp_path / "other.sock")):
+        for p in (shm, shared, sem, str(tmp_path / "other.sock")):
             if os.path.exists(p):
                 os.unlink(p)
         if child.poll() is None:

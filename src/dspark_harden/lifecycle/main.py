@@ -421,7 +421,7 @@ def build_sigterm_handler(_stock):
 def build_sigterm_watchdog(_stock):
     async def sigterm_watchdog(self):
         while not self.gracefully_exit:
-            await asyncio.sleep(0.1)
+            await asyncio.sleep(0.25)
         await MAIN.run_shutdown(self)
         if self._server_stop_hook is not None:
             current = asyncio.current_task()

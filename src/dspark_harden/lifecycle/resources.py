@@ -42,20 +42,45 @@ def tree_pids(root: int) -> list[int]:
     return out
 
 
-def mapped_shm(pid: int) -> set[str]:
+def mapped_shm_inodes(pid: int) -> set[int]:
+    """Inodes of the /dev/shm files ``pid`` maps. By inode, not name: a POSIX semaphore is mapped
+    under the temporary name sem_open() created and unlinked (``/dev/shm/sem.XXXXXX (deleted)``),
+    then linked as ``sem.mp-*``; only the inode is the same."""
     out = set()
     try:
         with open(f"/proc/{pid}/maps") as f:
             for line in f:
-                idx = line.find(SHM_DIR)
-                if idx >= 0:
-                    path = line[idx:].strip()
-                    if path.endswith(" (deleted)"):
-                        continue
-                    out.add(path)
+                if SHM_DIR not in line:
+                    continue
+                parts = line.split()
+                if len(parts) >= 6:
+                    try:
+                        out.add(int(parts[4]))
+                    except ValueError:
+                        pass
     except OSError:
         pass
     return out
+
+
+def shm_files_by_inode() -> dict[int, str]:
+    out = {}
+    try:
+        for name in os.listdir(SHM_DIR):
+            path = SHM_DIR + name
+            try:
+                out.setdefault(os.lstat(path).st_ino, path)
+            except OSError:
+                continue
+    except OSError:
+        pass
+    return out
+
+
+def mapped_shm(pid: int) -> set[str]:
+    """Current /dev/shm paths of the files ``pid`` maps."""
+    inodes = mapped_shm_inodes(pid)
+    return {path for ino, path in shm_files_by_inode().items() if ino in inodes}
 
 
 def _unix_inodes() -> dict[int, str]:
@@ -99,6 +124,7 @@ class ResourceTracker:
         self.root = root or os.getpid()
         self.interval_s = interval_s
         self.shm: set[str] = set()
+        self.shm_inodes: set[int] = set()
         self.sockets: set[str] = set()
         self.pids: set[int] = set()
         self._lock = threading.Lock()
@@ -112,13 +138,15 @@ class ResourceTracker:
 
     def scan(self) -> None:
         pids = tree_pids(self.root)
-        shm: set[str] = set()
+        inodes: set[int] = set()
         for pid in pids:
-            shm |= mapped_shm(pid)
+            inodes |= mapped_shm_inodes(pid)
+        files = shm_files_by_inode()
         socks = bound_sockets(pids)
         with self._lock:
             self.pids.update(pids)
-            self.shm |= shm
+            self.shm_inodes |= inodes
+            self.shm |= {path for ino, path in files.items() if ino in self.shm_inodes}
             self.sockets |= socks
 
     def start(self) -> None:
@@ -149,18 +177,25 @@ def _in_use_elsewhere(paths: set[str], exclude: set[int]) -> set[str]:
     bound_now = set(inodes.values()) - bound_sockets([os.getpid()], inodes)
     used |= {p for p in paths if p in bound_now and not p.startswith(SHM_DIR)}
     if shm_paths:
+        ino_of = {}
+        for p in shm_paths:
+            try:
+                ino_of[os.lstat(p).st_ino] = p
+            except OSError:
+                pass
         for entry in os.listdir("/proc"):
             if not entry.isdigit() or int(entry) in exclude:
                 continue
-            hit = mapped_shm(int(entry)) & shm_paths
-            used |= hit
+            used |= {ino_of[i] for i in mapped_shm_inodes(int(entry)) if i in ino_of}
     return used
 
 
 def remove_leftovers(tracker: ResourceTracker, extra: Iterable[str] = ()) -> dict:
     """Unlink what the (now dead) tree left behind; returns {"removed": [...], "kept": [...]}."""
+    files = shm_files_by_inode()
     with tracker._lock:
         candidates = set(tracker.shm) | set(tracker.sockets) | set(extra)
+        candidates |= {path for ino, path in files.items() if ino in tracker.shm_inodes}
     candidates = {p for p in candidates if os.path.lexists(p)}
     alive_tree = {p for p in tree_pids(tracker.root) if p != os.getpid()}
     in_use = _in_use_elsewhere(candidates, exclude={os.getpid()} | alive_tree) if candidates else set()

@@ -45,12 +45,17 @@ def nonneg_float(raw: str) -> float:
 nonneg_float.bad_examples = ("", "-1", "nan", "inf", "abc")
 
 
-def gate_control(raw: str) -> bool:
+class GateMode(str):
+    """``disabled`` / ``armed``; truthy only when armed (it is also the feature's switch)."""
+
+    def __bool__(self) -> bool:
+        return self == "armed"
+
+
+def gate_control(raw: str) -> GateMode:
     """one of: disabled, armed"""
-    if raw == "armed":
-        return True
-    if raw == "disabled":
-        return False
+    if raw in ("armed", "disabled"):
+        return GateMode(raw)
     raise ValueError(f"must be one of disabled, armed; got {raw!r}")
 
 
@@ -86,7 +91,7 @@ SETTINGS = [
             "detokenizer: output batches; main: responses), counted after startup (graph capture and "
             "SGLang's own warm-up request are part of startup).",
             feature=GC_FREEZE, accepts="integer >= 0"),
-    Setting(GATE_CONTROL, gate_control, False,
+    Setting(GATE_CONTROL, gate_control, GateMode("disabled"),
             "The one-shot HiCache eviction gate (POST /set_internal_state with "
             "{\"server_args\": {\"hicache_gate_evict_device_tokens\": N}}). armed: accepted once per scheduler "
             "(then disarmed), only while HiCache is on and the scheduler idle. disabled: the key is refused.",
