@@ -16,7 +16,7 @@ from dspark_harden.dsv4_memory import feature as F
 from dspark_harden.dsv4_memory import planner as PL
 from dspark_harden.dsv4_memory import settings as S
 from dspark_harden.dsv4_memory.pool import SparsePrefillPool, SparsePrefillPoolError, reservation_bytes
-from dspark_harden.dsv4_memory.sources import source_fingerprint
+from dspark_harden.core.patch import source_text_fingerprint as source_fingerprint
 
 from ..plugin._proc import run_py
 

@@ -78,8 +78,16 @@ def test_every_declared_patch_round_trips():
     """apply -> revert -> apply for every patch any feature declares (all roles)."""
     from dspark_harden.cli.ledger import declared_patches
 
+    import torch
+
+    from dspark_harden.core.patch import source_text_fingerprint as source_fingerprint
+
     patches = declared_patches(make_manager())
     for patch in patches:
+        if patch.requires_cuda and not torch.cuda.is_available():
+            # its module loads a CUDA extension at import: verified from the installed source text
+            assert source_fingerprint(patch.target) == patch.fingerprint, patch.key
+            continue
         stock = None if patch.kind in (Kind.ROUTE, Kind.ATTRIBUTE) else patch.stock_object()
         patch.apply()
         assert patch.live_check() is None, patch.key

@@ -59,6 +59,39 @@ def fingerprint_source(obj: Any) -> str:
     return hashlib.sha256(textwrap.dedent(src).encode()).hexdigest()[:16]
 
 
+def _module_path(module: str) -> str:
+    import importlib.util
+    import os
+
+    spec = importlib.util.find_spec(module.split(".")[0])
+    if spec is None or spec.origin is None:
+        raise PatchError(f"package {module.split('.')[0]!r} is not installed")
+    return os.path.join(os.path.dirname(spec.origin), *module.split(".")[1:]) + ".py"
+
+
+def source_text_fingerprint(target: str) -> str:
+    """The same digest as :func:`fingerprint_source`, read from the installed source *text* of a
+    module-level function or ``Class.method`` target, without importing its module (for targets whose
+    module loads a CUDA extension at import: ``Patch.requires_cuda``)."""
+    import ast
+
+    module, _, qual = target.partition(":")
+    path = _module_path(module)
+    with open(path, encoding="utf-8") as fh:
+        src = fh.read()
+    lines = src.splitlines(keepends=True)
+    body = ast.parse(src).body
+    node = None
+    for part in qual.split("."):
+        node = next((n for n in body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
+                     and n.name == part), None)
+        if node is None:
+            raise PatchError(f"{target}: {part!r} not found in {path}")
+        body = node.body
+    start = (node.decorator_list[0].lineno if node.decorator_list else node.lineno) - 1
+    return hashlib.sha256(textwrap.dedent("".join(lines[start:node.end_lineno])).encode()).hexdigest()[:16]
+
+
 def unwrap_descriptor(obj: Any) -> Any:
     if isinstance(obj, (staticmethod, classmethod)):
         return obj.__func__
@@ -139,6 +172,9 @@ class Patch:
     versions: str = SUPPORTED_SGLANG
     # module-level functions imported elsewhere with ``from m import f``: re-point those too
     propagate: bool = True
+    # the target's module loads a CUDA extension when imported: on a host without CUDA the patch
+    # cannot be applied (its feature is unavailable there) and is verified from its source text
+    requires_cuda: bool = False
 
     # runtime state
     applied: bool = field(default=False, init=False)

@@ -167,7 +167,7 @@ def patches(role: Role, settings: Any) -> list:
         common = dict(feature=S.POOL_FEATURE, roles={Role.SCHEDULER})
         out += [
             Patch(target=S.FLASH_MLA_TARGET, kind=Kind.WRAP, build=_build_sparse_fwd,
-                  fingerprint=S.FLASH_MLA_FINGERPRINT,
+                  fingerprint=S.FLASH_MLA_FINGERPRINT, requires_cuda=True,
                   why="sgl-flash-mla 1.0.0 allocates the sparse-prefill output (1 GiB at 8k tokens x 128 heads) and "
                       "its statistics on every layer call; after fragmentation a fresh contiguous block may not exist",
                   retire_when="FlashMLA's sparse prefill takes caller-owned outputs and SGLang's DSV4 backend passes a "
