@@ -44,6 +44,10 @@ WINDOW = "10m"
 #: (kept in sync with docs/observability.md "What the CPU end-to-end test can and cannot prove")
 UNPROVABLE_ON_CPU = {
     "dspark-masks": "DSpark speculative decoding imports CUDA kernels (cpu-e2e.md, out of reach on CPU)",
+    "prefill-graph-dp": "prefill CUDA graphs are disabled on CPU (stock resolves the prefill graph backend to disabled)",
+    "dsv4-sparse-prefill-pool": "DeepSeek V4 attention and FlashMLA need CUDA",
+    "dsv4-inplace-q-norm-rope": "DeepSeek V4's JIT kernels need CUDA",
+    "dsv4-planner-guards": "DeepSeek V4's compress planner runs on CUDA only",
 }
 
 _FEATURES = {f.name for f in all_features(make_manager(load_extensions=False))}
