@@ -170,6 +170,22 @@ def test_starting_shutting_down_and_no_state(shm):
         assert v.status_code == 503 and v.to_dict()["status"] == "unhealthy"
 
 
+def test_child_died_names_the_rank_before_every_other_check(shm):
+    """The lifecycle feature marks the tokenizer manager when a child died (docs/lifecycle.md):
+    503 naming it, also while every snapshot is still fresh and the server is shutting down."""
+    path, writer = shm
+    now = time.time()
+    for r in range(2):
+        publish(writer(2, r), r, now)
+    manager = tm(ShmLoadSnapshotReader(path, 2), exiting=True)
+    manager.dspark_harden_fault = {"message": "DP rank 1 scheduler (pid 42) was killed by SIGKILL", "dp_rank": 1}
+    v = check(manager, now)
+    assert v.reason == V.CHILD_DIED and v.status_code == 503 and v.bad_ranks == [1]
+    assert v.message.startswith("DP rank 1 scheduler (pid 42) was killed by SIGKILL")
+    manager.dspark_harden_fault = {"message": "detokenizer (pid 7) was killed by SIGKILL", "dp_rank": None}
+    assert check(manager, now).bad_ranks == []
+
+
 def test_every_outcome_has_a_test_and_a_metric_label():
     from dspark_harden.core import metrics
 

@@ -190,9 +190,18 @@ class MainLifecycle:
         t_sig = self.shutdown_started or time.time()
         t0 = time.monotonic() - max(0.0, time.time() - t_sig)
         open_at_start = len(self._open_rids(tm))
+        drain_s = self.drain_s
+        status = getattr(getattr(tm, "server_status", None), "value", None)
+        from sglang.srt.utils import get_bool_env_var
+
+        if status == "UnHealthy" or get_bool_env_var("SGL_FORCE_SHUTDOWN"):
+            # stock exits at once in both cases; here: no drain, the ordered teardown still runs
+            drain_s = 0.0
+            logger.info("dspark-harden lifecycle: %s: in-flight requests are aborted at once",
+                        "health check failed" if status == "UnHealthy" else "SGL_FORCE_SHUTDOWN is set")
         logger.info("dspark-harden lifecycle: draining %d in-flight request(s) for up to %g s "
-                    "(DSPARK_HARDEN_SHUTDOWN_DRAIN_S); new requests get HTTP 503", open_at_start, self.drain_s)
-        deadline = t0 + self.drain_s
+                    "(DSPARK_HARDEN_SHUTDOWN_DRAIN_S); new requests get HTTP 503", open_at_start, drain_s)
+        deadline = t0 + drain_s
         while self._open_rids(tm) and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
         remaining = self._open_rids(tm)
@@ -203,7 +212,7 @@ class MainLifecycle:
         if remaining:
             t_abort = time.monotonic()
             msg = (f"aborted by server shutdown: the request was still running when the drain window "
-                   f"(DSPARK_HARDEN_SHUTDOWN_DRAIN_S={self.drain_s:g} s) ended")
+                   f"(DSPARK_HARDEN_SHUTDOWN_DRAIN_S={drain_s:g} s) ended")
             aborted = len(remaining)
             # the schedulers finish every request with this message and HTTP 503 through their own
             # abort path (running: FINISH_ABORT(message, 503); waiting: the reason given here)

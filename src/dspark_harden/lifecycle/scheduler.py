@@ -152,8 +152,8 @@ def build_run_event_loop(stock):
             records.write(run_dir, "fault", os.getpid(), {
                 **_rank_record(), "type": type(exc).__name__, "message": str(exc)[:500], "traceback": tb[-4000:],
                 "secondary": bool(peers)})
-            if peers:  # the cause is the peer's death, which the main process reports
-                logger.error("dspark-harden lifecycle: %s (pid %d) stopped: its peer %s is gone (%s: %s); exiting "
+            if peers:  # the cause is the peer's death, which the main process reports (at ERROR)
+                logger.warning("dspark-harden lifecycle: %s (pid %d) stopped: its peer %s is gone (%s: %s); exiting "
                              "with code 1", _who(), os.getpid(),
                              ", ".join(records.who(r, f"pid {r.get('pid')}") for r in peers), type(exc).__name__,
                              str(exc).splitlines()[0][:200] if str(exc) else "")
