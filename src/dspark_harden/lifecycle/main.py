@@ -268,9 +268,7 @@ class MainLifecycle:
         if stragglers:
             logger.warning("dspark-harden lifecycle: processes still alive after ShutdownReq, killing them: %s",
                            stragglers)
-        from sglang.srt.utils import kill_process_tree
-
-        kill_process_tree(os.getpid(), include_parent=False, wait_timeout=60)
+        _kill_children(wait_timeout=60)
         left = self.cleanup()
         total = time.monotonic() - t0
         _set_phase("total", total)
@@ -386,10 +384,8 @@ class MainLifecycle:
             deadline = time.monotonic() + self.death_grace_s
             while time.monotonic() < deadline:
                 time.sleep(0.05)
-        from sglang.srt.utils import kill_process_tree
-
         try:
-            kill_process_tree(os.getpid(), include_parent=False, wait_timeout=30)
+            _kill_children(wait_timeout=30)
         except Exception as exc:  # noqa: BLE001
             logger.error("dspark-harden lifecycle: killing the process tree failed: %s", exc)
         left = self.cleanup()
@@ -400,6 +396,29 @@ class MainLifecycle:
 
 
 MAIN = MainLifecycle()
+
+
+def _kill_children(wait_timeout: float) -> None:
+    """Kill what is left of the tree except multiprocessing's resource tracker, then stop the
+    tracker: with every other process gone it unlinks the semaphores they registered and never
+    released (``sem.mp-*``: SIGKILLed processes cannot; stock kills the tracker too, so they leak)."""
+    from multiprocessing import resource_tracker
+
+    from sglang.srt.utils import kill_process_tree
+
+    tracker = getattr(resource_tracker, "_resource_tracker", None)
+    tracker_pid = getattr(tracker, "_pid", None)
+    kill_process_tree(os.getpid(), include_parent=False, skip_pid=tracker_pid, wait_timeout=wait_timeout)
+    if tracker_pid is not None:
+        def stop():
+            try:
+                tracker._stop()
+            except Exception:  # noqa: BLE001 - then the /proc-based cleanup still runs
+                logger.debug("stopping the resource tracker failed", exc_info=True)
+
+        t = threading.Thread(target=stop, name="dspark-lifecycle-rtracker", daemon=True)
+        t.start()
+        t.join(5.0)  # it exits once every holder of its pipe is gone; never wait longer
 
 
 def _flush_logs() -> None:
