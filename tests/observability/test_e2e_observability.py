@@ -48,6 +48,7 @@ UNPROVABLE_ON_CPU = {
     "dsv4-sparse-prefill-pool": "DeepSeek V4 attention and FlashMLA need CUDA",
     "dsv4-inplace-q-norm-rope": "DeepSeek V4's JIT kernels need CUDA",
     "dsv4-planner-guards": "DeepSeek V4's compress planner runs on CUDA only",
+    "hicache-gate": "--enable-hierarchical-cache does not start on the CPU harness (docs/lifecycle.md)",
 }
 
 _FEATURES = {f.name for f in all_features(make_manager(load_extensions=False))}

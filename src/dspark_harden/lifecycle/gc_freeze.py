@@ -114,6 +114,11 @@ class GcFreezer:
         self.role, self.dp_label = role, dp_label
         self.after_batches, self.delay_s = after_batches, delay_s
         self.recorder.install()
+        try:  # this process's series exist (0) before the freeze
+            for name in ("dspark_harden_gc_frozen_objects", "dspark_harden_gc_frozen"):
+                metrics.precreate(name, [(role, dp_label)])
+        except Exception:  # noqa: BLE001
+            logger.debug("gc metric pre-creation failed", exc_info=True)
         if self._flusher is None:
             self._flusher = threading.Thread(target=self._flush_loop, name="dspark-gc-metrics", daemon=True)
             self._flusher.start()
