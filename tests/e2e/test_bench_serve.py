@@ -23,7 +23,7 @@ def test_serve_gates_hold_on_a_tiny_trace(dp2_server):
     plugin = serve.Pausable(dp2_server)
     try:
         stock.pause()
-        report = serve.compare(stock, plugin, entries, seq, 1, {"rounds": 1})
+        report = serve.compare(stock, plugin, entries, seq, 1, {"rounds": 1}, warmup=False)
     finally:
         plugin.resume()  # the shared server is left running
         stock.stop()

@@ -44,6 +44,7 @@ def register(bench_subparsers) -> None:
                    help="requests of the sequential correctness gate, each capped at 16 output tokens (default %(default)s)")
     b.add_argument("--ablate", action="store_true", help="also run the plugin once with each feature off in turn")
     b.add_argument("--ablate-features", metavar="A,B", help="ablate only these features (implies --ablate)")
+    b.add_argument("--no-warmup", action="store_true", help="skip the uncounted warm-up pass per server")
     b.add_argument("--write-trace", metavar="FILE", help="also write the replayed trace as JSONL")
     b.add_argument("--details", metavar="DIR", help="write every request's result (outputs included) per round as JSONL")
     b.set_defaults(func=_serve)

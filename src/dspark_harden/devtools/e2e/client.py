@@ -112,7 +112,9 @@ async def send(session, url: str, entry: dict, *, stream: Optional[bool] = None,
 async def _replay(url: str, entries: list[dict], *, sequential: bool, stream_override: Optional[bool]) -> tuple[list, float]:
     import aiohttp
 
-    conn = aiohttp.TCPConnector(limit=0, force_close=False)
+    # force_close: a fresh connection per request (a reused keep-alive connection that uvicorn closes
+    # at its 5 s idle timeout just as the client sends shows up as "Server disconnected")
+    conn = aiohttp.TCPConnector(limit=0, force_close=True)
     async with aiohttp.ClientSession(connector=conn) as session:
         start = time.monotonic()
         if sequential:

@@ -208,7 +208,7 @@ def compare_sequential(stock_out: dict, plugin_out: dict, entries: list[dict]) -
 
 
 def run(entries: list[dict], *, rounds: int = 3, seq_requests: int = 18, ablate: bool = False,
-        ablate_only: Optional[list] = None, details: Optional[str] = None) -> dict:
+        ablate_only: Optional[list] = None, details: Optional[str] = None, warmup: bool = True) -> dict:
     if rounds < 1:
         raise ValueError("--rounds must be >= 1")
     seq = _trace.sequential_subset(entries, seq_requests)
@@ -219,6 +219,7 @@ def run(entries: list[dict], *, rounds: int = 3, seq_requests: int = 18, ablate:
         "cache_state": "POST /flush_cache before every pass (radix cache, KV pools, grammar memory cache); "
                        "the plugin's persistent grammar disk cache lives in a fresh directory of this run",
         "ratio": "output_tok_s/req_s: plugin/stock; p50_s/p95_s/p99_s (end-to-end) and ttft_*: stock/plugin",
+        "warmup": "one uncounted pass per server before the gate (and per ablated server)" if warmup else "none",
     }}
     _server._lock.acquire()  # one lock for the whole run (re-entrant: both servers run under it)
     servers: dict[str, Pausable] = {}
@@ -229,7 +230,7 @@ def run(entries: list[dict], *, rounds: int = 3, seq_requests: int = 18, ablate:
         servers["plugin"] = start(plugin_config(str(workdir / "grammar")))
         report["plugin_ready_s"] = round(servers["plugin"].server.ready_seconds, 1)
         servers["plugin"].pause()
-        compare(servers["stock"], servers["plugin"], entries, seq, rounds, report, details)
+        compare(servers["stock"], servers["plugin"], entries, seq, rounds, report, details, warmup)
         if details:
             Path(details, "report-before-ablation.json").write_text(json.dumps(report, indent=2))
         # ablation: the plugin with one feature off, each followed by a stock round for reference
@@ -248,10 +249,15 @@ def run(entries: list[dict], *, rounds: int = 3, seq_requests: int = 18, ablate:
 
 
 def compare(stock: Pausable, plugin: Pausable, entries: list[dict], seq: list[dict], rounds: int,
-            report: dict, details: Optional[str] = None) -> dict:
+            report: dict, details: Optional[str] = None, warmup: bool = True) -> dict:
     """The sequential gate, then ``rounds`` alternating concurrent rounds, on two started servers
     (both are left paused); fills ``report``."""
     servers = {"stock": stock, "plugin": plugin}
+    # 0. one uncounted pass each: a fresh process's first large batches are slower (allocator,
+    # thread pools) whichever server it is; every counted pass then starts equally warm
+    for name in ("stock", "plugin") if warmup else ():
+        log(f"warm-up pass on {name} (not counted)")
+        one_pass(servers[name], entries)
     # 1. the sequential correctness gate: same cache state (flushed), same order, one at a time
     seq_out = {}
     for name in ("stock", "plugin"):
@@ -299,6 +305,8 @@ def _ablate(entries: list[dict], stock: Pausable, workdir: Path, report: dict, o
         p = start(cfg)
         p.pause()
         try:
+            log(f"ablation: warm-up pass without {feature} (not counted)")
+            one_pass(p, entries)
             log(f"ablation: plugin without {feature}")
             a = one_pass(p, entries)["summary"]
             log("ablation: stock reference round")
@@ -372,7 +380,7 @@ def main(args) -> int:
             print(f"bench serve: --ablate-features: unknown {unknown}; known: {[f for f, _ in ABLATIONS]}", file=sys.stderr)
             return 2
     report = run(entries, rounds=args.rounds, seq_requests=args.seq_requests, ablate=args.ablate or bool(only),
-                 ablate_only=only, details=args.details)
+                 ablate_only=only, details=args.details, warmup=not args.no_warmup)
     if args.json:
         print(json.dumps(report, indent=2))
     else:
