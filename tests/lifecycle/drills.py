@@ -42,7 +42,14 @@ def shm_entries() -> set:
 
 
 def mapped_anywhere(names: set) -> set:
-    """Names under /dev/shm that a live process maps (not leftovers)."""
+    """Names under /dev/shm that a live process maps (not leftovers: e.g. another server's on this
+    host). By inode: a semaphore is mapped under sem_open()'s unlinked temporary name."""
+    by_ino = {}
+    for n in names:
+        try:
+            by_ino[os.lstat(SHM / n).st_ino] = n
+        except OSError:
+            pass
     out = set()
     for pid in os.listdir("/proc"):
         if not pid.isdigit():
@@ -51,9 +58,11 @@ def mapped_anywhere(names: set) -> set:
             maps = Path(f"/proc/{pid}/maps").read_text()
         except OSError:
             continue
-        for n in names:
-            if f"/dev/shm/{n}" in maps:
-                out.add(n)
+        for line in maps.splitlines():
+            if "/dev/shm/" in line:
+                parts = line.split()
+                if len(parts) >= 6 and parts[4].isdigit() and int(parts[4]) in by_ino:
+                    out.add(by_ino[int(parts[4])])
     return out
 
 

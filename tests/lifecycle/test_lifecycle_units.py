@@ -434,7 +434,7 @@ def test_freezer_measures_pauses_and_freezes_after_warmup():
     deadline = time.monotonic() + 10
     while gc.get_freeze_count() == 0 and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert f.frozen_objects > 200000 and abs(gc.get_freeze_count() - f.frozen_objects) < 100
+    assert f.frozen_objects > 200000 and gc.get_freeze_count() > 0.99 * f.frozen_objects
     pauses = f.recorder.drain()
     s = summarize(pauses)
     assert s["gen2_pauses"] >= 2 and s["max_ms"] > 0

@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 
 from ..core import feature as F
-from ..core import metrics, roles
+from ..core import roles
 from ..core.feature import Feature
 from ..core.hookspecs import hookimpl
 from ..core.patch import Kind, Patch, Role
@@ -236,16 +236,11 @@ def dspark_process_bound(role, settings, report):
     if _bound(report, S.GC_FREEZE) and role in (Role.MAIN, Role.SCHEDULER, Role.DETOKENIZER):
         from . import gc_freeze
 
-        def start():
-            gc_freeze.FREEZER.configure(role=role.value, dp_label=ctx.dp_label,
-                                        after_batches=settings[S.GC_AFTER_BATCHES], delay_s=settings[S.GC_DELAY_S])
-            if role is Role.MAIN:
-                gc_freeze.start_main_watch()
-
+        # metrics wait for the process's Prometheus mode inside the freezer (flush), the freeze does not
+        gc_freeze.FREEZER.configure(role=role.value, dp_label=ctx.dp_label,
+                                    after_batches=settings[S.GC_AFTER_BATCHES], delay_s=settings[S.GC_DELAY_S])
         if role is Role.MAIN:
-            metrics.when_ready(start)
-        else:
-            start()
+            gc_freeze.start_main_watch()
 
 
 @hookimpl

@@ -114,11 +114,6 @@ class GcFreezer:
         self.role, self.dp_label = role, dp_label
         self.after_batches, self.delay_s = after_batches, delay_s
         self.recorder.install()
-        try:  # this process's series exist (0) before the freeze
-            for name in ("dspark_harden_gc_frozen_objects", "dspark_harden_gc_frozen"):
-                metrics.precreate(name, [(role, dp_label)])
-        except Exception:  # noqa: BLE001
-            logger.debug("gc metric pre-creation failed", exc_info=True)
         if self._flusher is None:
             self._flusher = threading.Thread(target=self._flush_loop, name="dspark-gc-metrics", daemon=True)
             self._flusher.start()
@@ -192,6 +187,10 @@ class GcFreezer:
 
     # -- metrics ------------------------------------------------------------------------------
     def _set_gauges(self) -> None:
+        if not metrics.ready():  # main process before SGLang chose its Prometheus mode: later
+            self._gauges_dirty = True
+            return
+        self._gauges_dirty = False
         try:
             metrics.child("dspark_harden_gc_frozen_objects", self.role, self.dp_label).set(self.frozen_objects)
             metrics.child("dspark_harden_gc_frozen", self.role, self.dp_label).set(1 if self.frozen_at else 0)
@@ -199,6 +198,20 @@ class GcFreezer:
             logger.debug("gc metric update failed", exc_info=True)
 
     def flush(self) -> None:
+        # metrics are created only once the process's Prometheus mode is decided (main: after
+        # SGLang set PROMETHEUS_MULTIPROC_DIR); until then pauses wait in the recorder
+        if not metrics.ready():
+            return
+        if not getattr(self, "_precreated", False):
+            self._precreated = True
+            try:  # this process's series exist (0) before the freeze
+                for name in ("dspark_harden_gc_frozen_objects", "dspark_harden_gc_frozen"):
+                    metrics.precreate(name, [(self.role, self.dp_label)])
+            except Exception:  # noqa: BLE001
+                logger.debug("gc metric pre-creation failed", exc_info=True)
+        if getattr(self, "_gauges_dirty", False) or (self.frozen_at and not getattr(self, "_gauges_set", False)):
+            self._gauges_set = True
+            self._set_gauges()
         pauses = self.recorder.drain()
         if not pauses:
             return
