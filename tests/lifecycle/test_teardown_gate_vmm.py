@@ -194,8 +194,12 @@ def test_gate_busy_scheduler_refused(restore_gate):
     assert "HiCache transfers are in flight" in gate.last_reason and gate.armed
 
 
-def test_gate_hicache_off_refused_on_a_real_radix_cache(restore_gate):
-    """Without HiCache the scheduler's tree has no cache controller (real RadixCache shape)."""
+def test_gate_hicache_off_refused(restore_gate):
+    """Without HiCache the tree's ``cache_controller`` is None (UnifiedRadixCache.__init__ sets it
+    to None and assigns one only for hierarchical cache); a plain RadixCache has none at all."""
+    from sglang.srt.mem_cache.radix_cache import RadixCache
+
+    assert "cache_controller" not in RadixCache.__dict__
     gate = G.Gate(armed=True)
     assert _ask(_Scheduler(_Tree(None)), 10, gate) is False
     assert gate.last_outcome == "hicache_off" and gate.armed
