@@ -86,7 +86,7 @@ def _gone(pid: int) -> bool:
     return state in ("Z", "X")
 
 
-def monitor_pids(pids: list, run_dir, exit_fn=os._exit, interval_s: float = 0.1) -> None:
+def monitor_pids(pids: list, run_dir, exit_fn=os._exit, interval_s: float = 0.25) -> None:
     """Prelaunched schedulers (children of the main process): exit 0 once all left after
     ShutdownReq; a death is the main process's to handle."""
     pids = list(pids)

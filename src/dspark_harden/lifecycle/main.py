@@ -319,6 +319,10 @@ class MainLifecycle:
             return {"role": "scheduler", "who": who, "pid": pid, "exitcode": code, "dp_rank": rank.get("dp_rank"),
                     "message": f"{who} (pid {pid}) {how}"}
         name, pid, code = items[0] if items else ("a child process", None, None)
+        if pid is None:  # SIGQUIT from a child that has not exited (yet)
+            return {"role": "other", "who": "a child process", "pid": None, "exitcode": None, "dp_rank": None,
+                    "message": "a child process reported a fatal error (SIGQUIT) and none has exited; see the "
+                               "ERROR lines above"}
         # a direct child without a scheduler rank record: the detokenizer, or (named "scheduler_0" by
         # stock's watchdog under DP) the DP controller
         if "detoken" in name:
