@@ -398,6 +398,9 @@ def _round(v: Optional[float], n: int = 4) -> Optional[float]:
 
 
 def main(args) -> int:
+    import signal
+
+    signal.signal(signal.SIGTERM, _serve._term_as_interrupt)  # stop the server on SIGTERM too
     problem = _server.cpu_platform_problem()
     if problem:
         print(f"bench soak: {problem}", file=sys.stderr)
