@@ -553,11 +553,7 @@ static int wait_for_peer(dspark_dp2_channel *ch, int64_t *out, dspark_dp2_stats 
     const int slot = (int)(seq & 1u);
     const uint64_t start = ch->pending_start, published_at = ch->pending_published_at;
     const int my_cpu = ch->pending_cpu;
-    uint32_t code = atomic_load_explicit(&h->error_code, memory_order_acquire);
-    if (code != 0) {
-        ch->pending = 0;
-        return report_poisoned(ch, code, err, errlen);
-    }
+    uint32_t code;
     const uint64_t period_start = now_ns();
     if (period_start == 0) return publish(ch, DSPARK_DP2_E_CLOCK, err, errlen, "clock_gettime failed: %s", strerror(errno));
 
@@ -580,16 +576,23 @@ static int wait_for_peer(dspark_dp2_channel *ch, int64_t *out, dspark_dp2_stats 
     }
     if (ch->debug_hold_until_peer_closed) peer_seq = 0; /* test hook: behave as if the first read was stale */
     while (peer_seq < seq) {
-        code = atomic_load_explicit(&h->error_code, memory_order_acquire);
-        if (code != 0) return report_poisoned(ch, code, err, errlen);
         if (ch->debug_hold_until_peer_closed) {
             /* test hook: hold this waiter between its (stale) sequence read and the state checks until the
              * peer has published and closed, the interleaving that used to report a spurious close */
             char held[192];
             ch->debug_hold_until_peer_closed = 0;
             while (atomic_load(&peer->state) != ST_CLOSED && !peer_dead(peer, held, sizeof held) &&
-                   now_ns() - start < ch->timeout_ns)
+                   atomic_load(&h->error_code) == 0 && now_ns() - start < ch->timeout_ns)
                 sched_yield();
+        }
+        code = atomic_load_explicit(&h->error_code, memory_order_acquire);
+        if (code != 0) {
+            /* as with close and death below: the peer may have published the awaited row and then
+             * failed a later step (publishing its error) between our sequence read and this check;
+             * that row is valid, so this exchange completes and the next one reports the poison */
+            peer_seq = atomic_load_explicit(&peer->published_seq, memory_order_acquire);
+            if (peer_seq >= seq) break;
+            return report_poisoned(ch, code, err, errlen);
         }
         char why[192];
         int dead = peer_dead(peer, why, sizeof why);

@@ -102,7 +102,7 @@ int dspark_dp2_debug_set_start_time(dspark_dp2_channel *ch, int rank, uint64_t s
 int dspark_dp2_debug_skip_sequence(dspark_dp2_channel *ch, uint64_t delta, int publish);
 int dspark_dp2_debug_set_pid(dspark_dp2_channel *ch, int rank, int32_t pid);
 /* The next exchange treats its first read of the peer's sequence as stale and waits (up to the timeout)
- * until the peer has closed or died before its state checks: the publish-then-close race, made deterministic. */
+ * until the peer has closed, died or published an error before its state checks: the publish-then-close race, made deterministic. */
 int dspark_dp2_debug_hold_until_peer_closed(dspark_dp2_channel *ch);
 
 #endif

@@ -42,6 +42,9 @@ def main():
             time.sleep(float(args[1]))
             out = ch.exchange([rank * 1000 + n] * width)
             say(event="late_exchange_done", out=out)
+        elif mode == "exchange-then-poison":
+            err = ch.poison("peer failed a later step")
+            say(event="poisoned", code=err.name)
         elif mode == "exchange-then-exit":
             say(event="exiting", n=n)
             os._exit(0)  # no close: the slot still names this pid, which becomes a zombie

@@ -141,3 +141,37 @@ def test_unservable_call_poisons_both_ranks():
     r0, r1 = run_pair(_misuse_worker, (), timeout=800)
     assert r0["second"].startswith("caller_error|") and "WORLD all-reduce path" in r0["second"], r0
     assert r1["second"].startswith("poisoned|") and "WORLD all-reduce path" in r1["second"], r1
+
+
+def _stall_worker(rank: int, port: int, session: str) -> dict:
+    """Rank 1 stalls 1.2 s before its third step (timeout period 300 ms): rank 0's hardened
+    MLPSyncBatchInfo.all_gather reports stalls and completes with the same result as stock's gloo
+    all-gather, instead of failing both schedulers."""
+    import time
+
+    w = init_worker(rank, port, session, timeout_ms=300)
+    dp_attn, group = w.dp_attn, w.group
+    stock = dp_attn.MLPSyncBatchInfo.all_gather
+    rng = random.Random(77 + rank)
+    mismatches = []
+    for i in range(5):
+        info = random_info(dp_attn, rng, rank)
+        a, b = copy.copy(info), copy.copy(info)
+        stock(a, "cpu", group)
+        if rank == 1 and i == 2:
+            time.sleep(1.2)
+        w.sync(b, "cpu", group)
+        if differences(a, b):
+            mismatches.append(i)
+    ch = w.runtime.channels["mlp"]
+    out = {"mismatches": mismatches, "stalls": ch.stalls}
+    w.runtime.close_all()
+    w.dist.destroy_process_group()
+    return out
+
+
+@pytest.mark.timeout(900)
+def test_a_live_peer_stalling_past_the_timeout_does_not_fail_the_hot_path():
+    r0, r1 = run_pair(_stall_worker, (), timeout=800)
+    assert r0["mismatches"] == [] and r1["mismatches"] == [], (r0, r1)
+    assert r0["stalls"] >= 2 and r1["stalls"] == 0, (r0, r1)

@@ -399,7 +399,8 @@ def test_closed_handle_is_refused():
 # -- item 0 of "Fail closed and bounded everywhere": publish-then-close/die while the other rank waits --
 
 
-@pytest.mark.parametrize("mode,gone", [("exchange-then-close", "closed"), ("exchange-then-exit", "exiting")])
+@pytest.mark.parametrize("mode,gone", [("exchange-then-close", "closed"), ("exchange-then-exit", "exiting"),
+                                       ("exchange-then-poison", "poisoned")])
 def test_data_published_before_close_or_death_completes_the_exchange(mode, gone):
     """Deterministic: the waiter is held (native fault hook) between its stale read of the peer's
     sequence and its state checks until the peer has published the awaited sequence and closed (or
@@ -415,7 +416,8 @@ def test_data_published_before_close_or_death_completes_the_exchange(mode, gone)
         ch.debug_hold_until_peer_closed()
         assert ch.exchange([1] * W) == [1] * W + [1001] * W
         assert peer.event()["event"] == gone
-        want = "closed the channel at sequence 2 while rank 0 waits for 3" if gone == "closed" else "peer died"
+        want = {"closed": "closed the channel at sequence 2 while rank 0 waits for 3", "exiting": "peer died",
+                "poisoned": "channel poisoned: rank 1 published error 18"}[gone]
         with pytest.raises(Dp2Error, match=want):
             ch.exchange([2] * W)
     finally:

@@ -231,6 +231,12 @@ class MlpSync:
         self._pool_i = i + 1
         out_p = self._pool_p + i * 2 * w
         rc = self._lib.dspark_dp2_exchange(ch._h, ch._local, out_p, ch.stats, ch._err, self._errbuf)
+        if rc == self._lib.DSPARK_DP2_STALLED:  # the peer is alive but late: warn, count, keep waiting
+            try:
+                rc = ch._keep_waiting(ch._h, out_p)
+            except Dp2Error as exc:
+                RUNTIME.record_error("mlp", exc)
+                raise
         if rc:
             try:
                 self._check(rc, ch._err, "dspark_dp2_exchange")

@@ -174,9 +174,11 @@ class Channel:
             _check(rc, self._err, "dspark_dp2_exchange")
         return ffi.unpack(self._out, self._n_out)
 
-    def _keep_waiting(self, h) -> int:
+    def _keep_waiting(self, h, out=None) -> int:
         """The peer is alive but late: report the stall each timeout period and keep waiting, until it
-        arrives, something fails, or the hard limit is reached."""
+        arrives, something fails, or the hard limit is reached. ``out``: the caller's result buffer
+        (default this channel's), the one the stalled exchange was given."""
+        out = self._out if out is None else out
         periods = 0
         while True:
             periods += 1
@@ -196,7 +198,7 @@ class Channel:
                         f"(SGLANG_DSPARK_DP2_SHM_HARD_TIMEOUT_MS)")
                 self.poison(text)
                 raise Dp2Error(lib.DSPARK_DP2_E_TIMEOUT, text)
-            rc = lib.dspark_dp2_wait(h, self._out, self.stats, self._err, ERRBUF)
+            rc = lib.dspark_dp2_wait(h, out, self.stats, self._err, ERRBUF)
             if rc != lib.DSPARK_DP2_STALLED:
                 return rc
 
