@@ -108,6 +108,23 @@ def _proofs() -> dict:
              f'dspark_harden_dp2_exchange_calls_total{{channel="mlp",dp_rank="{r}"}} > 0')
             for r in RANKS
         ],
+        "gc-freeze": [
+            (f"collections timed by gc.callbacks in the scheduler of dp_rank {r}",
+             f'sum(dspark_harden_gc_pause_seconds_count{{role="scheduler",dp_rank="{r}"}}) > 0')
+            for r in RANKS
+        ] + [("freeze state exported by the schedulers", 'count(dspark_harden_gc_frozen{role="scheduler"}) >= 2')],
+        # shutdown and host-pool teardown run only when the server stops, after the last scrape (their
+        # paths are proven by tests/lifecycle's drills): here, their pre-created series are exported at 0
+        "lifecycle-shutdown": [
+            ("drain outcomes pre-created by the main process, nothing drained while serving",
+             'sum(dspark_harden_shutdown_requests_total) == 0'),
+            ("barrier outcomes pre-created by both schedulers",
+             'count(dspark_harden_shutdown_barriers_total{role="scheduler",outcome="passed"}) >= 2'),
+        ],
+        "hostpool-teardown": [
+            ("teardown outcomes pre-created by both schedulers",
+             'count(dspark_harden_hostpool_destroys_total{outcome="destroyed"}) >= 2'),
+        ],
     }
     # only families that exist in this build
     return {f: [(w, q) for w, q in items if all(D.family_of(n) for n in D.referenced_metrics(q))]
