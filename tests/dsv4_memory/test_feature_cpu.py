@@ -162,3 +162,19 @@ def test_guarded_generate_refuses_before_the_planner_launches():
     with pytest.raises(PL.PlannerBoundsError, match="refused before launch.*more than num_q_tokens"):
         gen(*args)
     assert len(launched) == 1
+
+
+def test_check_lists_the_features_with_their_reservation_sizes():
+    """`dspark-harden check` (its real scheduler child): the pool's reservation formula and an
+    example size, and the in-place path's saving per layer call, are shown even where the
+    features are off (on this CPU host they cannot be on)."""
+    import os
+
+    from dspark_harden.cli.check import run_child
+
+    rep = run_child("scheduler", env={**os.environ, "SGLANG_PLUGINS": "dspark_harden"})
+    feats = {f["name"]: f for f in rep["features"]}
+    pool, qn = feats[S.POOL_FEATURE], feats[S.QNORM_FEATURE]
+    assert pool["status"] == "disabled" and "reserves 1 x --chunked-prefill-size tokens" in pool["detail"], pool
+    assert str(reservation_bytes(8192, 128, 512)) in pool["detail"]
+    assert "8k tokens 1073741824 bytes" in qn["detail"], qn

@@ -212,16 +212,17 @@ def dspark_process_bound(role, settings, report):
     from .qnorm import saved_bytes
 
     for feat in report.features:
-        if feat.status != "bound":
+        if feat.status not in ("bound", "disabled", "unavailable"):
             continue
+        prefix = "" if feat.status == "bound" else f"{feat.detail}; when enabled: "
         if feat.name == S.POOL_FEATURE:
             tokens = settings[S.POOL_TOKENS]
             slots = settings[S.POOL_SLOTS]
             example = reservation_bytes(tokens or 8192, 128, 512, slots)
-            feat.detail = (f"reserves {slots} x {tokens or '--chunked-prefill-size'} tokens x local heads x "
+            feat.detail = prefix + (f"reserves {slots} x {tokens or '--chunked-prefill-size'} tokens x local heads x "
                            f"(512 x 2 + 8) bytes at model init (e.g. {tokens or 8192} tokens x 128 heads: "
                            f"{example} bytes)")
         elif feat.name == S.QNORM_FEATURE:
-            feat.detail = ("saves tokens x heads x 512 x 2 bytes per layer call (128 heads: "
+            feat.detail = prefix + ("saves tokens x heads x 512 x 2 bytes per layer call (128 heads: "
                            + ", ".join(f"{t // 1024}k tokens {saved_bytes(t, 128)} bytes" for t in (4096, 8192, 16384))
                            + ")")
