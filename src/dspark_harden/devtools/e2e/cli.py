@@ -58,6 +58,7 @@ def register(bench_subparsers) -> None:
     s.add_argument("--seed", type=int, default=1)
     s.add_argument("--adversarial", action="store_true",
                    help="fault-injection mode: abusive requests during the soak, and a clean phase to compare")
+    s.add_argument("--skip-abuse", metavar="A,B", help="leave these abuses out of --adversarial (names as in the report)")
     s.add_argument("--poll-s", type=_positive_float, default=5.0, help="health / process sampling period (default %(default)s)")
     s.set_defaults(func=_soak)
 
