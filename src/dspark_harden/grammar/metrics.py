@@ -14,7 +14,7 @@ from .settings import FEATURE
 
 logger = logging.getLogger("dspark_harden.grammar")
 
-SOURCES = ("memory", "inflight", "disk", "compile", "local_compile", "corrupt")
+SOURCES = ("memory", "inflight", "disk", "compile", "local_compile", "corrupt", "refused")
 MARKER_REASONS = ("slow_load", "predicted_slow", "too_large", "serialize_failed", "memory_limit", "deadline",
                   "helper_failed")
 SKIP_REASONS = ("queue_full", "queued")
@@ -28,7 +28,8 @@ FAMILIES = (
         "already running for the same canonical key), disk (loaded a serialized entry), compile "
         "(compiled natively, nothing on disk), local_compile (compiled because the disk entry is a "
         "compile-locally marker), corrupt (the disk entry was invalid: the request failed naming the file, "
-        "nothing compiled or served).",
+        "nothing compiled or served), refused (the grammar text was above DSPARK_HARDEN_GRAMMAR_MAX_BYTES: "
+        "failed at once, never compiled).",
         labels=("dp_rank", "source"), feature=FEATURE, roles=("scheduler",),
         precreate=tuple((DP_RANK, s) for s in SOURCES),
         aggregation="`sum by (source) (rate(...))`; the hit ratio is `(memory+inflight+disk)/all`.",

@@ -41,6 +41,10 @@ class GrammarCompileTimeout(TimeoutError):
     pass
 
 
+class GrammarTooLarge(ValueError):
+    pass
+
+
 class RequestFuture(Future):
     """One request's view of a (possibly shared) compile, with its own deadline."""
 
@@ -134,7 +138,7 @@ def _refusal(value: Any) -> Optional[str]:
 
 class GrammarService:
     def __init__(self, backend: Any, *, workers: int, max_bytes: int, max_entries: int,
-                 timeout_s: Optional[float]):
+                 timeout_s: Optional[float], max_grammar_bytes: Optional[int] = None):
         for name, value in (("workers", workers), ("max_bytes", max_bytes), ("max_entries", max_entries)):
             if not isinstance(value, int) or value <= 0:
                 raise ValueError(f"grammar service {name} must be a positive integer, got {value!r}")
@@ -144,6 +148,8 @@ class GrammarService:
         self.max_bytes = max_bytes
         self.max_entries = max_entries
         self.timeout_s = timeout_s
+        self.max_grammar_bytes = max_grammar_bytes
+        self.refused_too_large = 0
         self.pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="dspark-grammar")
         self._lock = threading.Lock()
         self._lru: "OrderedDict[tuple, tuple[Any, int]]" = OrderedDict()
@@ -155,8 +161,30 @@ class GrammarService:
         self.evictions = 0
 
     # -- stock surface ---------------------------------------------------------------------
+    def _too_large(self, key: tuple):
+        """A failed request future when the grammar text is above the limit, else None."""
+        limit = self.max_grammar_bytes
+        text = key[1] if isinstance(key, tuple) and len(key) > 1 else None
+        if limit is None or not isinstance(text, str) or len(text) <= limit // 4:
+            return None  # (UTF-8 is at most 4 bytes a character: short texts need no encoding)
+        n = len(text.encode("utf-8", "surrogatepass"))
+        if n <= limit:
+            return None
+        self.refused_too_large += 1
+        req = RequestFuture(None, None, str(key[0]))
+        req.source = "refused"
+        req.set_exception(GrammarTooLarge(
+            f"{key[0]} grammar of {n} bytes is larger than DSPARK_HARDEN_GRAMMAR_MAX_BYTES={limit}; it was not "
+            f"compiled (compile memory grows far faster than the text). Shrink the grammar or raise the limit."
+        ))
+        gm.lookup("refused", 0.0)
+        return req
+
     def lookup(self, key: tuple, require_reasoning: bool):
         t0 = time.perf_counter()
+        refused = self._too_large(key)
+        if refused is not None:
+            return refused, False
         ckey = canonical_key(key)
         owner = False
         with self._lock:
