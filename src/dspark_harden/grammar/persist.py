@@ -187,22 +187,23 @@ class Helper:
         return self.proc is not None and self.proc.poll() is None
 
     def kill(self) -> None:
-        if self.proc is None:
+        """Idempotent and safe from two threads at once (the persister, and close() from a finalizer)."""
+        proc, self.proc = self.proc, None
+        if proc is None:
             return
         try:
-            self.proc.kill()
+            proc.kill()
         except ProcessLookupError:
             pass
         try:
-            self.proc.wait(timeout=10)
+            proc.wait(timeout=10)
         except subprocess.TimeoutExpired:  # pragma: no cover - SIGKILL does not time out
             pass
-        for f in (self.proc.stdin, self.proc.stdout):
+        for f in (proc.stdin, proc.stdout):
             try:
                 f.close()
             except OSError:
                 pass
-        self.proc = None
 
     def run(self, job: dict) -> dict:
         """Run one job; always returns a result dict (``status`` says what happened)."""
