@@ -225,14 +225,12 @@ class Helper:
             while True:
                 running = time.monotonic() - t0 - self.slots.helper_paused_seconds()
                 if running > self.settings.deadline_s:
-                    self.slots.helper_finished()
                     self.kill()
                     return {"status": "killed", "reason": "deadline", "phase": phase, "running_s": running}
                 try:
                     msg = self._read_line(0.05)
                 except EOFError:
                     rc = self.proc.wait(timeout=10) if self.proc else None
-                    self.slots.helper_finished()
                     self.kill()
                     return {"status": "died", "reason": "helper_failed", "phase": phase, "returncode": rc}
                 if msg is None:

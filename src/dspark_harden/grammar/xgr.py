@@ -46,7 +46,6 @@ _TLS = threading.local()
 class Resolution:
     source: str  # disk | compile | local_compile | corrupt
     seconds: float
-    lock_wait: float = 0.0
     phases: dict = field(default_factory=dict)
     path: Optional[str] = None
     key_hex: str = ""
@@ -206,16 +205,16 @@ class PersistentCompiler:
         t0 = time.perf_counter()
         got = self.ns.read(key_hex)
         if got is not None:
-            return self._from_entry(key_hex, got, fn, t0, 0.0)
+            return self._from_entry(key_hex, got, fn, t0)
         tc = time.perf_counter()
         cg = self._compile(fn)
         compile_s = time.perf_counter() - tc
         self.persister.submit(key_hex, parts, compile_s)  # never blocks: a full queue skips
         total = time.perf_counter() - t0
-        _record(Resolution("compile", total, 0.0, {"native_compile": compile_s}, self.ns.entry_path(key_hex), key_hex))
+        _record(Resolution("compile", total, {"native_compile": compile_s}, self.ns.entry_path(key_hex), key_hex))
         return cg
 
-    def _from_entry(self, key_hex: str, got: tuple, fn: Callable[[], Any], t0: float, wait: float):
+    def _from_entry(self, key_hex: str, got: tuple, fn: Callable[[], Any], t0: float):
         path, data = got
         phases = {"disk_read": time.perf_counter() - t0}
         tv = time.perf_counter()
@@ -223,14 +222,14 @@ class PersistentCompiler:
             entry = disk.decode_entry(path, data, self.ns.scope_hex, key_hex)
         except disk.CorruptEntryError:
             gm.inc_corrupt()
-            _record(Resolution("corrupt", time.perf_counter() - t0, wait, phases, path, key_hex))
+            _record(Resolution("corrupt", time.perf_counter() - t0, phases, path, key_hex))
             raise
         phases["verify"] = time.perf_counter() - tv
         if entry.kind == disk.KIND_MARKER:
             tc = time.perf_counter()
             cg = self._compile(fn)
             phases["native_compile"] = time.perf_counter() - tc
-            _record(Resolution("local_compile", time.perf_counter() - t0, wait, phases, path, key_hex))
+            _record(Resolution("local_compile", time.perf_counter() - t0, phases, path, key_hex))
             return cg
         td = time.perf_counter()
         try:
@@ -239,10 +238,10 @@ class PersistentCompiler:
             cg = CompiledGrammar.deserialize_json(entry.payload.decode("utf-8"), self.tokenizer_info)
         except Exception as exc:  # noqa: BLE001 - any rejection is a corrupt entry
             gm.inc_corrupt()
-            _record(Resolution("corrupt", time.perf_counter() - t0, wait, phases, path, key_hex))
+            _record(Resolution("corrupt", time.perf_counter() - t0, phases, path, key_hex))
             raise disk.CorruptEntryError(path, f"xgrammar rejected the serialized grammar: {type(exc).__name__}: {exc}") from None
         phases["deserialize"] = time.perf_counter() - td
-        _record(Resolution("disk", time.perf_counter() - t0, wait, phases, path, key_hex))
+        _record(Resolution("disk", time.perf_counter() - t0, phases, path, key_hex))
         return cg
 
 
