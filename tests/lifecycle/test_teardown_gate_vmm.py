@@ -5,12 +5,13 @@
   provoked in a real pinned pool without CUDA). Stock skips the others; ours destroys them all and
   names the failed pool.
 * gate: ``--enable-hierarchical-cache`` does not run on this CPU harness (see docs/lifecycle.md:
-  the HiCache controller needs CUDA streams and pinned host memory), so the gate runs through the
-  real ``SchedulerInternalStateController.set_internal_state`` with our wrap, on a scheduler whose
-  ``tree_cache`` is the real ``UnifiedRadixCache`` API surface the gate uses (``cache_controller``
-  with ``write_policy``, ``writing_check``, ``evictable_size``, ``evict(EvictParams)``,
-  ``is_write_back``) recorded by a stand-in, so each call and the write-back policy in force
-  during ``evict`` are checked.
+  the host reserve, pinned host pools, CUDA-only copy ops). The gate's real effects are tested on a
+  real ``UnifiedRadixCache`` + HiCache stack with CPU tensors in test_hicache_gate_real_tree.py;
+  here it runs through the real ``SchedulerInternalStateController.set_internal_state`` with our
+  wrap on a stand-in tree that records the ``UnifiedRadixCache`` API surface the gate uses
+  (``cache_controller`` with ``write_policy``, ``writing_check``, ``evictable_size``,
+  ``evict(EvictParams)``, ``is_write_back``), for the exact call order and the cases the real tree
+  does not cover (unarmed, bad values, key not alone, nothing evicted).
 * strict VMM: ``CudaVmmMemoryPool.__init__`` calls the CUDA driver first thing; without CUDA the
   wrap's decision is tested with a stand-in for the stock initializer, and the patch binds against
   the real class (test_lifecycle_units.py).
@@ -99,7 +100,7 @@ class _Controller:
 
 
 class _Tree:
-    """Records the UnifiedRadixCache calls the gate makes (stand-in: HiCache cannot run on CPU)."""
+    """Records the UnifiedRadixCache calls the gate makes (stand-in; the real tree: test_hicache_gate_real_tree.py)."""
 
     def __init__(self, controller, evictable=100, evicts=None):
         self.cache_controller = controller

@@ -11,8 +11,9 @@ rejects unknown keys). With ``SGLANG_HICACHE_GATE_CONTROL=armed`` each scheduler
 
 Execution, in this order: the arm is consumed (no retry, even on failure); pending write-through
 acknowledgements are settled (``writing_check(write_back=True)``); the evictable size is
-recorded; the write policy is forced to ``write_back`` so every evicted device-only leaf is backed
-up to host first (stock ``evict`` backs up only under that policy); ``evict(EvictParams(N))``
+recorded; the write policy is forced to ``write_back`` (the controller's ``write_policy`` and the
+tree's ``is_write_back``, which is what stock ``_evict_device_leaf`` reads) so every evicted
+device-only leaf is backed up to host first; ``evict(EvictParams(N))``
 runs through stock code; the policy is restored; zero evicted tokens is a failure. Refusals and
 failures answer ``updated=false`` (the HTTP answer is stock's list of booleans) and log the reason
 at WARNING; ``/get_internal_state`` shows ``hicache_gate`` = {armed, last_requested_tokens,
