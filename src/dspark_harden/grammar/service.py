@@ -25,6 +25,7 @@ permanently, is refused by :meth:`set_cache` (it never reaches the cache). Other
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections import OrderedDict
@@ -33,6 +34,8 @@ from typing import Any, Optional
 
 from . import metrics as gm
 from . import xgr
+
+_log = logging.getLogger("dspark_harden.grammar")
 from .canonical import canonical_key
 from .disk import CORRUPT_MARK
 
@@ -291,6 +294,12 @@ class GrammarService:
         t = time.perf_counter()
         value = self.backend._init_value_dispatch(ckey, require_reasoning)
         res = xgr.take_resolution()
+        empty = xgr.empty_language_problem(str(ckey[0]), value)
+        if empty is not None:
+            from sglang.srt.constrained.base_grammar_backend import InvalidGrammarObject
+
+            _log.warning("dspark-harden grammar: refused a grammar: %s", empty)
+            value = InvalidGrammarObject(empty)  # cached like stock's invalid grammars: one check per key
         source = res.source if res is not None else "compile"
         return value, source, time.perf_counter() - t
 

@@ -97,6 +97,37 @@ def scope_for(tokenizer_info: Any, *, vocab_size: int, override_stop_tokens: Any
     )
 
 
+EMPTY_LANGUAGE_MARK = "admits no output at all"
+
+
+def empty_language_problem(grammar_type: str, value: Any) -> Optional[str]:
+    """A message when a freshly resolved SGLang xgrammar grammar object accepts no token at its start
+    (not even end of sequence), else None.
+
+    Such a grammar has an empty language — typically a ``$ref`` cycle with no base case
+    (``a -> b -> a``). Stock serves it and fails in the scheduler at the first token
+    (``XGrammarGrammar.accept_token`` raises "Tokens not accepted", answered 500); here it is an
+    invalid grammar like any other (a 400 naming the reason), decided once per compile on a fresh
+    matcher (the object's own matcher is not touched)."""
+    ctx = getattr(value, "ctx", None)
+    vocab = getattr(value, "vocab_size", None)
+    if ctx is None or not isinstance(vocab, int) or getattr(value, "matcher", None) is None:
+        return None  # not an xgrammar grammar object (invalid object, other backend)
+    import xgrammar as xg
+
+    matcher = xg.GrammarMatcher(ctx, override_stop_tokens=getattr(value, "override_stop_tokens", None))
+    if matcher.is_terminated():
+        return None
+    mask = xg.allocate_token_bitmask(1, vocab)
+    matcher.fill_next_token_bitmask(mask)
+    if bool(mask.any()):
+        return None
+    first = str(ctx.grammar).strip().splitlines()[:3]
+    return (f"{grammar_type} grammar {EMPTY_LANGUAGE_MARK}: no token, not even end of sequence, can start it "
+            f"(for a JSON schema: a $ref cycle with no base case, or required properties that can never be "
+            f"satisfied); rules: {' | '.join(first)[:300]}")
+
+
 class PersistentCompiler:
     """Drop-in for ``xgrammar.GrammarCompiler`` backed by a :class:`disk.Namespace`."""
 
