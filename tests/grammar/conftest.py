@@ -35,6 +35,14 @@ def stock_backend(tok, **kw):
     return XGrammarGrammarBackend(tok, vocab_size=len(tok), model_eos_token_ids=[tok.eos_token_id], **kw)
 
 
+def counting_backend(tok):
+    """(a stock backend, a dict whose "n" counts its ``_init_value_dispatch`` calls = compiles)."""
+    from dspark_harden.grammar.bench import count_compiles
+
+    backend = stock_backend(tok)
+    return backend, count_compiles(backend)
+
+
 def persistent_backend(tok, cache_dir, **overrides):
     """A stock XGrammarGrammarBackend whose compiler is our PersistentCompiler (instance attribute)."""
     backend = stock_backend(tok)

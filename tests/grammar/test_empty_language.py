@@ -14,7 +14,7 @@ import pytest
 
 from dspark_harden.grammar import xgr
 
-from .conftest import persistent_backend, service_for, stock_backend
+from .conftest import counting_backend, persistent_backend, service_for, stock_backend
 
 CYCLE = json.dumps({"$ref": "#/definitions/a", "definitions": {"a": {"$ref": "#/definitions/b"},
                                                                 "b": {"$ref": "#/definitions/a"}}})
@@ -44,15 +44,7 @@ def test_stock_serves_the_cycle_and_fails_at_the_first_token(hf_tokenizer):
 
 
 def test_service_answers_invalid_naming_the_reason_once_per_key(hf_tokenizer):
-    backend = stock_backend(hf_tokenizer)
-    calls = {"n": 0}
-    dispatch = backend._init_value_dispatch
-
-    def counting(key, require_reasoning):
-        calls["n"] += 1
-        return dispatch(key, require_reasoning)
-
-    backend._init_value_dispatch = counting
+    backend, calls = counting_backend(hf_tokenizer)
     svc = service_for(backend)
     for text in (CYCLE, SELF):
         fut, cached = svc.lookup(("json", text), False)

@@ -12,7 +12,7 @@ from dspark_harden.core.settings import SettingsError, load_settings
 from dspark_harden.grammar import feature as F
 from dspark_harden.grammar.service import GrammarTooLarge
 
-from .conftest import service_for, stock_backend
+from .conftest import counting_backend, service_for
 
 
 def _schema(n_props: int) -> str:
@@ -20,15 +20,7 @@ def _schema(n_props: int) -> str:
 
 
 def test_oversize_grammar_fails_at_once_and_is_never_compiled(hf_tokenizer):
-    backend = stock_backend(hf_tokenizer)
-    calls = {"n": 0}
-    dispatch = backend._init_value_dispatch
-
-    def counting(key, require_reasoning):
-        calls["n"] += 1
-        return dispatch(key, require_reasoning)
-
-    backend._init_value_dispatch = counting
+    backend, calls = counting_backend(hf_tokenizer)
     svc = service_for(backend, max_grammar_bytes=4096)
     big = _schema(400)
     assert len(big.encode()) > 4096

@@ -339,6 +339,16 @@ class Patch:
         return f"live object is {_describe(raw)}, not our {self.kind.value} (replaced by another plugin?)"
 
 
+def resolve_app(target: str, needs: str, what: str) -> Any:
+    """The app object a route/middleware patch adds to (``target`` = ``module:app``): it must have
+    ``needs``; a middleware cannot be added once the app built its middleware stack."""
+    owner, attr = resolve_owner(target)
+    app = getattr(owner, attr, None)
+    if app is None or not hasattr(app, needs):
+        raise PatchError(f"{target}: not {what}")
+    return app
+
+
 @dataclass(eq=False)
 class RoutePatch(Patch):
     """A new HTTP route on a FastAPI app object (``target`` = ``module:app``)."""
@@ -360,10 +370,7 @@ class RoutePatch(Patch):
     def apply(self, allow_drift: bool = False) -> None:
         if self.applied:
             return
-        owner, attr = resolve_owner(self.target)
-        app = getattr(owner, attr, None)
-        if app is None or not hasattr(app, "router"):
-            raise PatchError(f"{self.target}: not a FastAPI app")
+        app = resolve_app(self.target, "router", "a FastAPI app")
         if self._routes(app):
             raise PatchError(f"{self.target}: route {self.path} already exists")
         endpoint = self.build(None)

@@ -179,6 +179,20 @@ def run(vocab: int = 32000, duplicates: int = 2, cache_dir: str | None = None, l
             shutil.rmtree(cache_dir, ignore_errors=True)
 
 
+def count_compiles(backend) -> dict:
+    """Count a grammar backend's ``_init_value_dispatch`` calls (one per compile it starts) in the
+    returned dict's ``"n"`` (an instance attribute wraps the bound method; nothing else changes)."""
+    calls = {"n": 0}
+    dispatch = backend._init_value_dispatch
+
+    def counting(key, require_reasoning):
+        calls["n"] += 1
+        return dispatch(key, require_reasoning)
+
+    backend._init_value_dispatch = counting
+    return calls
+
+
 def _run(vocab: int, duplicates: int, cache_dir: str, log) -> dict:
     tok = _load_tokenizer(vocab)
     burst = _burst(duplicates)
@@ -186,14 +200,7 @@ def _run(vocab: int, duplicates: int, cache_dir: str, log) -> dict:
 
     # 1. stock
     stock = _backend(tok)
-    calls = {"n": 0}
-    dispatch = stock._init_value_dispatch
-
-    def counting(key, require_reasoning):
-        calls["n"] += 1
-        return dispatch(key, require_reasoning)
-
-    stock._init_value_dispatch = counting
+    calls = count_compiles(stock)
     with _RssPeak() as stock_rss:
         stock_s = _resolve_burst(stock, burst)
     stock_compiles = calls["n"]

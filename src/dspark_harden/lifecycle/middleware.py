@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from ..core.patch import Kind, Patch, PatchError, resolve_owner
+from ..core.patch import Kind, Patch, PatchError, resolve_app
 
 
 @dataclass(eq=False)
@@ -30,10 +30,7 @@ class MiddlewarePatch(Patch):
     def apply(self, allow_drift: bool = False) -> None:
         if self.applied:
             return
-        owner, attr = resolve_owner(self.target)
-        app = getattr(owner, attr, None)
-        if app is None or not hasattr(app, "add_middleware"):
-            raise PatchError(f"{self.target}: not an ASGI app with add_middleware")
+        app = resolve_app(self.target, "add_middleware", "an ASGI app with add_middleware")
         if getattr(app, "middleware_stack", None) is not None:
             raise PatchError(f"{self.target}: the app already started; middleware cannot be added")
         cls = self.build(None)
