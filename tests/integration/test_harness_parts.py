@@ -268,3 +268,39 @@ def test_stock_server_allow_list_loads_no_plugin():
     assert rc == 0 and res == {"loaded": False}, out[-3000:]
     rc, res, out = run_py(code, env={"SGLANG_PLUGINS": "dspark_harden", "DSPARK_HARDEN_ROLE": "main"})
     assert rc == 0 and res == {"loaded": True}, out[-3000:]
+
+
+# --- ports ----------------------------------------------------------------------------------------
+
+
+def test_free_port_leaves_sglangs_derived_ports_free_by_sglangs_own_test(monkeypatch):
+    """A CI run once failed starting a server: SGLang waited 30 s for its metrics port (--port + 233
+    + 4) and exited, because a socket of the server stopped just before was still in teardown there
+    (psutil reports such a socket with no pid, which SGLang's message shows as the new server
+    itself). ``free_port`` now checks SGLang's derived ports with SGLang's own test."""
+    import socket
+
+    from sglang.srt.server_args import ZMQ_TCP_PORT_DELTA
+    from sglang.srt.utils.network import is_port_available
+
+    from dspark_harden.devtools import server as S
+
+    assert S.SGLANG_PORT_DELTA == ZMQ_TCP_PORT_DELTA
+    port = S.free_port()
+    for p in [*range(port, port + 16), *range(port + ZMQ_TCP_PORT_DELTA, port + ZMQ_TCP_PORT_DELTA + 10)]:
+        assert is_port_available(p), p
+    # the same verdict as SGLang's for a held port, and a held derived port is never handed out
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        hp = held.getsockname()[1]
+        assert S.port_bindable(hp) is is_port_available(hp) is False
+        candidates = iter([hp - ZMQ_TCP_PORT_DELTA - 4, port])
+
+        class _Sock(socket.socket):
+            def getsockname(self):
+                return ("127.0.0.1", next(candidates))
+
+        monkeypatch.setattr(S.socket, "socket", _Sock)
+        assert S.free_port() == port  # the first candidate's metrics port is held: skipped
+    assert S.port_bindable(hp) is is_port_available(hp) is True

@@ -91,23 +91,52 @@ def ready_timeout() -> float:
     return _lock.env_seconds("DSPARK_SERVER_READY_TIMEOUT", "600")
 
 
+#: sglang.srt.server_args.ZMQ_TCP_PORT_DELTA in 0.5.23: without --dist-init-addr, SGLang puts its
+#: dist-init port at --port + 233 and the ZMQ TCP ports it derives (tokenizer, detokenizer, rpc,
+#: metrics, scheduler input, load collector) right above it (tests/integration checks the value).
+SGLANG_PORT_DELTA = 233
+SGLANG_DERIVED_PORTS = 10
+
+
+def port_bindable(port: int) -> bool:
+    """SGLang's own test (``is_port_available``): a wildcard bind with SO_REUSEADDR succeeds on every
+    configured address family. A plain bind to 127.0.0.1 is not enough: a socket the kernel still
+    holds after its process died (FIN_WAIT2, LAST_ACK: no owning pid) blocks SGLang's check, and
+    SGLang waits 30 s for it and exits ("metrics_port at N is not available in 30 seconds")."""
+    try:
+        infos = socket.getaddrinfo(None, port, socket.AF_UNSPEC, socket.SOCK_STREAM, 0,
+                                   socket.AI_ADDRCONFIG | socket.AI_PASSIVE)
+    except socket.gaierror:
+        infos = [(socket.AF_INET, socket.SOCK_STREAM, 0, "", ("0.0.0.0", port))]
+    seen = set()
+    for family, socktype, proto, _, addr in infos:
+        if family in seen:
+            continue
+        seen.add(family)
+        with socket.socket(family, socktype, proto) as s:
+            if family == socket.AF_INET6:
+                s.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                s.bind(addr)
+            except OSError:
+                return False
+    return True
+
+
 def free_port(span: int = 16) -> int:
-    """A port P such that P .. P+span-1 are free now (SGLang derives a few ports from --port)."""
+    """A port P such that P .. P+span-1 and the ports SGLang derives from it (P+233 ...) pass
+    SGLang's own availability test now. The derived ports lie in the kernel's ephemeral range, where
+    a server stopped just before may still have connections in teardown for up to a minute."""
     for _ in range(200):
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
-        if port + span >= 65535:
+        if port + SGLANG_PORT_DELTA + SGLANG_DERIVED_PORTS >= 65535:
             continue
-        ok = True
-        for p in range(port, port + span):
-            with socket.socket() as s:
-                try:
-                    s.bind(("127.0.0.1", p))
-                except OSError:
-                    ok = False
-                    break
-        if ok:
+        wanted = [*range(port, port + span),
+                  *range(port + SGLANG_PORT_DELTA, port + SGLANG_PORT_DELTA + SGLANG_DERIVED_PORTS)]
+        if all(port_bindable(p) for p in wanted):
             return port
     raise ServerError("no free port range found")
 
