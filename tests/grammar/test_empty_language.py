@@ -77,3 +77,19 @@ def test_the_check_also_covers_grammars_loaded_from_disk(hf_tokenizer, cache_dir
     value = svc2.lookup(("json", CYCLE), False)[0].result(timeout=120)
     assert _invalid(value) and xgr.EMPTY_LANGUAGE_MARK in value.error_message
     svc2.shutdown()
+
+
+def test_a_failing_check_serves_the_grammar_as_stock(hf_tokenizer, monkeypatch):
+    """The check only adds a refusal: if it cannot run (here: xgrammar's bitmask allocation raises),
+    the compiled grammar is served exactly as stock would serve it, never failed."""
+    import xgrammar as xg
+
+    def broken(*a, **k):
+        raise RuntimeError("bitmask allocation failed")
+
+    monkeypatch.setattr(xg, "allocate_token_bitmask", broken)
+    backend = stock_backend(hf_tokenizer)
+    svc = service_for(backend)
+    value = svc.lookup(("json", CYCLE), False)[0].result(timeout=120)
+    assert not _invalid(value) and type(value).__name__ == "XGrammarGrammar"
+    svc.shutdown()
