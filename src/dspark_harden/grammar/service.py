@@ -34,10 +34,10 @@ from typing import Any, Optional
 
 from . import metrics as gm
 from . import xgr
-
-_log = logging.getLogger("dspark_harden.grammar")
 from .canonical import canonical_key
 from .disk import CORRUPT_MARK
+
+logger = logging.getLogger("dspark_harden.grammar")
 
 
 class GrammarCompileTimeout(TimeoutError):
@@ -298,7 +298,7 @@ class GrammarService:
         if empty is not None:
             from sglang.srt.constrained.base_grammar_backend import InvalidGrammarObject
 
-            _log.warning("dspark-harden grammar: refused a grammar: %s", empty)
+            logger.warning("dspark-harden grammar: refused a grammar: %s", empty)
             value = InvalidGrammarObject(empty)  # cached like stock's invalid grammars: one check per key
         source = res.source if res is not None else "compile"
         return value, source, time.perf_counter() - t

@@ -109,6 +109,8 @@ class GcFreezer:
         self._lock = threading.Lock()
         self._flusher: Optional[threading.Thread] = None
         self._watcher: Optional[threading.Thread] = None
+        self._precreated = False  # this process's gauge series exist (flush, once metrics are ready)
+        self._gauges_dirty = False  # a gauge update waited for metrics to be ready
 
     def configure(self, *, role: str, dp_label: str, after_batches: int, delay_s: float) -> None:
         self.role, self.dp_label = role, dp_label
@@ -202,15 +204,14 @@ class GcFreezer:
         # SGLang set PROMETHEUS_MULTIPROC_DIR); until then pauses wait in the recorder
         if not metrics.ready():
             return
-        if not getattr(self, "_precreated", False):
+        if not self._precreated:
             self._precreated = True
             try:  # this process's series exist (0) before the freeze
                 for name in ("dspark_harden_gc_frozen_objects", "dspark_harden_gc_frozen"):
                     metrics.precreate(name, [(self.role, self.dp_label)])
             except Exception:  # noqa: BLE001
                 logger.debug("gc metric pre-creation failed", exc_info=True)
-        if getattr(self, "_gauges_dirty", False) or (self.frozen_at and not getattr(self, "_gauges_set", False)):
-            self._gauges_set = True
+        if self._gauges_dirty:  # a freeze before metrics were ready: its gauges are set now
             self._set_gauges()
         pauses = self.recorder.drain()
         if not pauses:
