@@ -295,12 +295,103 @@ def test_free_port_leaves_sglangs_derived_ports_free_by_sglangs_own_test(monkeyp
         held.listen()
         hp = held.getsockname()[1]
         assert S.port_bindable(hp) is is_port_available(hp) is False
-        candidates = iter([hp - ZMQ_TCP_PORT_DELTA - 4, port])
-
-        class _Sock(socket.socket):
-            def getsockname(self):
-                return ("127.0.0.1", next(candidates))
-
-        monkeypatch.setattr(S.socket, "socket", _Sock)
+        S._handed_out.clear()
+        monkeypatch.setattr(S, "_candidate_ports", lambda lowest, top: iter([hp - ZMQ_TCP_PORT_DELTA - 4, port]))
         assert S.free_port() == port  # the first candidate's metrics port is held: skipped
     assert S.port_bindable(hp) is is_port_available(hp) is True
+
+
+def test_free_port_stays_below_the_ephemeral_range_and_never_repeats_a_range():
+    """A CI run once failed when uvicorn could not bind the HTTP port 17 s after ``free_port`` chose
+    it from the kernel's ephemeral range: the kernel can hand such a port to any port-0 bind or
+    outgoing connection meanwhile. Every port of every range handed out lies below that range, and
+    ranges handed out by one process never overlap (two servers launched before either binds)."""
+    from dspark_harden.devtools import server as S
+
+    low, high = S.ephemeral_range()
+    with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+        assert (low, high) == tuple(int(v) for v in f.read().split())
+    seen: set[int] = set()
+    for _ in range(40):
+        port = S.free_port()
+        ports = {*range(port, port + 16),
+                 *range(port + S.SGLANG_PORT_DELTA, port + S.SGLANG_PORT_DELTA + S.SGLANG_DERIVED_PORTS)}
+        assert all(S.LOWEST_PORT <= p < low for p in ports), port
+        assert not ports & seen, port
+        seen |= ports
+
+
+_STAND_IN = r"""
+import sys, time
+import uvicorn
+from fastapi import FastAPI
+
+app = FastAPI()
+app.get("/model_info")(lambda: {"model_path": "stand-in"})
+app.get("/health_generate")(lambda: {})
+port = int(sys.argv[1])
+uvicorn.run(app, host="127.0.0.1", port=port, log_level="info")
+print("uvicorn returned: hanging like SGLang's main process does", flush=True)
+time.sleep(3600)
+"""
+
+
+def test_a_start_that_lost_its_http_port_is_retried_on_a_new_port(tmp_path, monkeypatch):
+    """The harness side of that CI failure: SGLang's main process does not exit when uvicorn cannot
+    bind (the run waited 600 s), so ``start`` must recognise the lost race from the log, stop the
+    server and start again on a new port. Stand-in for SGLang (a real start costs about a minute an
+    attempt): a real uvicorn app on the harness's port that, like SGLang's main process, hangs after
+    uvicorn gives up; the port is really held by this test on the first attempt, so the error line
+    is real uvicorn's (the CI log: ``[Errno 98] error while attempting to bind on address
+    ('127.0.0.1', 34125): address already in use``)."""
+    import socket
+    import time
+
+    from dspark_harden.devtools import server as S
+
+    script = tmp_path / "stand_in.py"
+    script.write_text(_STAND_IN)
+    held = socket.socket()
+    held.bind(("127.0.0.1", 0))
+    held.listen()
+    ports = iter([held.getsockname()[1]])
+    real_free_port = S.free_port
+    monkeypatch.setattr(S, "free_port", lambda: next(ports, None) or real_free_port())
+    monkeypatch.setattr(S.SGLangServer, "command", lambda self: [sys.executable, str(script), str(self.port)])
+    server = S.SGLangServer(S.ServerConfig(name="port-race"))
+    t0 = time.monotonic()
+    try:
+        server.start(timeout=120)
+        assert server.port != held.getsockname()[1]
+        assert server.get("/model_info").json() == {"model_path": "stand-in"}
+        races = list(server.workdir.glob("port-race-*.log"))
+        assert len(races) == 1 and "error while attempting to bind on address" in races[0].read_text()
+        assert time.monotonic() - t0 < 60  # recognised from the log, not after the ready deadline
+    finally:
+        server.stop()
+        server.remove_workdir()
+        held.close()
+
+
+def test_a_port_race_on_every_attempt_fails_with_the_log(tmp_path, monkeypatch):
+    """When every attempt loses its port, ``start`` raises :class:`PortRaceError` naming the line."""
+    import socket
+
+    from dspark_harden.devtools import server as S
+
+    script = tmp_path / "stand_in.py"
+    script.write_text(_STAND_IN)
+    held = socket.socket()
+    held.bind(("127.0.0.1", 0))
+    held.listen()
+    monkeypatch.setattr(S, "free_port", lambda: held.getsockname()[1])
+    monkeypatch.setattr(S.SGLangServer, "command", lambda self: [sys.executable, str(script), str(self.port)])
+    server = S.SGLangServer(S.ServerConfig(name="port-race-always"))
+    try:
+        with pytest.raises(S.PortRaceError, match=r"lost a port race \(.*error while attempting to bind"):
+            server.start(timeout=120, attempts=2)
+        assert server.proc.poll() is not None and not server._locked
+    finally:
+        server.stop()
+        server.remove_workdir()
+        held.close()

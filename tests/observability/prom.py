@@ -15,6 +15,7 @@ from typing import Callable, Optional
 
 import pytest
 
+from dspark_harden.devtools.server import free_port
 from dspark_harden.observability.lint import prometheus_query
 
 INSTALL = "apt-get update && apt-get install -y prometheus"
@@ -37,19 +38,11 @@ def ensure_prometheus() -> tuple[str, str]:
                 "(or `make install`)")
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class Prometheus:
     def __init__(self, targets: list, *, scrape_interval: str = "1s") -> None:
         self.binary, self.promtool = ensure_prometheus()
         self.workdir = Path(tempfile.mkdtemp(prefix="dsh-prometheus-", dir="/tmp"))
-        self.port = _free_port()
+        self.port = free_port(span=1)
         self.config = self.workdir / "prometheus.yml"
         target_list = ", ".join(f'"{t}"' for t in targets)
         self.config.write_text(

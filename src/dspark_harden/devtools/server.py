@@ -25,6 +25,7 @@ from __future__ import annotations
 import atexit
 import json
 import os
+import random
 import re
 import shutil
 import signal
@@ -35,7 +36,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 from . import lock as _lock
 
@@ -73,6 +74,10 @@ LOG_TAIL_CHARS = 20000
 
 class ServerError(RuntimeError):
     """A server failed to start / stop as expected; the message ends with the server log tail."""
+
+
+class PortRaceError(ServerError):
+    """SGLang could not bind a port it was given or derived: it was taken after it was chosen."""
 
 
 def cpu_platform_problem() -> Optional[str]:
@@ -124,21 +129,68 @@ def port_bindable(port: int) -> bool:
     return True
 
 
+#: log lines of SGLang 0.5.23 when a port was taken between choice and bind: uvicorn's (the main
+#: process then hangs), SGLang's own 30 s port wait, a ZMQ bind
+PORT_RACE_MARKERS = ("error while attempting to bind on address", "is not available in 30 seconds",
+                     "Address already in use")
+
+#: the lowest port :func:`free_port` hands out (below it lie well-known services)
+LOWEST_PORT = 10000
+_handed_out: list[range] = []
+
+
+def ephemeral_range() -> tuple[int, int]:
+    """The kernel's ephemeral port range (``net.ipv4.ip_local_port_range``; Linux's default if
+    unreadable). Ports bound to 0 and outgoing connections get ports from it."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low, high = (int(v) for v in f.read().split())
+        return low, high
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
+def _port_footprint(port: int, span: int) -> list[range]:
+    return [range(port, port + span),
+            range(port + SGLANG_PORT_DELTA, port + SGLANG_PORT_DELTA + SGLANG_DERIVED_PORTS)]
+
+
+def _candidate_ports(lowest: int, top: int) -> Iterator[int]:
+    rng = random.SystemRandom()
+    while True:
+        yield rng.randrange(lowest, top)
+
+
 def free_port(span: int = 16) -> int:
     """A port P such that P .. P+span-1 and the ports SGLang derives from it (P+233 ...) pass
-    SGLang's own availability test now. The derived ports lie in the kernel's ephemeral range, where
-    a server stopped just before may still have connections in teardown for up to a minute."""
-    for _ in range(200):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        if port + SGLANG_PORT_DELTA + SGLANG_DERIVED_PORTS >= 65535:
+    SGLang's own availability test now, all of them below the kernel's ephemeral range.
+
+    Below it, because a port is only checked now and bound by SGLang many seconds later: a CI run
+    once failed when uvicorn could not bind its HTTP port 17 s after the check (``[Errno 98] error
+    while attempting to bind``, after which SGLang hangs instead of exiting): a port drawn from the
+    ephemeral range (a bind to port 0) can meanwhile be handed by the kernel to any process's
+    outgoing connection or port-0 bind (ZMQ, gloo). The kernel never auto-assigns a port outside
+    that range, so only another explicit chooser can still take one; ranges this process has
+    handed out are never handed out again (two servers launched before either binds)."""
+    low, high = ephemeral_range()
+    footprint = SGLANG_PORT_DELTA + SGLANG_DERIVED_PORTS
+    top = low - footprint
+    if top - LOWEST_PORT < 1000:  # an unusual ephemeral range: use the ports above it
+        lowest, top = high + 1, 65535 - footprint
+    else:
+        lowest = LOWEST_PORT
+    candidates = _candidate_ports(lowest, top)
+    for _ in range(500):
+        port = next(candidates)
+        if not lowest <= port < top:
             continue
-        wanted = [*range(port, port + span),
-                  *range(port + SGLANG_PORT_DELTA, port + SGLANG_PORT_DELTA + SGLANG_DERIVED_PORTS)]
-        if all(port_bindable(p) for p in wanted):
+        ranges = _port_footprint(port, span)
+        if any(r.start < h.stop and h.start < r.stop for r in ranges for h in _handed_out):
+            continue
+        if all(port_bindable(p) for r in ranges for p in r):
+            _handed_out.extend(ranges)
             return port
-    raise ServerError("no free port range found")
+    raise ServerError(f"no free port range found in [{lowest}, {top}) (ephemeral range {low}-{high})")
 
 
 @dataclass(frozen=True)
@@ -312,12 +364,30 @@ class SGLangServer:
         except requests.RequestException:
             return False
 
+    def lost_port_race(self) -> Optional[str]:
+        """The log line saying SGLang could not get a port it was given or derived, if any."""
+        text = self.log_tail(20000)
+        for marker in PORT_RACE_MARKERS:
+            at = text.find(marker)
+            if at >= 0:
+                start = text.rfind("\n", 0, at) + 1
+                end = text.find("\n", at)
+                return text[start:end if end >= 0 else len(text)].strip()
+        return None
+
     def wait_ready(self, timeout: Optional[float] = None) -> "SGLangServer":
+        """Wait until the server serves. Raises :class:`PortRaceError` at once when the log shows a
+        lost port race (uvicorn cannot bind: SGLang's main process then hangs instead of exiting),
+        :class:`ServerError` when the process exits or the deadline passes; the server is stopped."""
         timeout = ready_timeout() if timeout is None else timeout
         deadline = time.monotonic() + timeout
         stage = "/model_info"
         while time.monotonic() < deadline:
             rc = self.proc.poll()
+            race = self.lost_port_race()
+            if race is not None:
+                self.stop()
+                raise PortRaceError(self._failure(f"lost a port race ({race})"))
             if rc is not None:
                 self.returncode = rc
                 self._cleanup_after_exit()
@@ -336,9 +406,24 @@ class SGLangServer:
         self.stop()
         raise ServerError(self._failure(f"was not ready after {timeout:.0f}s (waiting for {stage})"))
 
-    def start(self, timeout: Optional[float] = None) -> "SGLangServer":
-        self.launch()
-        return self.wait_ready(timeout)
+    def start(self, timeout: Optional[float] = None, attempts: int = 3) -> "SGLangServer":
+        """Launch and wait; a start that lost a port race is retried on a new port (``attempts``
+        in all), with the earlier attempt's log kept in the new workdir's ``port-race-<n>.log``."""
+        races = []
+        for attempt in range(attempts):
+            self.launch()
+            for n, text in enumerate(races):
+                (self.workdir / f"port-race-{n}.log").write_text(text)
+            try:
+                return self.wait_ready(timeout)
+            except PortRaceError as exc:
+                if attempt + 1 == attempts:
+                    raise
+                races.append(self.log_text())
+                sys.stderr.write(f"[harness] {str(exc).splitlines()[0]}; retrying on a new port\n")
+                self.remove_workdir()
+                self.proc = None
+        raise AssertionError("unreachable")
 
     def wait_exit(self, timeout: float) -> Optional[int]:
         """Wait for the main process to exit on its own; None if it is still running."""

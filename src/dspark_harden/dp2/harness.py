@@ -14,21 +14,16 @@ import dataclasses
 import multiprocessing as mp
 import os
 import random
-import socket
 import time
 import traceback
 import uuid
 from types import SimpleNamespace
 from typing import Any, Callable
 
+from ..devtools.server import free_port
+
 # ForwardMode values used for random rows (resolved in the worker from the live enum)
 _MODES = ("EXTEND", "DECODE", "MIXED", "IDLE", "TARGET_VERIFY", "PREBUILT", "DRAFT_EXTEND_V2")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def init_worker(rank: int, port: int, session: str, spin_us: int = 50, timeout_ms: int = 10000):
@@ -114,7 +109,7 @@ def run_pair(target: Callable, args: tuple, timeout: float = 600.0) -> list:
     ranks' results (rank order). Raises RuntimeError with the worker traceback on failure."""
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    port, session = free_port(), f"h-{os.getpid()}-{uuid.uuid4().hex[:12]}"
+    port, session = free_port(span=1), f"h-{os.getpid()}-{uuid.uuid4().hex[:12]}"
     procs = [ctx.Process(target=_entry, args=(target, r, port, session, q) + tuple(args)) for r in (0, 1)]
     for p in procs:
         p.start()

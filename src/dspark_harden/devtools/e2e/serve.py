@@ -113,40 +113,11 @@ class Pausable:
         self.server.remove_workdir()
 
 
-_PORT_RACE = ("is not available in 30 seconds", "Address already in use",
-              "error while attempting to bind on address")
-
-
-def _launch_ready(config: _server.ServerConfig) -> "_server.SGLangServer":
-    """Launch and wait like the harness, but give up at once when the log shows a lost port race
-    (the HTTP server cannot bind: the main process then hangs instead of exiting)."""
-    s = _server.SGLangServer(config).launch()
-    deadline = time.monotonic() + _server.ready_timeout()
-    while True:
-        if s.proc.poll() is not None or time.monotonic() > deadline:
-            return s.wait_ready(0.1)  # raises ServerError with the log tail (and stops it)
-        if any(m in s.log_text() for m in _PORT_RACE):
-            tail = s.log_tail(3000)
-            s.stop()
-            s.remove_workdir()
-            raise _server.ServerError(f"lost a port race: {tail}")
-        if s._http_ok("/model_info", timeout=5):
-            return s.wait_ready()
-        time.sleep(1.0)
-
-
-def start(config: _server.ServerConfig, attempts: int = 3) -> Pausable:
-    """Start ``config``; a start that lost a port race (SGLang picks several ports of its own and
-    another server on the machine, or one of its own processes, took the HTTP one) is retried."""
+def start(config: _server.ServerConfig) -> Pausable:
+    """Start ``config`` (the harness retries a start that lost a port race) and check that the
+    plugin is active in it exactly when it should be."""
     log(f"starting {config.name} ({'stock' if config.plugins is None else 'plugin'}) ...")
-    for attempt in range(attempts):
-        try:
-            s = _launch_ready(config)
-            break
-        except _server.ServerError as exc:
-            if attempt + 1 == attempts or not any(m in str(exc) for m in _PORT_RACE):
-                raise
-            log(f"{config.name}: lost a port race, retrying on a new port")
+    s = _server.SGLangServer(config).start()
     if config.plugins is not None and not s.plugin_roles():
         s.stop()
         raise _server.ServerError(s._failure("the plugin is not active in any process"))
