@@ -86,3 +86,19 @@ def test_cli_parses_serve_and_soak():
     assert args.minutes == 0.5 and args.adversarial
     with pytest.raises(SystemExit):
         build_parser().parse_args(["bench", "serve", "--rounds", "0"])
+
+
+def test_soak_stock_with_adversarial_is_refused_before_any_server_starts(capsys):
+    """Stock SGLang is taken down by some of the abuses, so a stock adversarial soak would only
+    measure a dead server: refused with exit 2 and the reason, before anything is started."""
+    from dspark_harden.cli import build_parser
+    from dspark_harden.devtools.e2e import soak
+
+    args = build_parser().parse_args(["bench", "soak", "--minutes", "1", "--stock", "--adversarial"])
+    assert args.stock and args.adversarial
+    assert soak.main(args) == 2
+    assert "--stock cannot be combined with --adversarial" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="--stock cannot be combined with --adversarial"):
+        soak.run(1, 4.0, 1, True, 5.0, stock=True)
+    args = build_parser().parse_args(["bench", "soak", "--minutes", "1", "--stock"])
+    assert args.stock and not args.adversarial

@@ -39,3 +39,30 @@ def test_bench_grammar_json_shape_and_counts(tmp_path):
         assert set(p) == {"name", "compile_s", "warm_s", "stored"}
         assert p["stored"] in ("serialized", "marker")
         assert p["compile_s"] > 0 and p["warm_s"] > 0
+
+
+@pytest.mark.timeout(1200)
+def test_bench_grammar_distinct_stock_memory_grows_and_the_service_stays_bounded(tmp_path):
+    """Stock's xgrammar compiler keeps every compiled grammar (``cache_limit_bytes=-1``): a
+    scheduler's memory grows with every distinct schema it ever sees. The service's LRU holds it
+    at ``DSPARK_HARDEN_GRAMMAR_CACHE_BYTES``, and what it accounts tracks the real growth. Real
+    xgrammar, real 32000-token tokenizer, 120 distinct schemas, each side in a fresh process;
+    the service's limit is 48 MiB (stock: ~2.5 MiB per grammar at this vocabulary)."""
+    limit = 48 << 20
+    proc = subprocess.run(
+        [sys.executable, "-m", "dspark_harden", "bench", "grammar", "--json", "--vocab", "32000",
+         "--distinct", "120", "--cache-bytes", str(limit)],
+        capture_output=True, text=True, timeout=1100,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    r = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert r["distinct_schemas"] == 120 and r["cache_bytes_limit"] == limit
+    stock, ours = r["stock"], r["harden"]
+    # stock keeps growing to the end: its second half adds about as much as its first
+    growth = dict((i, g) for i, g in stock["rss_growth_mib"])
+    assert stock["final_growth_mib"] > 150, stock
+    assert growth[120] - growth[60] > 0.3 * stock["final_growth_mib"], stock
+    # the service is held at its limit (plus the allocator's slack), far below stock
+    assert ours["accounted_mib"] <= limit / 2 ** 20, ours
+    assert ours["final_growth_mib"] < 48 + 64, ours
+    assert ours["final_growth_mib"] < stock["final_growth_mib"] / 2, (ours, stock)

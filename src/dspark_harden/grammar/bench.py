@@ -296,8 +296,99 @@ def _run(vocab: int, duplicates: int, cache_dir: str, log) -> dict:
     }
 
 
+def distinct_schema(i: int) -> str:
+    """The i-th of an endless family of distinct, valid JSON schemas (6-12 typed properties)."""
+    props = {f"field_{i}_{j}": ({"type": "string", "maxLength": 8 + j} if j % 3 == 0 else
+                                {"type": "integer", "minimum": j} if j % 3 == 1 else
+                                {"type": "array", "items": {"type": "number"}, "maxItems": 3})
+             for j in range(6 + i % 7)}
+    return json.dumps({"title": f"s{i}", "type": "object", "properties": props, "required": list(props)[:3]})
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as fh:
+        return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _memory_child(variant: str, n: int, vocab: int, env: dict, cache_dir: str, out_q) -> None:
+    """One process resolves ``n`` distinct schemas one at a time as the scheduler does (lookup,
+    wait, private copy, then the request ends); RSS after every tenth (after ``gc.collect``)."""
+    import gc
+
+    try:
+        tok = _load_tokenizer(vocab)
+        patches = []
+        if variant == "harden":
+            os.environ.update(env)
+            patches = _patches(cache_dir)
+            for p in patches:
+                p.apply()
+        backend = _backend(tok)
+        gc.collect()
+        points = [(0, _rss_bytes(), 0)]
+        step = max(1, n // 10)
+        t0 = time.perf_counter()
+        for i in range(n):
+            value, hit = backend.get_cached_or_future_value(("json", distinct_schema(i)), False)
+            grammar = value if hit else value.result()
+            if grammar is None or type(grammar).__name__ == "InvalidGrammarObject":
+                raise RuntimeError(f"schema {i} failed to compile: {grammar!r}")
+            if not hit:
+                backend.set_cache(("json", distinct_schema(i)), grammar.copy())  # as the scheduler does
+            del grammar, value
+            if (i + 1) % step == 0 or i + 1 == n:
+                gc.collect()
+                service = getattr(backend, "_dspark_grammar", None)
+                points.append((i + 1, _rss_bytes(), service.nbytes if service is not None else None))
+        out_q.put({"variant": variant, "points": points, "seconds": time.perf_counter() - t0})
+    except BaseException as exc:  # noqa: BLE001
+        out_q.put({"variant": variant, "error": f"{type(exc).__name__}: {exc}"})
+        raise
+
+
+def run_memory(n: int, vocab: int = 32000, cache_bytes: int | None = None, log=print) -> dict:
+    """``bench grammar --distinct N``: the memory of a scheduler's grammar path after N distinct
+    schemas, stock (its xgrammar compiler keeps every compiled grammar: ``cache_limit_bytes=-1``)
+    vs the grammar service (LRU bounded by ``DSPARK_HARDEN_GRAMMAR_CACHE_BYTES``; ``cache_bytes``
+    overrides it here), each in a fresh spawned process. RSS growth over the start in MiB."""
+    from .settings import CACHE_BYTES
+
+    env = {k: v for k, v in os.environ.items() if k.startswith("DSPARK_HARDEN_GRAMMAR")}
+    if cache_bytes is not None:
+        env[CACHE_BYTES] = str(cache_bytes)
+    ctx = mp.get_context("spawn")
+    out: dict = {"distinct_schemas": n, "vocab": vocab, "cache_bytes_limit": int(env.get(CACHE_BYTES, 4 << 30))}
+    cache_dir = tempfile.mkdtemp(prefix="dspark-grammar-memory-")
+    try:
+        for variant in ("stock", "harden"):
+            q = ctx.Queue()
+            proc = ctx.Process(target=_memory_child, args=(variant, n, vocab, env, cache_dir, q))
+            proc.start()
+            got = q.get(timeout=3600)
+            proc.join(60)
+            if "error" in got:
+                raise RuntimeError(f"{variant}: {got['error']}")
+            base = got["points"][0][1]
+            mib = 2 ** 20
+            out[variant] = {
+                "rss_growth_mib": [[i, round((r - base) / mib, 1)] for i, r, _ in got["points"]],
+                "final_growth_mib": round((got["points"][-1][1] - base) / mib, 1),
+                "seconds": round(got["seconds"], 2),
+            }
+            if variant == "harden":
+                out[variant]["accounted_mib"] = round(got["points"][-1][2] / mib, 1)
+            log(f"{variant}: +{out[variant]['final_growth_mib']} MiB after {n} distinct schemas")
+    finally:
+        shutil.rmtree(cache_dir, ignore_errors=True)
+    return out
+
+
 def main(args: Any) -> int:
     log = (lambda *a, **k: print(*a, file=sys.stderr, **k)) if args.json else print
+    if getattr(args, "distinct", None):
+        result = run_memory(args.distinct, vocab=args.vocab, cache_bytes=args.cache_bytes, log=log)
+        print(json.dumps(result) if args.json else json.dumps(result, indent=2))
+        return 0
     result = run(vocab=args.vocab, duplicates=args.duplicates, cache_dir=args.dir, log=log)
     if args.json:
         print(json.dumps(result))

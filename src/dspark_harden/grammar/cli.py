@@ -44,6 +44,10 @@ def register(subparsers: Any, bench_subparsers: Any) -> None:
     b.add_argument("--vocab", type=int, default=32000, help="tokenizer vocabulary size (default 32000)")
     b.add_argument("--duplicates", type=int, default=2, help="copies of each spelling in the burst (default 2)")
     b.add_argument("--dir", help="disk cache root to use (default: a fresh temporary directory)")
+    b.add_argument("--distinct", type=int, metavar="N",
+                   help="memory mode instead: RSS growth of stock vs the service after N distinct schemas")
+    b.add_argument("--cache-bytes", type=int, metavar="B",
+                   help="with --distinct: the service's DSPARK_HARDEN_GRAMMAR_CACHE_BYTES (default: the setting)")
     b.set_defaults(func=_bench_main)
 
 

@@ -60,6 +60,8 @@ def register(bench_subparsers) -> None:
                    help="fault-injection mode: abusive requests during the soak, and a clean phase to compare")
     s.add_argument("--skip-abuse", metavar="A,B", help="leave these abuses out of --adversarial (names as in the report)")
     s.add_argument("--poll-s", type=_positive_float, default=5.0, help="health / process sampling period (default %(default)s)")
+    s.add_argument("--stock", action="store_true",
+                   help="soak the same DP2 server without the plugin (RSS / fd reference; not with --adversarial)")
     s.set_defaults(func=_soak)
 
 

@@ -136,9 +136,11 @@ async def _burst_500(session, url: str, seed: int) -> tuple[int, str, float]:
 
 
 class Soak:
-    def __init__(self, minutes: float, rate: float, seed: int, adversarial: bool, poll_s: float, skip: tuple = ()):
+    def __init__(self, minutes: float, rate: float, seed: int, adversarial: bool, poll_s: float, skip: tuple = (),
+                 health_path: str = "/health_scheduler"):
         self.minutes, self.rate, self.seed, self.adversarial, self.poll_s = minutes, rate, seed, adversarial, poll_s
         self.skip = tuple(skip)
+        self.health_path = health_path
         self.results: list = []  # (phase, Result)
         self.health: list = []
         self.samples: list = []
@@ -177,7 +179,7 @@ class Soak:
         while time.monotonic() < deadline:
             t = time.monotonic()
             try:
-                async with session.get(url + "/health_scheduler", timeout=aiohttp.ClientTimeout(total=10)) as r:
+                async with session.get(url + self.health_path, timeout=aiohttp.ClientTimeout(total=10)) as r:
                     self.health.append((t, r.status, "" if r.status == 200 else (await r.text())[:200]))
             except Exception as exc:  # noqa: BLE001
                 self.health.append((t, 0, f"{type(exc).__name__}: {exc}"[:200]))
@@ -283,15 +285,22 @@ DEFAULT_LIMITS = {"DSPARK_HARDEN_GRAMMAR_CACHE_BYTES": str(4 << 30), "DSPARK_HAR
                   "DSPARK_HARDEN_GRAMMAR_DISK_BYTES": str(20 << 30)}
 
 
-def run(minutes: float, rate: float, seed: int, adversarial: bool, poll_s: float, skip: tuple = ()) -> dict:
+def run(minutes: float, rate: float, seed: int, adversarial: bool, poll_s: float, skip: tuple = (),
+        stock: bool = False) -> dict:
     """Start a plugin DP2 server (native DP2 exchange on, explicit grammar limits, fresh disk cache),
-    soak it, stop it, check /dev/shm afterwards."""
+    or with ``stock`` the same DP2 server without the plugin (the reference for RSS and fds; health
+    polled on stock's ``/health``), soak it, stop it, check /dev/shm afterwards."""
+    if stock and adversarial:
+        raise ValueError("--stock cannot be combined with --adversarial: stock SGLang is taken down by some "
+                         "of the abuses (docs/e2e.md); soak stock with well-formed load only")
     grammar_dir = tempfile.mkdtemp(prefix="dsh-soak-grammar-", dir="/tmp")
-    cfg = _serve.plugin_config(grammar_dir, GRAMMAR_LIMITS, name="e2e-soak")
+    cfg = _serve.stock_config() if stock else _serve.plugin_config(grammar_dir, GRAMMAR_LIMITS, name="e2e-soak")
     shm0 = _procs.shm_entries()
     p = _serve.start(cfg)
     try:
-        rep = run_on(p.server, Soak(minutes, rate, seed, adversarial, poll_s, skip))
+        rep = run_on(p.server, Soak(minutes, rate, seed, adversarial, poll_s, skip,
+                                    health_path="/health" if stock else "/health_scheduler"))
+        rep["server"] = "stock" if stock else "plugin"
     finally:
         p.stop()
     shm1 = _procs.shm_entries()
@@ -327,7 +336,7 @@ def run_on(s: "_server.SGLangServer", soak: Soak) -> dict:
 
     log(f"soak: {minutes} min at {soak.rate} entries/s{' with abuse after the first third' if soak.adversarial else ''}")
     asyncio.run(main())
-    alive = s.proc.poll() is None and s._http_ok("/health_scheduler", timeout=10)
+    alive = s.proc.poll() is None and s._http_ok(soak.health_path, timeout=10)
     if not alive:
         crashed = f"server not healthy after the soak (exit code {s.proc.poll()})"
     return report(soak, minutes, time.monotonic() - t_start, crashed, fds0, shm_start, _procs.shm_entries(), limits)
@@ -348,7 +357,7 @@ def report(soak: Soak, minutes: float, wall: float, crashed: Optional[str], fds0
                      "e2e_p50_s": _round(_client.pct(e2e, 0.5)), "e2e_p99_s": _round(_client.pct(e2e, 0.99)),
                      "error_examples": [f"{r.id} HTTP {r.status}: {r.error}" for r in rs if not r.ok][:5]}
     out["well_formed"] = wf
-    out["health_scheduler"] = {"polls": len(soak.health), "non_200": sum(1 for h in soak.health if h[1] != 200),
+    out["health_scheduler"] = {"path": soak.health_path, "polls": len(soak.health), "non_200": sum(1 for h in soak.health if h[1] != 200),
                                "examples": [h[2] for h in soak.health if h[1] != 200][:5]}
     t0 = soak.samples[0][0] if soak.samples else 0.0
     rss: dict = {}
@@ -403,6 +412,10 @@ def _round(v: Optional[float], n: int = 4) -> Optional[float]:
 def main(args) -> int:
     import signal
 
+    if args.stock and args.adversarial:
+        print("bench soak: --stock cannot be combined with --adversarial (stock SGLang is taken down by some of the "
+              "abuses: docs/e2e.md); soak stock with well-formed load only", file=sys.stderr)
+        return 2
     signal.signal(signal.SIGTERM, _serve._term_as_interrupt)  # stop the server on SIGTERM too
     problem = _server.cpu_platform_problem()
     if problem:
@@ -413,7 +426,7 @@ def main(args) -> int:
     if set(skip) - known:
         print(f"bench soak: --skip-abuse: unknown {sorted(set(skip) - known)}; known: {sorted(known)}", file=sys.stderr)
         return 2
-    rep = run(args.minutes, args.rate, args.seed, args.adversarial, args.poll_s, skip)
+    rep = run(args.minutes, args.rate, args.seed, args.adversarial, args.poll_s, skip, stock=args.stock)
     rep["skipped_abuse"] = list(skip)
     print(json.dumps(rep, indent=2) if args.json else _human(rep))
     return 0 if rep["ok"] else 1
