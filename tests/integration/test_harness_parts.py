@@ -289,15 +289,17 @@ def test_free_port_leaves_sglangs_derived_ports_free_by_sglangs_own_test(monkeyp
     port = S.free_port()
     for p in [*range(port, port + 16), *range(port + ZMQ_TCP_PORT_DELTA, port + ZMQ_TCP_PORT_DELTA + 10)]:
         assert is_port_available(p), p
-    # the same verdict as SGLang's for a held port, and a held derived port is never handed out
+    # the same verdict as SGLang's for a held port, and a held derived port is never handed out:
+    # hold the metrics port (P + 233 + 4) of a range free_port itself chose
+    other = S.free_port()
+    hp = port + ZMQ_TCP_PORT_DELTA + 4
     with socket.socket() as held:
-        held.bind(("127.0.0.1", 0))
+        held.bind(("127.0.0.1", hp))
         held.listen()
-        hp = held.getsockname()[1]
         assert S.port_bindable(hp) is is_port_available(hp) is False
         S._handed_out.clear()
-        monkeypatch.setattr(S, "_candidate_ports", lambda lowest, top: iter([hp - ZMQ_TCP_PORT_DELTA - 4, port]))
-        assert S.free_port() == port  # the first candidate's metrics port is held: skipped
+        monkeypatch.setattr(S, "_candidate_ports", lambda lowest, top: iter([port, other]))
+        assert S.free_port() == other  # the first candidate's metrics port is held: skipped
     assert S.port_bindable(hp) is is_port_available(hp) is True
 
 

@@ -182,8 +182,6 @@ def free_port(span: int = 16) -> int:
     candidates = _candidate_ports(lowest, top)
     for _ in range(500):
         port = next(candidates)
-        if not lowest <= port < top:
-            continue
         ranges = _port_footprint(port, span)
         if any(r.start < h.stop and h.start < r.stop for r in ranges for h in _handed_out):
             continue
@@ -422,7 +420,7 @@ class SGLangServer:
                 races.append(self.log_text())
                 sys.stderr.write(f"[harness] {str(exc).splitlines()[0]}; retrying on a new port\n")
                 self.remove_workdir()
-                self.proc = None
+                self.proc = self.returncode = None  # the next attempt is a fresh launch
         raise AssertionError("unreachable")
 
     def wait_exit(self, timeout: float) -> Optional[int]:

@@ -137,6 +137,12 @@ def _restart_child(idx: int, vocab: int, cache_dir: str, duplicates: int, barrie
         raise
 
 
+def _rss_bytes() -> int:
+    """This process's resident set size now (/proc/self/statm)."""
+    with open("/proc/self/statm") as fh:
+        return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
 class _RssPeak:
     """Peak resident set size of this process while the block runs (sampled every 5 ms from
     /proc/self/statm; getrusage's ru_maxrss is a lifetime peak and cannot separate two phases)."""
@@ -147,11 +153,9 @@ class _RssPeak:
         self.peak = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._sample, daemon=True)
-        self._page = os.sysconf("SC_PAGE_SIZE")
 
     def _rss(self) -> int:
-        with open("/proc/self/statm") as fh:
-            return int(fh.read().split()[1]) * self._page
+        return _rss_bytes()
 
     def _sample(self) -> None:
         while not self._stop.is_set():
@@ -305,11 +309,6 @@ def distinct_schema(i: int) -> str:
     return json.dumps({"title": f"s{i}", "type": "object", "properties": props, "required": list(props)[:3]})
 
 
-def _rss_bytes() -> int:
-    with open("/proc/self/statm") as fh:
-        return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
 def _memory_child(variant: str, n: int, vocab: int, env: dict, cache_dir: str, out_q) -> None:
     """One process resolves ``n`` distinct schemas one at a time as the scheduler does (lookup,
     wait, private copy, then the request ends); RSS after every tenth (after ``gc.collect``)."""
@@ -329,12 +328,13 @@ def _memory_child(variant: str, n: int, vocab: int, env: dict, cache_dir: str, o
         step = max(1, n // 10)
         t0 = time.perf_counter()
         for i in range(n):
-            value, hit = backend.get_cached_or_future_value(("json", distinct_schema(i)), False)
+            key = ("json", distinct_schema(i))
+            value, hit = backend.get_cached_or_future_value(key, False)
             grammar = value if hit else value.result()
             if grammar is None or type(grammar).__name__ == "InvalidGrammarObject":
                 raise RuntimeError(f"schema {i} failed to compile: {grammar!r}")
             if not hit:
-                backend.set_cache(("json", distinct_schema(i)), grammar.copy())  # as the scheduler does
+                backend.set_cache(key, grammar.copy())  # as the scheduler does
             del grammar, value
             if (i + 1) % step == 0 or i + 1 == n:
                 gc.collect()
@@ -351,13 +351,16 @@ def run_memory(n: int, vocab: int = 32000, cache_bytes: int | None = None, log=p
     schemas, stock (its xgrammar compiler keeps every compiled grammar: ``cache_limit_bytes=-1``)
     vs the grammar service (LRU bounded by ``DSPARK_HARDEN_GRAMMAR_CACHE_BYTES``; ``cache_bytes``
     overrides it here), each in a fresh spawned process. RSS growth over the start in MiB."""
-    from .settings import CACHE_BYTES
+    from ..core.manager import feature_settings, make_manager
+    from .settings import CACHE_BYTES, FEATURE
 
     env = {k: v for k, v in os.environ.items() if k.startswith("DSPARK_HARDEN_GRAMMAR")}
     if cache_bytes is not None:
         env[CACHE_BYTES] = str(cache_bytes)
+    # the limit the service child will run with (the setting's own parsing and default)
+    limit = feature_settings(make_manager(load_extensions=False), FEATURE, environ=env)[CACHE_BYTES]
     ctx = mp.get_context("spawn")
-    out: dict = {"distinct_schemas": n, "vocab": vocab, "cache_bytes_limit": int(env.get(CACHE_BYTES, 4 << 30))}
+    out: dict = {"distinct_schemas": n, "vocab": vocab, "cache_bytes_limit": limit}
     cache_dir = tempfile.mkdtemp(prefix="dspark-grammar-memory-")
     try:
         for variant in ("stock", "harden"):

@@ -281,6 +281,9 @@ async def _prepare_corrupt_entry(url: str, grammar_dir: str) -> Optional[dict]:
     return {"body": body, "path": str(path)}
 
 
+STOCK_ADVERSARIAL = ("--stock cannot be combined with --adversarial: stock SGLang is taken down by some of the "
+                     "abuses (docs/e2e.md); soak stock with well-formed load only")
+
 DEFAULT_LIMITS = {"DSPARK_HARDEN_GRAMMAR_CACHE_BYTES": str(4 << 30), "DSPARK_HARDEN_GRAMMAR_CACHE_ENTRIES": "10000",
                   "DSPARK_HARDEN_GRAMMAR_DISK_BYTES": str(20 << 30)}
 
@@ -291,8 +294,7 @@ def run(minutes: float, rate: float, seed: int, adversarial: bool, poll_s: float
     or with ``stock`` the same DP2 server without the plugin (the reference for RSS and fds; health
     polled on stock's ``/health``), soak it, stop it, check /dev/shm afterwards."""
     if stock and adversarial:
-        raise ValueError("--stock cannot be combined with --adversarial: stock SGLang is taken down by some "
-                         "of the abuses (docs/e2e.md); soak stock with well-formed load only")
+        raise ValueError(STOCK_ADVERSARIAL)
     grammar_dir = tempfile.mkdtemp(prefix="dsh-soak-grammar-", dir="/tmp")
     cfg = _serve.stock_config() if stock else _serve.plugin_config(grammar_dir, GRAMMAR_LIMITS, name="e2e-soak")
     shm0 = _procs.shm_entries()
@@ -413,8 +415,7 @@ def main(args) -> int:
     import signal
 
     if args.stock and args.adversarial:
-        print("bench soak: --stock cannot be combined with --adversarial (stock SGLang is taken down by some of the "
-              "abuses: docs/e2e.md); soak stock with well-formed load only", file=sys.stderr)
+        print(f"bench soak: {STOCK_ADVERSARIAL}", file=sys.stderr)
         return 2
     signal.signal(signal.SIGTERM, _serve._term_as_interrupt)  # stop the server on SIGTERM too
     problem = _server.cpu_platform_problem()
