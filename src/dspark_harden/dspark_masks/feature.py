@@ -13,12 +13,15 @@ their own references to the stock objects.
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from ..core.feature import Feature
 from ..core.hookspecs import hookimpl
 from ..core.patch import Kind, Patch, Role
 from .settings import ENGINE, ENGINES, FEATURE, SETTINGS, SWITCH, THREADS  # noqa: F401 - re-exported
+
+logger = logging.getLogger("dspark_harden.dspark_masks")
 
 
 @hookimpl
@@ -49,6 +52,12 @@ def _available(settings: Any):
         import xgrammar  # noqa: F401
     except Exception as exc:  # noqa: BLE001
         return f"xgrammar is not importable: {exc}"
+    if settings[ENGINE] == "auto":
+        from .traversal import auto_unavailable_reason
+
+        reason = auto_unavailable_reason()
+        if reason:
+            return reason
     if settings[ENGINE] == "native":
         from .traversal import native_unavailable_reason
 
@@ -110,21 +119,85 @@ def dspark_patches(role, settings):
 
 @hookimpl
 def dspark_process_bound(role, settings, report):
-    """Refuse server configurations the native path cannot reproduce exactly (fail closed)."""
-    if role is not Role.SCHEDULER or not settings[SWITCH]:
-        return
-    bound = [f for f in report.features if f.name == FEATURE and f.status == "bound"]
-    if not bound:
+    """Scheduler start-up: refuse server configurations the native path cannot reproduce exactly,
+    check the mask pipeline's device requirements against the server's device, and open the
+    traversal engine now (so a native engine that does not bind stops start-up, not the first
+    grammar request); publish the engine (feature detail for ``check``, gauge). With the feature
+    off, a DSpark server with a grammar backend logs one WARNING naming the stock Python path."""
+    if role is not Role.SCHEDULER:
         return
     from ..core import roles
 
     ctx = roles.CONTEXT
     args = getattr(ctx, "server_args", None) if ctx is not None else None
-    if args is None:
+    if not settings[SWITCH]:
+        if args is not None and _first_scheduler(ctx) and stock_python_path_in_use(args):
+            logger.warning(STOCK_PATH_WARNING)
         return
-    problems = server_args_problems(args)
-    if problems:
-        raise RuntimeError(f"{SWITCH}=1: " + "; ".join(problems))
+    st = next((f for f in report.features if f.name == FEATURE), None)
+    if st is None or st.status != "bound":
+        return
+    from ..core.binder import BindError
+
+    def refuse(problem: str):
+        st.status, st.detail = "failed", problem
+        raise BindError(f"dspark-harden refuses to start ({role.value}): [{FEATURE}] {SWITCH}=1: {problem}", report)
+
+    if args is not None:
+        problems = server_args_problems(args)
+        if problems:
+            refuse("; ".join(problems))
+    from . import integration as I
+    from .jobs import TraversalError
+
+    device = server_device(args) if args is not None else None
+    if device is not None:
+        problem = I.pipeline_device_problem(device)
+        if problem:
+            refuse(problem)
+    try:
+        rt = I.runtime(device_type=device)
+    except TraversalError as exc:
+        refuse(str(exc))
+    engine = rt.traverser.engine
+    st.detail = (
+        f"engine {engine} ({ENGINE}={rt.traverser.requested}, {rt.traverser.threads} thread(s)); mask pipeline: "
+        + (I.pipeline_description(device) if device is not None else "device checked when the server starts")
+    )
+    from ..core import metrics as M
+    from .metrics import publish_engine
+
+    M.when_ready(lambda: publish_engine(engine, ctx.dp_label if ctx is not None else "none"))
+
+
+def server_device(args: Any) -> str:
+    """The server's device type (SGLang resolves ``--device`` before it starts a scheduler; an
+    unresolved one is resolved the way SGLang does)."""
+    device = getattr(args, "device", None)
+    if not device:
+        from sglang.srt.utils.common import get_device
+
+        device = get_device()
+    return str(device).split(":")[0]
+
+
+def stock_python_path_in_use(args: Any) -> bool:
+    """A DSpark server that can serve grammar requests (any grammar backend but ``none``)."""
+    spec = getattr(args, "speculative_algorithm", None)
+    backend = getattr(args, "grammar_backend", None)
+    return str(spec or "").upper() == "DSPARK" and backend != "none"
+
+
+def _first_scheduler(ctx: Any) -> bool:
+    # one WARNING per server, not one per scheduler process
+    return getattr(ctx, "tp_rank", None) in (None, 0) and getattr(ctx, "dp_rank", None) in (None, 0)
+
+
+STOCK_PATH_WARNING = (
+    "dspark-harden: DSpark with a grammar backend builds its draft-tree grammar masks with stock SGLang's "
+    "Python DFS per request (spec_utils.build_grammar_vocab_mask -> generate_token_bitmask -> traverse_tree) "
+    f"on the scheduler thread. Set {SWITCH}=1 for the native batched traversal (docs/dspark_masks.md)."
+)
 
 
 def server_args_problems(args: Any) -> list[str]:

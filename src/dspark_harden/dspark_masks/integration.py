@@ -102,9 +102,12 @@ def check_semantic_pins(allow_drift: tuple = ()) -> list[str]:
 class DSparkMaskRuntime:
     """One per scheduler process: the traversal engine and the GPU (or CPU) mask pipeline."""
 
-    def __init__(self, engine: str = "auto", threads: int = 2) -> None:
+    def __init__(self, engine: str = "auto", threads: int = 2, device_type: Optional[str] = None) -> None:
         self.traverser = ChainTraverser(engine, threads=threads)
         self.pipeline: Optional[MaskPipeline] = None
+        # the server's device type, checked at start-up (pipeline_device_problem); the first step's
+        # verify ids must be on it
+        self.device_type = device_type
         self._lock = threading.Lock()
         self.last_phases: dict = {}
         self.last_active = 0
@@ -113,6 +116,11 @@ class DSparkMaskRuntime:
     def begin(self, verify_ids_2d: torch.Tensor) -> Ticket:
         pipe = self.pipeline
         if pipe is None:
+            if self.device_type is not None and verify_ids_2d.device.type != self.device_type:
+                raise PipelineError(
+                    f"DSpark verify ids are on {verify_ids_2d.device}, but start-up checked the mask pipeline "
+                    f"for the server's device {self.device_type!r}"
+                )
             pipe = self.pipeline = MaskPipeline(verify_ids_2d.device, capacity=_pow2(verify_ids_2d.shape[0]))
         return pipe.begin(verify_ids_2d)
 
@@ -214,11 +222,39 @@ def configure(engine: str, threads: int) -> None:
     _CONFIG.update(engine=engine, threads=threads)
 
 
-def runtime() -> DSparkMaskRuntime:
+def runtime(device_type: Optional[str] = None) -> DSparkMaskRuntime:
+    """This process's runtime, created on first use (at scheduler start-up by the feature, with the
+    server's device type; raises :class:`~.jobs.TraversalError` when the engine cannot open)."""
     global _RUNTIME
     if _RUNTIME is None:
-        _RUNTIME = DSparkMaskRuntime(_CONFIG["engine"], _CONFIG["threads"])
+        _RUNTIME = DSparkMaskRuntime(_CONFIG["engine"], _CONFIG["threads"], device_type=device_type)
+    elif device_type is not None and _RUNTIME.device_type is None:
+        _RUNTIME.device_type = device_type
     return _RUNTIME
+
+
+def pipeline_device_problem(device_type: str) -> Optional[str]:
+    """What the mask pipeline cannot do on the server's device (``None`` when it can). On CUDA it
+    needs pinned host memory, a copy stream and events: torch must see a CUDA device. On the CPU it
+    runs its synchronous protocol. Other devices have no implementation (fail closed)."""
+    if device_type == "cpu":
+        return None
+    if device_type != "cuda":
+        return (f"the DSpark mask pipeline runs on CUDA (pinned slots, copy stream, events) or on the CPU "
+                f"(synchronous); the server's device is {device_type!r}")
+    if not torch.cuda.is_available():
+        return ("the server's device is cuda but torch sees no CUDA device: the DSpark mask pipeline needs "
+                "pinned host memory, a CUDA copy stream and CUDA events")
+    missing = [name for name in ("Stream", "Event") if not callable(getattr(torch.cuda, name, None))]
+    if missing:
+        return f"torch.cuda lacks {', '.join(missing)}, which the DSpark mask pipeline needs"
+    return None
+
+
+def pipeline_description(device_type: str) -> str:
+    if device_type == "cuda":
+        return "cuda (pinned double-buffered slots, copy stream, events)"
+    return f"{device_type} (synchronous protocol)"
 
 
 def reset_runtime() -> None:

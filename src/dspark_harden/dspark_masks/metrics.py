@@ -8,6 +8,8 @@ from ..core.metrics import DP_RANK, Family, MetricGroup
 from .settings import FEATURE
 DSPARK_MASK_PHASES = ("barrier", "buffer_wait", "draft_copy_wait", "resolution", "traversal", "mask_upload", "total")
 DSPARK_MASK_OUTCOMES = ("masked", "thinking_only")
+# engines a scheduler can run (``auto`` resolves to one of them at start-up)
+DSPARK_MASK_ENGINES = ("batch", "native", "scalar", "threads", "level")
 
 GROUP = MetricGroup(
     "DSpark grammar masks (feature `dspark-masks`)",
@@ -38,8 +40,26 @@ GROUP = MetricGroup(
         precreate=tuple((DP_RANK, o) for o in DSPARK_MASK_OUTCOMES),
         aggregation="`sum by (outcome) (rate(...))`.",
     ),
+    Family(
+        "dspark_harden_dspark_mask_engine", "gauge",
+        "1 for the draft-tree traversal engine this scheduler opened at start-up (DSPARK_HARDEN_GRAMMAR_TRAVERSAL, "
+        "`auto` resolved: batch or native, never scalar unless named), 0 for the others.",
+        labels=("dp_rank", "engine"), multiprocess_mode="mostrecent", feature=FEATURE, roles=("scheduler",),
+        precreate=tuple((DP_RANK, e) for e in DSPARK_MASK_ENGINES),
+        aggregation="`max by (engine) (...)` for the fleet; keep `dp_rank` to find a rank whose `scalar` series "
+                    "is 1 (the slower Python engine, named by the operator).",
     ),
-    intro="Emitted by scheduler processes on every DSpark verify step whose batch has a grammar, only when "
-          "`DSPARK_HARDEN_DSPARK_MASKS=1`. `dp_rank` is the scheduler's DP rank (`none` without DP). See "
+    ),
+    intro="Emitted by scheduler processes on every DSpark verify step whose batch has a grammar (the engine "
+          "gauge once at start-up), only when `DSPARK_HARDEN_DSPARK_MASKS=1`. `dp_rank` is the scheduler's DP rank (`none` without DP). See "
           "[dspark_masks.md](dspark_masks.md).",
 )
+
+
+def publish_engine(engine: str, dp_label: str) -> None:
+    """Set the engine gauge of this scheduler: 1 for ``engine``, 0 for every other one."""
+    from ..core import metrics
+
+    gauge = metrics.get("dspark_harden_dspark_mask_engine")
+    for e in DSPARK_MASK_ENGINES:
+        gauge.labels(dp_label, e).set(1 if e == engine else 0)

@@ -30,8 +30,9 @@ Engines (``DSPARK_HARDEN_GRAMMAR_TRAVERSAL``):
              one ``batch_rollback`` at the end.
 ``batch``    ``BatchGrammarMatcher.batch_traverse_draft_tree`` (not in xgrammar 0.2.7; used only when
              the installed xgrammar has it, after a start-up equivalence probe against ``scalar``).
-``auto``     ``batch`` when available, else ``native`` when the native module binds, else ``scalar``
-             (measured, see docs/dspark_masks.md).
+``auto``     ``batch`` when available, else ``native`` when the native module binds; neither: a
+             start-up error naming why (``scalar`` runs only when named; measured, see
+             docs/dspark_masks.md).
 
 Nothing here imports SGLang; :mod:`.resolve` turns SGLang grammar objects into :class:`Job` s.
 """
@@ -104,12 +105,13 @@ class ChainTraverser:
                 "traversal engine 'batch' needs xgrammar.BatchGrammarMatcher.batch_traverse_draft_tree, "
                 "which the installed xgrammar does not have"
             )
+        requested = engine
         if engine == "auto":
-            engine = "batch" if batch_traverse_available() else DEFAULT_ENGINE
-            reason = native_unavailable_reason() if engine == "native" else None
+            reason = auto_unavailable_reason()
             if reason:
-                logger.warning("dspark-harden: native draft traversal unavailable (%s); using 'scalar'", reason)
-                engine = "scalar"
+                raise TraversalError(reason)
+            engine = "batch" if batch_traverse_available() else DEFAULT_ENGINE
+        self.requested = requested
         self.engine = engine
         self.threads = threads
         self._links = _ChainLinks()
@@ -120,7 +122,12 @@ class ChainTraverser:
         self._closed = False
         self._native: Optional[Any] = None
         if engine == "native":
-            self._native = self._open_native()
+            try:
+                self._native = self._open_native()
+            except TraversalError as exc:
+                if requested != "auto":
+                    raise
+                raise TraversalError(f"{AUTO_REFUSAL}: {exc}. {SCALAR_HINT}") from None
         if engine in ("level", "batch"):
             self._batch = xgr.BatchGrammarMatcher(max_threads=threads)
         if engine == "threads" and threads > 1:
@@ -407,6 +414,39 @@ def native_unavailable_reason():
     from .native import unavailable_reason
 
     return unavailable_reason()
+
+
+AUTO_REFUSAL = (
+    "DSPARK_HARDEN_GRAMMAR_TRAVERSAL=auto: neither xgrammar's batched "
+    "BatchGrammarMatcher.batch_traverse_draft_tree nor the native engine is available"
+)
+SCALAR_HINT = (
+    "The Python 'scalar' engine (several times slower per verify step) runs only when named: set "
+    "DSPARK_HARDEN_GRAMMAR_TRAVERSAL=scalar to accept it, or unset DSPARK_HARDEN_DSPARK_MASKS for stock"
+)
+
+
+def auto_unavailable_reason():
+    """Why engine ``auto`` cannot pick a fast engine here (``None`` when it can). ``auto`` never
+    falls back to ``scalar``: a silent slower path is what the fail-closed rule forbids."""
+    if batch_traverse_available():
+        return None
+    reason = native_unavailable_reason()
+    if reason is None:
+        return None
+    return (f"{AUTO_REFUSAL} (the batch API is not in xgrammar {getattr(xgr, '__version__', '?')}; native: "
+            f"{reason}). {SCALAR_HINT}")
+
+
+def resolved_engine(engine: str) -> str:
+    """The engine ``engine`` runs as (``auto`` resolved; raises :class:`TraversalError` like the
+    traverser would)."""
+    if engine != "auto":
+        return engine
+    reason = auto_unavailable_reason()
+    if reason:
+        raise TraversalError(reason)
+    return "batch" if batch_traverse_available() else DEFAULT_ENGINE
 
 
 # The engine `auto` picks when the batch API is absent: chosen by measurement (docs/dspark_masks.md).
