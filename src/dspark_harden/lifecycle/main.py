@@ -4,8 +4,8 @@ SIGTERM (stock ``SignalHandler.sigterm_handler`` + ``TokenizerManager.sigterm_wa
 replaced):
 
 1. at once: ``gracefully_exit`` is set (``/health``, ``/health_generate`` and ``/health_scheduler``
-   answer 503) and :class:`DrainGate` answers every new work request (any method but GET/HEAD/
-   OPTIONS, except ``/abort_request``) with 503 naming the shutdown;
+   answer 503) and :class:`DrainGate` answers every request that is not on the read-only route
+   allow-list (:mod:`.drain_routes`; ``/abort_request`` stays allowed) with 503 naming the shutdown;
 2. in-flight requests finish within ``DSPARK_HARDEN_SHUTDOWN_DRAIN_S`` (stock polls every 5 s and
    has no bound); those still running at the deadline are answered with HTTP 503 naming the drain
    window (stock's own abort path, ``_handle_abort_req``) and aborted in the schedulers;
@@ -42,10 +42,8 @@ from .resources import ResourceTracker, remove_leftovers
 logger = logging.getLogger("dspark_harden.lifecycle")
 
 EXIT_CODES = {"scheduler": 3, "detokenizer": 4, "controller": 5, "other": 6}
-#: methods that never do work: always served (GET /metrics, /health_scheduler ... during a drain)
-_SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
-#: work paths still accepted while refusing (they help a drain finish)
-_ALWAYS_ALLOWED = frozenset({"/abort_request"})
+# What a refusing server still serves (DrainGate) is decided by route, not by method (16 stock GET
+# routes do work): the read-only allow-list and the work paths still accepted are in .drain_routes.
 SCHEDULER_EXIT_TIMEOUT_S = 15.0  # stock _SCHEDULER_EXIT_TIMEOUT_SECS, after the barrier timeout
 CHILD_EXIT_TIMEOUT_S = 10.0
 ABORT_ANSWER_TIMEOUT_S = 10.0
@@ -517,23 +515,46 @@ def build_tm_init(stock):
 
 
 class DrainGate:
-    """ASGI middleware: 503 for new work while the server drains or after a child died."""
+    """ASGI middleware: 503 for new work while the server drains or after a child died.
+
+    By route, not by method (:mod:`.drain_routes`): read-only routes keep working (those that wait
+    for the schedulers only while they live); health/readiness probes and every work route (the 16
+    stock GET routes that do work included) get 503 naming the cause; a new WebSocket session is
+    refused. Costs one call while serving: routes are looked at only when refusing.
+    """
 
     def __init__(self, app: Any) -> None:
         self.app = app
 
     async def __call__(self, scope, receive, send):
-        if scope.get("type") == "http":
+        kind = scope.get("type")
+        if kind in ("http", "websocket"):
             msg = MAIN.refusing()
-            if (msg is not None and scope.get("method", "GET") not in _SAFE_METHODS
-                    and scope.get("path") not in _ALWAYS_ALLOWED):
-                MAIN.refused += 1
-                _count("dspark_harden_shutdown_requests_total", "refused")
-                body = json.dumps({"error": {"message": msg, "type": "ServiceUnavailable", "code": 503}}).encode()
-                await send({"type": "http.response.start", "status": 503,
-                            "headers": [(b"content-type", b"application/json"),
-                                        (b"content-length", str(len(body)).encode()),
-                                        (b"connection", b"close")]})
-                await send({"type": "http.response.body", "body": body})
-                return
+            if msg is not None:
+                from .drain_routes import served_while_refusing
+
+                if not served_while_refusing(kind, scope.get("method", "GET"), scope.get("path", ""),
+                                             child_died=MAIN.fault is not None):
+                    MAIN.refused += 1
+                    _count("dspark_harden_shutdown_requests_total", "refused")
+                    await self._refuse(scope, msg, receive, send)
+                    return
         await self.app(scope, receive, send)
+
+    @staticmethod
+    async def _refuse(scope, msg: str, receive, send) -> None:
+        body = json.dumps({"error": {"message": msg, "type": "ServiceUnavailable", "code": 503}}).encode()
+        headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+        if scope["type"] == "http":
+            await send({"type": "http.response.start", "status": 503, "headers": headers + [(b"connection", b"close")]})
+            await send({"type": "http.response.body", "body": body})
+            return
+        # WebSocket: answer the handshake with HTTP 503 where the server offers the ASGI denial
+        # response extension (uvicorn does), else close before accepting with 1013 (try again later)
+        if (await receive()).get("type") != "websocket.connect":
+            return
+        if "websocket.http.response" in (scope.get("extensions") or {}):
+            await send({"type": "websocket.http.response.start", "status": 503, "headers": headers})
+            await send({"type": "websocket.http.response.body", "body": body})
+        else:
+            await send({"type": "websocket.close", "code": 1013, "reason": msg[:120]})
