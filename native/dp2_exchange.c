@@ -97,6 +97,9 @@ struct dspark_dp2_channel {
     uint32_t pending_futex_waits;
     uint64_t pending_start;           /* when the pending exchange began (stats span every wait period) */
     uint64_t pending_published_at;
+    uint64_t peer_stop_ns;            /* > 0: a peer stopped / in D state this long is dead (0: off) */
+    uint64_t peer_stuck_since;        /* when the peer was first seen in state T/t/D (0: not stuck) */
+    char peer_stuck_state;
     char name[64];
 };
 
@@ -203,8 +206,10 @@ static int report_poisoned(dspark_dp2_channel *ch, uint32_t code, char *err, siz
     return DSPARK_DP2_E_POISONED;
 }
 
-/* 0 alive, otherwise writes why the peer is dead into why. */
-static int peer_dead(dp2_rank_block *peer, char *why, size_t whylen) {
+/* 0 alive, otherwise writes why the peer is dead into why. *pstate (may be NULL) receives the
+ * peer's process state letter from /proc ('?' when unknown). */
+static int peer_dead(dp2_rank_block *peer, char *why, size_t whylen, char *pstate) {
+    if (pstate) *pstate = '?';
     pid_t pid = (pid_t)atomic_load(&peer->pid);
     if (pid <= 0) return 0; /* not attached yet / closed: timeout or state check decides */
     if (kill(pid, 0) != 0 && errno == ESRCH) {
@@ -230,7 +235,22 @@ static int peer_dead(dp2_rank_block *peer, char *why, size_t whylen) {
         snprintf(why, whylen, "pid %d is a zombie (state %c)", (int)pid, state);
         return 1;
     }
+    if (pstate) *pstate = state;
     return 0;
+}
+
+/* Process states in which the peer cannot make progress on its own: stopped, traced, uninterruptible. */
+static int stuck_state(char state) { return state == 'T' || state == 't' || state == 'D'; }
+
+static const char *state_text(char state) {
+    switch (state) {
+        case 'T': return "stopped";
+        case 't': return "stopped by a tracer";
+        case 'D': return "in uninterruptible sleep";
+        case 'R': return "running";
+        case 'S': return "sleeping";
+        default: return "state unknown";
+    }
 }
 
 /* ------------------------------------------------------------------------------------------ */
@@ -302,6 +322,26 @@ int dspark_dp2_open(const char *session_id, const char *channel, int rank, int w
     }
     int rc = DSPARK_DP2_OK;
     int created = 0;
+    /* The name is opened O_CREAT without O_EXCL (the second rank attaches to the first rank's segment),
+     * so it may be an object someone else created: use it only if this user owns it and nobody else can
+     * read or write it. Checked before flock, so a foreign object cannot even block this open. */
+    struct stat own;
+    if (fstat(fd, &own) != 0) {
+        set_err(err, errlen, "dp2 open: fstat(%s) failed: %s", ch->name, strerror(errno));
+        close(fd);
+        free(ch);
+        return DSPARK_DP2_E_SHM;
+    }
+    if (own.st_uid != geteuid() || (own.st_mode & 07777) != 0600 || !S_ISREG(own.st_mode)) {
+        set_err(err, errlen,
+                "dp2 open: /dev/shm%s is not this server's: owner uid %u mode %04o, expected uid %u mode 0600; "
+                "refusing to use it (another user's object, or one created with other permissions: remove it, or "
+                "use another session id)",
+                ch->name, (unsigned)own.st_uid, (unsigned)(own.st_mode & 07777), (unsigned)geteuid());
+        close(fd); /* not ours: never unlink it */
+        free(ch);
+        return DSPARK_DP2_E_OWNED;
+    }
     if (flock(fd, LOCK_EX) != 0) {
         set_err(err, errlen, "dp2 open: flock(%s) failed: %s", ch->name, strerror(errno));
         rc = DSPARK_DP2_E_SHM;
@@ -398,7 +438,7 @@ int dspark_dp2_open(const char *session_id, const char *channel, int rank, int w
     int32_t expected = 0;
     if (!atomic_compare_exchange_strong(&mine->pid, &expected, (int32_t)ch->owner_pid)) {
         char why[160];
-        if (peer_dead(mine, why, sizeof why))
+        if (peer_dead(mine, why, sizeof why, NULL))
             set_err(err, errlen,
                     "dp2 open: %s is stale: rank %d is still owned by dead pid %d (%s); use a new session id or "
                     "remove /dev/shm%s",
@@ -581,7 +621,7 @@ static int wait_for_peer(dspark_dp2_channel *ch, int64_t *out, dspark_dp2_stats 
              * peer has published and closed, the interleaving that used to report a spurious close */
             char held[192];
             ch->debug_hold_until_peer_closed = 0;
-            while (atomic_load(&peer->state) != ST_CLOSED && !peer_dead(peer, held, sizeof held) &&
+            while (atomic_load(&peer->state) != ST_CLOSED && !peer_dead(peer, held, sizeof held, NULL) &&
                    atomic_load(&h->error_code) == 0 && now_ns() - start < ch->timeout_ns)
                 sched_yield();
         }
@@ -595,8 +635,26 @@ static int wait_for_peer(dspark_dp2_channel *ch, int64_t *out, dspark_dp2_stats 
             return report_poisoned(ch, code, err, errlen);
         }
         char why[192];
-        int dead = peer_dead(peer, why, sizeof why);
+        char proc_state = '?';
+        int dead = peer_dead(peer, why, sizeof why, &proc_state);
         uint32_t pstate = atomic_load(&peer->state);
+        if (!dead && pstate == ST_ATTACHED && stuck_state(proc_state)) {
+            uint64_t t = now_ns();
+            if (ch->peer_stuck_since == 0 || ch->peer_stuck_state != proc_state) {
+                ch->peer_stuck_since = t;
+                ch->peer_stuck_state = proc_state;
+            } else if (ch->peer_stop_ns > 0 && t - ch->peer_stuck_since >= ch->peer_stop_ns) {
+                /* alive but unable to arrive: as final as death (the check below still lets an exchange
+                 * whose row the peer published before it stopped complete) */
+                snprintf(why, sizeof why, "pid %d is %s (state %c) for %.1f s, longer than the limit of %" PRIu64
+                         " ms (SGLANG_DSPARK_DP2_SHM_PEER_STOP_MS)",
+                         (int)atomic_load(&peer->pid), state_text(proc_state), proc_state,
+                         (double)(t - ch->peer_stuck_since) / 1e9, ch->peer_stop_ns / UINT64_C(1000000));
+                dead = 1;
+            }
+        } else {
+            ch->peer_stuck_since = 0;
+        }
         if (dead || pstate == ST_CLOSED) {
             /* The peer may have published the awaited sequence and then closed or died between our read of
              * its sequence and this check: its data is in shared memory, so this exchange completes. Close
@@ -618,9 +676,9 @@ static int wait_for_peer(dspark_dp2_channel *ch, int64_t *out, dspark_dp2_stats 
                 ch->pending_futex_waits = futex_waits;
                 set_err(err, errlen,
                         "dp2 channel %s rank %d: peer rank %d (pid %d) alive but has not reached sequence %" PRIu64
-                        " after %.1f ms (peer at %" PRIu64 ")",
+                        " after %.1f ms (peer at %" PRIu64 ", process state %c: %s)",
                         ch->name, r, p, (int)atomic_load(&peer->pid), seq, (double)(now - start) / 1e6,
-                        atomic_load(&peer->published_seq));
+                        atomic_load(&peer->published_seq), proc_state, state_text(proc_state));
                 return DSPARK_DP2_STALLED;
             }
             if (pstate == ST_NEVER)
@@ -743,6 +801,22 @@ int dspark_dp2_shared_error(dspark_dp2_channel *ch) {
 int dspark_dp2_shm_name(dspark_dp2_channel *ch, char *buf, size_t buflen) {
     if (ch == NULL || buf == NULL || buflen < sizeof ch->name) return DSPARK_DP2_E_ARG;
     memcpy(buf, ch->name, sizeof ch->name);
+    return DSPARK_DP2_OK;
+}
+
+int dspark_dp2_set_peer_stop_limit(dspark_dp2_channel *ch, int64_t limit_ms, char *err, size_t errlen) {
+    if (err == NULL || errlen < DSPARK_DP2_ERRBUF_MIN) return DSPARK_DP2_E_ARG;
+    err[0] = '\0';
+    if (ch == NULL) {
+        set_err(err, errlen, "dp2 set_peer_stop_limit: NULL handle");
+        return DSPARK_DP2_E_ARG;
+    }
+    if (limit_ms < 0) {
+        set_err(err, errlen, "dp2 channel %s rank %d: peer stop limit must be >= 0, got %" PRId64 " ms", ch->name,
+                ch->rank, limit_ms);
+        return DSPARK_DP2_E_ARG;
+    }
+    ch->peer_stop_ns = (uint64_t)limit_ms * UINT64_C(1000000);
     return DSPARK_DP2_OK;
 }
 

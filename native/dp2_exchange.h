@@ -13,7 +13,7 @@
 #include <stdint.h>
 
 enum {
-    DSPARK_DP2_ABI_VERSION = 2,
+    DSPARK_DP2_ABI_VERSION = 3,
     DSPARK_DP2_LAYOUT_VERSION = 2,
     DSPARK_DP2_WORLD_SIZE = 2,
     DSPARK_DP2_MAX_WIDTH = 32,
@@ -28,7 +28,8 @@ enum {
     DSPARK_DP2_E_ARG = 1,          /* bad argument (local, nothing published) */
     DSPARK_DP2_E_SHM = 2,          /* shm_open/ftruncate/mmap/mlock/flock failed at open */
     DSPARK_DP2_E_MISMATCH = 3,     /* ABI / layout / world size / width / config mismatch at open */
-    DSPARK_DP2_E_OWNED = 4,        /* this rank's slot is owned by another (live or stale) process */
+    DSPARK_DP2_E_OWNED = 4,        /* this rank's slot is owned by another (live or stale) process, or the
+                                      segment is not this server's (owner uid / mode 0600) */
     DSPARK_DP2_E_FORK = 5,         /* handle used in a process other than the one that opened it */
     DSPARK_DP2_E_CLOSED = 6,       /* handle already closed */
     DSPARK_DP2_E_POISONED = 7,     /* an error was published earlier (by either rank) */
@@ -80,6 +81,12 @@ int dspark_dp2_open(const char *session_id, const char *channel, int rank, int w
  * in rank order into `out`. `stats` may be NULL. */
 int dspark_dp2_exchange(dspark_dp2_channel *ch, const int64_t *local, int64_t *out,
                         dspark_dp2_stats *stats, char *err, size_t errlen);
+
+/* Treat a peer whose process has been stopped or traced (state T / t) or in uninterruptible sleep
+ * (state D) for longer than limit_ms, continuously, as dead (DSPARK_DP2_E_PEER_DIED, published): a
+ * peer that is alive but can never arrive must not hold this rank until the hard timeout. 0 disables
+ * the check (a stopped peer is then a stall like any other). Default after open: 0. */
+int dspark_dp2_set_peer_stop_limit(dspark_dp2_channel *ch, int64_t limit_ms, char *err, size_t errlen);
 
 /* Continue the exchange whose wait returned DSPARK_DP2_STALLED, for one more timeout period (same
  * outcomes as dspark_dp2_exchange; `out` receives the rows on success). */

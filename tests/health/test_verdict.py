@@ -186,6 +186,66 @@ def test_child_died_names_the_rank_before_every_other_check(shm):
     assert check(manager, now).bad_ranks == []
 
 
+DP2_WRITER = r"""
+import sys
+from dspark_harden.dp2 import board as B
+b = B.Board.open(sys.argv[1])
+b.publish_stall(rank=0, peer_rank=1, channel="mlp", waited_s=6.0, period_s=3.0,
+                message="peer rank 1 (pid 99) alive but has not reached sequence 7 (peer at 6, process state T: stopped)")
+print("published", flush=True)
+sys.stdin.readline()
+b.clear(0)
+print("cleared", flush=True)
+sys.stdin.readline()
+"""
+
+
+def test_dp2_stalled_names_the_rank_the_other_waits_for(shm):
+    """A scheduler blocked in the native DP2 exchange publishes 'rank 0 waits for rank 1' on the DP2
+    stall board (a real board, written by a real other process through /proc): 503 naming rank 1 (the
+    one not arriving), even while both load snapshots are still fresh; after it clears, 200 again."""
+    import subprocess
+    import sys
+
+    from dspark_harden.dp2 import board as B
+
+    path, writer = shm
+    now = time.time()
+    for r in range(2):
+        publish(writer(2, r), r, now)
+    manager = tm(ShmLoadSnapshotReader(path, 2))
+    board = B.Board.create()
+    child = subprocess.Popen([sys.executable, "-c", DP2_WRITER, board.spec], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, text=True)
+    try:
+        def check_dp2():
+            return V.evaluate_server(manager, now_fn=lambda: now, max_staleness_s=STALE, max_future_skew_s=FUTURE,
+                                     dp2_stalls_fn=lambda: B.current_stalls(board))
+
+        assert child.stdout.readline().strip() == "published"
+        v = check_dp2()
+        assert (v.status_code, v.reason, v.bad_ranks) == (503, V.DP2_STALLED, [1])
+        assert v.message.startswith("DP rank 1 stalled: alive but not arriving at the DP2 exchange; DP rank 0 "
+                                    "has waited 6.0 s for DP rank 1 in the DP2 exchange (channel mlp)")
+        assert "process state T: stopped" in v.message
+        # starting and a dead child still come first
+        manager.server_status = ServerStatus.Starting
+        assert check_dp2().reason == V.STARTING
+        manager.server_status = ServerStatus.Up
+        child.stdin.write("\n")
+        child.stdin.flush()
+        assert child.stdout.readline().strip() == "cleared"
+        assert check_dp2().ok
+        # an unreadable board is a 503 with its cause, never a silent 200
+        v = V.evaluate_server(manager, now_fn=lambda: now, max_staleness_s=STALE, max_future_skew_s=FUTURE,
+                              dp2_stalls_fn=lambda: B.Board.open("4194304999:3:" + "0" * 32).read())
+        assert (v.status_code, v.reason) == (503, V.READ_ERROR) and "DP2 stall board" in v.message
+    finally:
+        child.stdin.close()
+        child.wait(timeout=30)
+        board.close()
+
+
 def test_every_outcome_has_a_test_and_a_metric_label():
     from dspark_harden.core import metrics
 

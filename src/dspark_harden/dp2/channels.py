@@ -99,15 +99,29 @@ class Dp2Runtime:
         self.export = True
         self.rank: Optional[int] = None
         self.dp_label = "none"
+        self.peer_stop_ms = 60_000
+        #: the stall board /health_scheduler reads (:mod:`.board`); None when the launcher made none
+        self.board = None
         self._atexit = False
 
     def configure(self, *, session_id: str, timeout_ms: int, spin_us: int, export: bool, rank: int, dp_label: str,
-                  hard_timeout_ms: int = 1_800_000) -> None:
+                  hard_timeout_ms: int = 1_800_000, peer_stop_ms: int = 60_000, use_board: bool = True) -> None:
         if rank not in (0, 1):
             raise Dp2Error(-1, f"dp2: this scheduler's rank must be 0 or 1, got {rank!r}")
         self.session_id, self.timeout_ms, self.spin_ns = session_id, timeout_ms, spin_us * 1000
-        self.hard_timeout_ms = hard_timeout_ms
+        self.hard_timeout_ms, self.peer_stop_ms = hard_timeout_ms, peer_stop_ms
         self.export, self.rank, self.dp_label = export, rank, dp_label
+        self.board = None
+        if use_board:
+            from . import board
+
+            try:
+                self.board = board.from_environment()
+            except board.BoardError as exc:
+                raise Dp2Error(-1, f"dp2: {exc}") from None
+            if self.board is None:
+                logger.info("dspark-harden dp2: no stall board (%s unset: the launching process did not create "
+                            "one); /health_scheduler cannot name a rank that stalls the exchange", board.ENV)
 
     def open(self, name: str, *, width: int, digest: int, out_tensor=None) -> Channel:
         with self.lock:
@@ -120,6 +134,7 @@ class Dp2Runtime:
                 self.session_id, name, rank=self.rank, width=width, timeout_ms=self.timeout_ms,
                 spin_ns=self.spin_ns, config_digest=digest, out_tensor=out_tensor,
                 hard_timeout_ms=self.hard_timeout_ms, on_stall=self._stall_reporter(name),
+                on_stall_end=self._stall_end(name), peer_stop_ms=self.peer_stop_ms,
             )
             self.channels[name] = ch
             self.accs[name] = _Acc(name, self.dp_label, self.export, ch.stats)
@@ -141,8 +156,22 @@ class Dp2Runtime:
                 from ..core import metrics
 
                 metrics.get("dspark_harden_dp2_exchange_stalls_total").labels(name, self.dp_label).inc()
+            if self.board is not None:
+                try:
+                    self.board.publish_stall(rank=self.rank, peer_rank=1 - self.rank, channel=name, waited_s=waited_s,
+                                             period_s=self.timeout_ms / 1000.0, message=message)
+                except Exception:  # noqa: BLE001 - health reporting must not break the exchange
+                    logger.exception("dp2: publishing the stall to the health board failed")
 
         return report
+
+    def _stall_end(self, name: str):
+        def end(waited_s: float) -> None:
+            if self.board is not None:
+                self.board.clear(self.rank)
+            logger.warning("dspark-harden dp2: channel %s: the exchange that stalled for %.1f s ended", name, waited_s)
+
+        return end
 
     def record_error(self, name: str, exc: BaseException) -> None:
         acc = self.accs.get(name)

@@ -191,7 +191,7 @@ def dspark_process_bound(role, settings, report):
     RUNTIME.configure(
         session_id=settings[S.SESSION_ID], timeout_ms=settings[S.TIMEOUT_MS], spin_us=settings[S.SPIN_US],
         export=settings[S.METRICS], rank=ctx.tp_rank, dp_label=ctx.dp_label,
-        hard_timeout_ms=settings[S.HARD_TIMEOUT_MS],
+        hard_timeout_ms=settings[S.HARD_TIMEOUT_MS], peer_stop_ms=settings[S.PEER_STOP_MS],
     )
     mlp_sync.start(RUNTIME)
     bound_targets = {t.target for f in report.features if f.name == FEATURE for t in f.targets if t.bound}

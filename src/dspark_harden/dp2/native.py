@@ -15,7 +15,7 @@ from .._dp2_native import ffi, lib
 
 logger = logging.getLogger("dspark_harden.dp2")
 
-EXPECTED_ABI = 2
+EXPECTED_ABI = 3
 ERRBUF = 512
 
 
@@ -120,16 +120,25 @@ class Channel:
         out_tensor=None,
         hard_timeout_ms: int = 0,
         on_stall=None,
+        on_stall_end=None,
+        peer_stop_ms: int = 60_000,
     ):
         """``timeout_ms``: how long to wait for a peer that never attached, and the period after which a
         wait for a peer that is attached and provably alive reports a stall (``on_stall(message,
         waited_s)``, default: a WARNING log line) and keeps waiting. ``hard_timeout_ms`` > 0: after that
         long, a stalled exchange fails (code ``timeout``) and poisons the channel; 0 = wait as long as the
-        peer is alive."""
+        peer is alive. ``on_stall_end(waited_s)``: called once when an exchange that reported a stall ends
+        (completed or failed). ``peer_stop_ms`` > 0: a peer whose process is stopped / traced (state T) or in
+        uninterruptible sleep (state D) that long without a break is treated as dead (code ``peer_died``,
+        published so both ranks stop); 0 = off."""
         if hard_timeout_ms < 0:
             raise ValueError(f"hard_timeout_ms must be >= 0, got {hard_timeout_ms}")
         self.hard_timeout_ms = hard_timeout_ms
+        if peer_stop_ms < 0:
+            raise ValueError(f"peer_stop_ms must be >= 0, got {peer_stop_ms}")
         self._on_stall = on_stall
+        self._on_stall_end = on_stall_end
+        self.peer_stop_ms = peer_stop_ms
         self.stalls = 0
         self.session_id, self.channel, self.rank, self.width = session_id, channel, rank, width
         self.timeout_ms = timeout_ms
@@ -144,6 +153,7 @@ class Channel:
             self._out_tensor = out_tensor
             self._out = ffi.cast("int64_t *", out_tensor.data_ptr())
         self._err = ffi.new("char[]", ERRBUF)
+        self._stall_periods = 0
         handle = ffi.new("dspark_dp2_channel **")
         rc = lib.dspark_dp2_open(
             session_id.encode(), channel.encode(), rank, world_size, width, timeout_ms, spin_ns,
@@ -151,6 +161,11 @@ class Channel:
         )
         _check(rc, self._err, "dspark_dp2_open")
         self._h = handle[0]
+        rc = lib.dspark_dp2_set_peer_stop_limit(self._h, peer_stop_ms, self._err, ERRBUF)
+        if rc:
+            err = Dp2Error(rc, ffi.string(self._err).decode("utf-8", "replace"))
+            self.close()
+            raise err
         self._pid = os.getpid()
         self.stats = ffi.new("dspark_dp2_stats *")
         self._n_out = 2 * width
@@ -179,9 +194,20 @@ class Channel:
         arrives, something fails, or the hard limit is reached. ``out``: the caller's result buffer
         (default this channel's), the one the stalled exchange was given."""
         out = self._out if out is None else out
-        periods = 0
+        try:
+            return self._wait_periods(h, out)
+        finally:
+            if self._on_stall_end is not None:
+                try:
+                    self._on_stall_end(self._stall_periods * self.timeout_ms / 1000.0)
+                except Exception:  # noqa: BLE001 - a reporting failure must not mask the outcome
+                    logger.exception("dp2: stall-end callback failed")
+
+    def _wait_periods(self, h, out) -> int:
+        self._stall_periods = periods = 0
         while True:
             periods += 1
+            self._stall_periods = periods
             self.stalls += 1
             waited_ms = periods * self.timeout_ms
             msg = ffi.string(self._err).decode("utf-8", "replace")

@@ -18,6 +18,7 @@ import sys
 import uuid
 from typing import Optional
 
+from . import board
 from .settings import SESSION_ID
 
 logger = logging.getLogger("dspark_harden.dp2")
@@ -51,6 +52,8 @@ def build_launch_subprocesses(explicit: Optional[str]):
         func = stock.__func__ if isinstance(stock, classmethod) else stock
 
         def _launch_subprocesses(cls, *args, **kwargs):
+            # the stall board /health_scheduler reads, reached by the children through /proc (dp2/board.py)
+            board.create_for_launch()
             if explicit:
                 os.environ[SESSION_ID] = explicit  # honoured as is (and restored if something changed it)
             else:

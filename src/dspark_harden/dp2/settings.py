@@ -10,6 +10,7 @@ SWITCH = "SGLANG_DSPARK_DP2_SHM_MLP_SYNC"
 SESSION_ID = "SGLANG_DSPARK_DP2_SHM_SESSION_ID"
 TIMEOUT_MS = "SGLANG_DSPARK_DP2_SHM_TIMEOUT_MS"
 HARD_TIMEOUT_MS = "SGLANG_DSPARK_DP2_SHM_HARD_TIMEOUT_MS"
+PEER_STOP_MS = "SGLANG_DSPARK_DP2_SHM_PEER_STOP_MS"
 SPIN_US = "SGLANG_DSPARK_DP2_SHM_SPIN_US"
 METRICS = "SGLANG_DSPARK_DP2_SHM_METRICS"
 LIBRARY = "SGLANG_DSPARK_DP2_SHM_LIBRARY"
@@ -55,6 +56,14 @@ SETTINGS = [
         "Milliseconds after which an exchange with a peer that is alive but stalled fails and stops both "
         "ranks (default 30 min, torch's default process-group timeout, which bounds stock's gloo wait); "
         "0 = wait as long as the peer is alive.",
+        feature=FEATURE, accepts="integer >= 0 (milliseconds)",
+    ),
+    Setting(
+        PEER_STOP_MS, nonneg_int, 60_000,
+        "Milliseconds a peer scheduler may stay stopped or traced (process state T, e.g. SIGSTOP, a "
+        "debugger) or in uninterruptible sleep (state D, e.g. wedged in a driver call) without a break "
+        "while this rank waits for it; then it is treated as dead: code peer_died, published so both "
+        "ranks stop and the server exits. 0 = off (a stopped peer is then a stall until the hard timeout).",
         feature=FEATURE, accepts="integer >= 0 (milliseconds)",
     ),
     Setting(

@@ -90,6 +90,13 @@ def _log_transition(result: V.Verdict) -> None:
         logger.warning("/health_scheduler 503 (%s): %s", result.reason, result.message)
 
 
+def _dp2_stalls() -> list:
+    """Current DP2 exchange stalls ([] unless the native DP2 exchange runs with its stall board)."""
+    from ..dp2 import board
+
+    return board.health_stalls()
+
+
 def make_endpoint(max_staleness_s: float, max_future_skew_s: float):
     async def health_scheduler():
         """Per-DP-rank scheduler liveness from load snapshots; sends no inference request."""
@@ -99,7 +106,7 @@ def make_endpoint(max_staleness_s: float, max_future_skew_s: float):
         state = http_server.get_global_state()
         tm = getattr(state, "tokenizer_manager", None) if state is not None else None
         result = V.evaluate_server(tm, now_fn=time.time, max_staleness_s=max_staleness_s,
-                                   max_future_skew_s=max_future_skew_s)
+                                   max_future_skew_s=max_future_skew_s, dp2_stalls_fn=_dp2_stalls)
         try:
             _count(result.reason)
         except Exception:  # noqa: BLE001 - a metrics problem must not change the health answer

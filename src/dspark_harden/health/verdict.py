@@ -31,10 +31,13 @@ STALE = "stale"
 #: a child process (scheduler of a DP rank, detokenizer, DP controller) died and the server is
 #: stopping; set by the lifecycle feature as ``tokenizer_manager.dspark_harden_fault``
 CHILD_DIED = "child_died"
+#: a DP rank waits in the native DP2 exchange for a peer that is alive but does not arrive; the
+#: waiting rank publishes it on the DP2 stall board (dspark_harden.dp2.board), naming the peer
+DP2_STALLED = "dp2_stalled"
 
 OUTCOMES = (
     OK, NO_STATE, SHUTTING_DOWN, STARTING, READ_ERROR, MISSING_RANKS, DUPLICATE_RANKS,
-    UNEXPECTED_RANKS, NON_POSITIVE_TIMESTAMP, FUTURE_TIMESTAMP, STALE, CHILD_DIED,
+    UNEXPECTED_RANKS, NON_POSITIVE_TIMESTAMP, FUTURE_TIMESTAMP, STALE, CHILD_DIED, DP2_STALLED,
 )
 
 
@@ -135,9 +138,11 @@ def evaluate_server(
     max_staleness_s: float,
     max_future_skew_s: float,
     expected_ranks_fn: Optional[Callable[[Any], int]] = None,
+    dp2_stalls_fn: Optional[Callable[[], list]] = None,
 ) -> Verdict:
     """The full check against a live ``TokenizerManager`` (or ``None`` when the HTTP global
-    state does not exist yet)."""
+    state does not exist yet). ``dp2_stalls_fn``: the current DP2 stall records
+    (:func:`dspark_harden.dp2.board.health_stalls`), checked before the snapshots."""
     if tokenizer_manager is None:
         return _fail(NO_STATE, "the HTTP server has no tokenizer manager yet (global state missing)")
     fault = getattr(tokenizer_manager, "dspark_harden_fault", None)
@@ -150,6 +155,13 @@ def evaluate_server(
     status = getattr(tokenizer_manager, "server_status", None)
     if getattr(status, "value", status) == "Starting":
         return _fail(STARTING, "the server is starting (warmup not finished)")
+    if dp2_stalls_fn is not None:
+        try:
+            stalls = list(dp2_stalls_fn())
+        except Exception as exc:  # noqa: BLE001 - an unreadable board is a 503 with its cause
+            return _fail(READ_ERROR, f"reading the DP2 stall board failed: {type(exc).__name__}: {exc}")
+        if stalls:
+            return evaluate_dp2_stalls(stalls)
     try:
         expected = (expected_ranks_fn or default_expected_ranks)(tokenizer_manager)
         snapshots = tokenizer_manager.load_snapshot_reader.read_all()
@@ -159,6 +171,15 @@ def evaluate_server(
         list(snapshots), expected, now=now_fn(),
         max_staleness_s=max_staleness_s, max_future_skew_s=max_future_skew_s,
     )
+
+
+def evaluate_dp2_stalls(stalls: list) -> Verdict:
+    """503 naming the DP rank(s) the others wait for in the native DP2 exchange."""
+    late = sorted({int(r["peer_rank"]) for r in stalls})
+    parts = [f"DP rank {int(r['rank'])} has waited {float(r['waited_s']):.1f} s for DP rank {int(r['peer_rank'])} "
+             f"in the DP2 exchange (channel {r.get('channel')}): {r.get('message', '')}" for r in stalls]
+    return _fail(DP2_STALLED, f"{_ranks_text(late)} stalled: alive but not arriving at the DP2 exchange; "
+                 + "; ".join(parts), bad_ranks=late)
 
 
 def default_expected_ranks(tokenizer_manager: Any) -> int:
