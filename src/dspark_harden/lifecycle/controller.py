@@ -14,6 +14,11 @@ wrapped ``DataParallelController.__init__``, once the schedulers are up):
   which the main process's watchdog turns into the server-wide death path (:mod:`.main`);
 * a prelaunched scheduler died otherwise: the main process is its parent and sees it directly;
   the controller does nothing.
+
+Peers are stopped with everything they started (:func:`.proctree.kill_tree` through pidfds), so a
+scheduler's helper processes are never orphaned. The run directory inherited from the main process
+is checked before stock's ``__init__`` spawns anything: one that is not this uid's private directory
+stops the controller (:class:`.records.RunDirError`).
 """
 
 from __future__ import annotations
@@ -24,11 +29,12 @@ import threading
 import time
 from multiprocessing.connection import wait
 
-from . import records
+from . import proctree, records
 
 logger = logging.getLogger("dspark_harden.lifecycle")
 
 SCHEDULER_DIED_EXIT = 3
+PEER_KILL_WAIT_S = 10.0
 
 
 def _flush() -> None:
@@ -51,8 +57,11 @@ def monitor(procs: list, run_dir, exit_fn=os._exit) -> None:
             if code == 0 and p.pid in records.read(run_dir, "shutdown"):
                 continue
             rank = records.read(run_dir, "rank").get(p.pid, {})
-            records.write(run_dir, "death", p.pid, {"exitcode": code, "dp_rank": rank.get("dp_rank"),
-                                                   "tp_rank": rank.get("tp_rank")})
+            try:
+                records.write(run_dir, "death", p.pid, {"exitcode": code, "dp_rank": rank.get("dp_rank"),
+                                                       "tp_rank": rank.get("tp_rank")})
+            except Exception as exc:  # noqa: BLE001 - the peers must still be stopped and the exit code given
+                logger.error("dspark-harden lifecycle: recording the death of pid %d failed: %s", p.pid, exc)
             fault = records.read(run_dir, "fault").get(p.pid)
             how = records.describe_exit(code) + (" before shutdown was requested" if code == 0 else "")
             if fault:
@@ -60,11 +69,13 @@ def monitor(procs: list, run_dir, exit_fn=os._exit) -> None:
             logger.error("dspark-harden lifecycle: %s (pid %d) %s; stopping %d peer scheduler(s) and the DP "
                          "controller (exit code %d)", records.who(rank, "scheduler"), p.pid, how, len(live),
                          SCHEDULER_DIED_EXIT)
-            for q in live.values():
-                try:
-                    q.kill()
-                except Exception:  # noqa: BLE001
-                    pass
+            reports = [proctree.kill_tree(q.pid, include_root=True, wait_s=0) for q in live.values()]
+            for report in reports:
+                proctree.await_exit(report, PEER_KILL_WAIT_S)
+                if report.survivors:
+                    logger.error("dspark-harden lifecycle: peer process(es) did not exit within %g s of SIGKILL: %s",
+                                 PEER_KILL_WAIT_S, report.describe_survivors())
+                report.close()
             for q in live.values():
                 q.join(5)
             _flush()
@@ -104,8 +115,8 @@ def monitor_pids(pids: list, run_dir, exit_fn=os._exit, interval_s: float = 0.25
 
 def build_controller_init(stock):
     def __init__(self, *args, **kwargs):
+        run_dir = records.require_run_dir(os.environ.get(records.RUN_DIR_ENV))  # before anything is spawned
         stock(self, *args, **kwargs)
-        run_dir = os.environ.get(records.RUN_DIR_ENV)
         prelaunched = getattr(self, "prelaunched_schedulers", None)
         procs = [p for p in getattr(self, "scheduler_procs", []) if p is not None]
         if prelaunched:

@@ -13,7 +13,8 @@ replaced):
    releases host resources and meets its peers at a CPU barrier with a timeout before its groups
    go away: :mod:`.scheduler`); the main process waits for every child to exit on its own (the DP
    controller exits 0 once its schedulers did: :mod:`.controller`), kills only stragglers (named),
-   removes what the tree left in /dev/shm and its ZMQ ipc sockets (:mod:`.resources`), exits 0.
+   removes what the tree left in /dev/shm and its ZMQ ipc sockets (:mod:`.resources`), exits 0
+   (6 when a child failed, had to be killed or would not die).
 
 A child's death (stock ``SubprocessWatchdog._check_processes`` and the running-phase SIGQUIT
 handler, replaced): the cause is built from the records the children wrote (:mod:`.records`),
@@ -21,6 +22,13 @@ handler, replaced): the cause is built from the records the children wrote (:mod
 manager, read by the health feature), every in-flight request is answered with HTTP 503 naming it
 (instead of a dropped connection), then the tree is killed, leftovers removed, and the process exits
 with :data:`EXIT_CODES` (scheduler 3, detokenizer 4, DP controller 5, other 6).
+
+Teardown never wedges the host and never orphans anything (:mod:`.proctree`): the main process is
+the child subreaper of its tree (an orphaned grandchild is reparented to it, not to init); the whole
+tree is stopped and killed together through pidfds (never by a pid that may have been reused), the
+schedulers with everything they started; a process that will not die even from SIGKILL is named and
+left behind; every /proc scan is bounded (``D``-state processes are not read, each scan runs on a
+daemon thread with a time limit) and a hard deadline exits with the documented code whatever blocks.
 """
 
 from __future__ import annotations
@@ -36,7 +44,7 @@ import time
 from typing import Any, Optional
 
 from ..core import metrics
-from . import records
+from . import proctree, records
 from .resources import ResourceTracker, remove_leftovers
 
 logger = logging.getLogger("dspark_harden.lifecycle")
@@ -47,6 +55,18 @@ EXIT_CODES = {"scheduler": 3, "detokenizer": 4, "controller": 5, "other": 6}
 SCHEDULER_EXIT_TIMEOUT_S = 15.0  # stock _SCHEDULER_EXIT_TIMEOUT_SECS, after the barrier timeout
 CHILD_EXIT_TIMEOUT_S = 10.0
 ABORT_ANSWER_TIMEOUT_S = 10.0
+#: SIGKILL to exit: a GPU process can take seconds to release its context; one that takes longer is
+#: blocked in the kernel and is named and left behind (stock: 60 s, then RuntimeError)
+KILL_WAIT_S = 30.0
+#: the resource scan of the live tree before it is killed
+SCAN_LIMIT_S = 5.0
+#: finding and removing leftovers (reads /proc of every process of the host)
+CLEANUP_LIMIT_S = 15.0
+#: the hard deadline: beyond the sum of the bounded steps, this much before os._exit(code) anyway
+HARD_EXIT_MARGIN_S = 15.0
+#: after a completed ordered shutdown, how long stock's own exit may take before os._exit
+EXIT_GRACE_S = 30.0
+SCHEDULER_COMM = "sglang::schedul"  # setproctitle("sglang::scheduler...") as /proc/<pid>/comm (15 chars)
 
 
 def _metric(name: str, *labels: Any):
@@ -69,6 +89,199 @@ def _count(name: str, *labels: Any, n: float = 1) -> None:
         m.inc(n)
 
 
+RTRACKER_STOP_S = 5.0
+ANSWER_WAIT_S = 5.0
+
+
+class HardExit:
+    """``os._exit(code)`` at a deadline, whatever the teardown is blocked in (a /proc read of a
+    wedged process, a hung filesystem, a stuck ZMQ send). Armed when a teardown starts; the
+    current step's name goes into the CRITICAL line."""
+
+    def __init__(self) -> None:
+        self._cv = threading.Condition()
+        self._deadline: Optional[float] = None
+        self._armed_for = 0.0
+        self._code = EXIT_CODES["other"]
+        self._what = ""
+        self._thread: Optional[threading.Thread] = None
+
+    def arm(self, seconds: float, code: int, what: str) -> None:
+        with self._cv:
+            self._deadline = time.monotonic() + seconds
+            self._armed_for, self._code, self._what = seconds, code, what
+            self._cv.notify_all()
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="dspark-lifecycle-hard-exit", daemon=True)
+                self._thread.start()
+
+    def set(self, *, what: Optional[str] = None, code: Optional[int] = None) -> None:
+        with self._cv:
+            if what is not None:
+                self._what = what
+            if code is not None:
+                self._code = code
+
+    @property
+    def armed(self) -> bool:
+        return self._deadline is not None
+
+    def _run(self) -> None:
+        with self._cv:
+            while True:
+                left = self._deadline - time.monotonic()
+                if left <= 0:
+                    break
+                self._cv.wait(left)
+            code, what, seconds = self._code, self._what, self._armed_for
+        try:
+            logger.critical("dspark-harden lifecycle: the teardown did not finish within its hard deadline (%.0f s; "
+                            "blocked in: %s); exiting with code %d now", seconds, what, code)
+            _flush_logs()
+        finally:
+            os._exit(code)
+
+
+def _bounded(fn, limit_s: float, what: str):
+    """Run ``fn`` on a daemon thread for at most ``limit_s``: ``(True, value)``, or ``(False, None)``
+    when it raised or did not finish (logged at ERROR; the thread is left behind, a daemon)."""
+    box: dict = {}
+
+    def run():
+        try:
+            box["value"] = fn()
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            box["error"] = exc
+
+    t = threading.Thread(target=run, name="dspark-lifecycle-bounded", daemon=True)
+    t.start()
+    t.join(limit_s)
+    if t.is_alive():
+        logger.error("dspark-harden lifecycle: %s did not finish within %g s (a /proc read or a file operation "
+                     "blocked in the kernel); continuing without it", what, limit_s)
+        return False, None
+    if "error" in box:
+        exc = box["error"]
+        logger.error("dspark-harden lifecycle: %s failed: %s: %s", what, type(exc).__name__, exc)
+        return False, None
+    return True, box.get("value")
+
+
+async def _to_thread(fn):
+    """Await ``fn`` on a daemon thread (never the event loop's executor: its shutdown would join a
+    blocked thread); the hard deadline bounds it."""
+    box: dict = {}
+    done = threading.Event()
+
+    def run():
+        try:
+            box["value"] = fn()
+        except BaseException as exc:  # noqa: BLE001 - re-raised in the caller
+            box["error"] = exc
+        finally:
+            done.set()
+
+    threading.Thread(target=run, name="dspark-lifecycle-teardown", daemon=True).start()
+    while not done.is_set():
+        await asyncio.sleep(0.02)
+    if "error" in box:
+        raise box["error"]
+    return box.get("value")
+
+
+async def _bounded_async(fn, limit_s: float, what: str) -> bool:
+    box: dict = {}
+    done = threading.Event()
+
+    def run():
+        try:
+            box["value"] = fn()
+        except BaseException as exc:  # noqa: BLE001
+            box["error"] = exc
+        finally:
+            done.set()
+
+    threading.Thread(target=run, name="dspark-lifecycle-bounded", daemon=True).start()
+    deadline = time.monotonic() + limit_s
+    while not done.is_set() and time.monotonic() < deadline:
+        await asyncio.sleep(0.02)
+    if not done.is_set():
+        logger.error("dspark-harden lifecycle: %s did not finish within %g s (a /proc read or a file operation "
+                     "blocked in the kernel); continuing without it", what, limit_s)
+        return False
+    if "error" in box:
+        logger.error("dspark-harden lifecycle: %s failed: %s: %s", what, type(box["error"]).__name__, box["error"])
+        return False
+    return True
+
+
+def _kept(left: dict) -> str:
+    kept = left.get("kept") or []
+    if not kept:
+        return ""
+    why = left.get("why") or {}
+    return ", kept: " + "; ".join(f"{p} ({why[p]})" if p in why else p for p in kept)
+
+
+def _scheduler_handles() -> list:
+    """pidfds of the scheduler processes below this one (named by setproctitle: /proc comm)."""
+    out = []
+    for p in proctree.descendants(os.getpid()):
+        if p.name.startswith(SCHEDULER_COMM) and p.state not in ("Z", "X"):
+            h = proctree.open_handle(p)
+            if h is not None:
+                out.append(h)
+    return out
+
+
+def _rtracker():
+    from multiprocessing import resource_tracker
+
+    tracker = getattr(resource_tracker, "_resource_tracker", None)
+    return tracker, getattr(tracker, "_pid", None)
+
+
+def _kill_tree_now() -> proctree.KillReport:
+    """SIGKILL the whole tree below this process at once (SIGSTOP first, through pidfds: nothing it
+    started can escape), except multiprocessing's resource tracker (:func:`_finish_kill`)."""
+    _tracker, tracker_pid = _rtracker()
+    return proctree.kill_tree(os.getpid(), skip={tracker_pid} if tracker_pid else (), wait_s=0)
+
+
+def _finish_kill(report: proctree.KillReport, wait_s: float) -> proctree.KillReport:
+    """Wait for the killed processes (a bounded time: one that does not die is named and left), then
+    stop the resource tracker: with every other process gone it unlinks the semaphores they
+    registered and never released (``sem.mp-*``: SIGKILLed processes cannot; stock kills the tracker
+    too, so they leak)."""
+    proctree.await_exit(report, wait_s)
+    if report.survivors:
+        logger.error("dspark-harden lifecycle: %d process(es) did not exit within %g s of SIGKILL and are left "
+                     "behind: %s (a process in state D is blocked in the kernel: a driver call, a hung "
+                     "filesystem; it exits only when that call returns)", len(report.survivors), wait_s,
+                     report.describe_survivors())
+    if report.incomplete:
+        logger.error("dspark-harden lifecycle: the process tree kept forking while it was being stopped; some "
+                     "processes may have escaped")
+    tracker, tracker_pid = _rtracker()
+    if tracker_pid is not None:
+        def stop():
+            try:
+                tracker._stop()
+            except Exception:  # noqa: BLE001 - then the /proc-based cleanup still runs
+                logger.debug("stopping the resource tracker failed", exc_info=True)
+
+        t = threading.Thread(target=stop, name="dspark-lifecycle-rtracker", daemon=True)
+        t.start()
+        t.join(RTRACKER_STOP_S)  # it exits once every holder of its pipe is gone; never wait longer
+    report.close()
+    return report
+
+
+def _kill_children(wait_timeout: float) -> proctree.KillReport:
+    """Kill the whole tree below this process and wait (bounded); never raises."""
+    return _finish_kill(_kill_tree_now(), wait_timeout)
+
+
 class MainLifecycle:
     """The main process's view of the server's lifecycle (one per process: :data:`MAIN`)."""
 
@@ -85,27 +298,37 @@ class MainLifecycle:
         self.fault: Optional[dict] = None
         self._lock = threading.Lock()
         self.refused = 0
+        self.subreaper = False
+        self.cleanup_incomplete = False
+        self.hard_exit = HardExit()
 
     # -- configuration ---------------------------------------------------------------------
     def configure(self, *, drain_s: float, death_grace_s: float, barrier_timeout_s: float) -> None:
+        """In the main process, before any child is spawned."""
         self.drain_s, self.death_grace_s, self.barrier_timeout_s = drain_s, death_grace_s, barrier_timeout_s
-        run_dir = os.environ.get(records.RUN_DIR_ENV)
-        if not run_dir:
-            run_dir = records.default_run_dir()
-            os.environ[records.RUN_DIR_ENV] = run_dir  # inherited by every child spawned later
+        if not self.owns_run_dir:
+            inherited = os.environ.get(records.RUN_DIR_ENV)
+            # always a fresh private directory: an inherited name (from another server's process, or
+            # set by anyone) is never trusted with this server's records
+            self.run_dir = records.make_run_dir()
             self.owns_run_dir = True
-        self.run_dir = run_dir
+            os.environ[records.RUN_DIR_ENV] = self.run_dir  # inherited by every child spawned later
+            if inherited:
+                logger.info("dspark-harden lifecycle: %s=%s was inherited; this server uses its own private run "
+                            "directory %s", records.RUN_DIR_ENV, inherited, self.run_dir)
+        self.subreaper = proctree.become_subreaper()
 
     def attach(self, tm: Any, port_args: Any) -> None:
-        """Called from TokenizerManager.__init__ (the children exist by then)."""
+        """Called from TokenizerManager.__init__ (the children are starting)."""
         self.tm, self.port_args = tm, port_args
         if self.tracker is None:
             self.tracker = ResourceTracker()
-            try:
-                self.tracker.scan()
-            except Exception:  # noqa: BLE001
-                logger.debug("initial resource scan failed", exc_info=True)
-            self.tracker.start()
+            self.tracker.add_paths(sockets=self.ipc_paths())
+            self.tracker.start()  # scans on its own thread: now, when the children are ready, rarely after
+
+    def children_ready(self) -> None:
+        if self.tracker is not None:
+            self.tracker.notify_ready()
 
     # -- state -------------------------------------------------------------------------------
     def refusing(self) -> Optional[str]:
@@ -142,24 +365,52 @@ class MainLifecycle:
             pass
         return out
 
-    def cleanup(self) -> dict:
+    def scan_now(self, limit_s: float = SCAN_LIMIT_S) -> bool:
+        """Record what the live tree holds (before it is killed), within ``limit_s``."""
+        tracker = self.tracker
+        if tracker is None:
+            return True
+        deadline = time.monotonic() + limit_s
+        done, _value = _bounded(lambda: tracker.scan(deadline=deadline), limit_s + 1.0,
+                                "the resource scan of the live tree")
+        return done
+
+    def cleanup(self, exclude=()) -> dict:
+        """Remove what the dead tree left (``exclude``: ``(pid, start)`` of killed processes that did
+        not die), within :data:`CLEANUP_LIMIT_S`; sets :attr:`cleanup_incomplete` when cut short."""
         t0 = time.monotonic()
-        result = {"removed": [], "kept": []}
-        if self.tracker is not None:
-            self.tracker.stop()
-            try:
-                self.tracker.scan()  # whatever the survivors (this process) map now
-            except Exception:  # noqa: BLE001
-                pass
-            try:
-                result = remove_leftovers(self.tracker, extra=self.ipc_paths())
-            except Exception as exc:  # noqa: BLE001
-                logger.error("dspark-harden lifecycle: removing leftovers failed: %s: %s", type(exc).__name__, exc)
-        if self.run_dir and self.owns_run_dir:
-            shutil.rmtree(self.run_dir, ignore_errors=True)
+        result = {"removed": [], "kept": [], "why": {}}
+        tracker = self.tracker
+        run_dir = self.run_dir if self.owns_run_dir else None
+        deadline = time.monotonic() + CLEANUP_LIMIT_S
+
+        def work():
+            out = result
+            if tracker is not None:
+                tracker.stop()
+                tracker.scan(deadline=deadline)  # whatever this process maps now
+                out = remove_leftovers(tracker, exclude=exclude, deadline=deadline)
+            if run_dir:
+                shutil.rmtree(run_dir, ignore_errors=True)
+            return out
+
+        done, value = _bounded(work, CLEANUP_LIMIT_S + 1.0, "removing leftovers")
+        if done and value is not None:
+            result = value
+        else:
+            self.cleanup_incomplete = True
         _count("dspark_harden_lifecycle_leftovers_removed_total", n=len(result["removed"]))
         _set_phase("cleanup", time.monotonic() - t0)
         return result
+
+    def _teardown_budget(self) -> float:
+        """Upper bound of the bounded steps after the drain: the hard deadline adds a margin to it."""
+        return (self.barrier_timeout_s + SCHEDULER_EXIT_TIMEOUT_S + CHILD_EXIT_TIMEOUT_S + SCAN_LIMIT_S + 1
+                + KILL_WAIT_S + RTRACKER_STOP_S + CLEANUP_LIMIT_S + 1 + HARD_EXIT_MARGIN_S)
+
+    def _death_budget(self) -> float:
+        return (SCAN_LIMIT_S + 1 + ANSWER_WAIT_S + self.death_grace_s + KILL_WAIT_S + RTRACKER_STOP_S
+                + CLEANUP_LIMIT_S + 1 + HARD_EXIT_MARGIN_S)
 
     # -- SIGTERM -------------------------------------------------------------------------------
     def _open_rids(self, tm: Any) -> list[str]:
@@ -184,6 +435,26 @@ class MainLifecycle:
         return n
 
     async def run_shutdown(self, tm: Any) -> None:
+        """Drain, ordered teardown, cleanup. Returns after a clean shutdown (every child exited 0 on
+        its own, nothing left that could not be removed); otherwise exits the process with code 6
+        (:data:`EXIT_CODES`), also when the shutdown itself raised (the tree is still killed and the
+        leftovers removed: never stock's SIGKILL of the main process)."""
+        try:
+            code = await self._shutdown(tm)
+        except Exception as exc:  # noqa: BLE001 - whatever failed, the tree goes and the exit code is ours
+            code = EXIT_CODES["other"]
+            logger.error("dspark-harden lifecycle: the ordered shutdown failed (%s: %s); killing the process tree, "
+                         "removing leftovers and exiting with code %d", type(exc).__name__, exc, code, exc_info=True)
+            self.hard_exit.arm(self._death_budget(), code, "tearing down after the failed shutdown")
+            report = _kill_children(KILL_WAIT_S)
+            self.cleanup(exclude=report.survivor_idents)
+        if code != 0:
+            _flush_logs()
+            os._exit(code)
+        # stock's own exit follows (server stop hook / sys.exit(0)): it must not hang either
+        self.hard_exit.arm(EXIT_GRACE_S, 0, "the process's exit after the completed shutdown")
+
+    async def _shutdown(self, tm: Any) -> int:
         self.begin_shutdown()
         t_sig = self.shutdown_started or time.time()
         t0 = time.monotonic() - max(0.0, time.time() - t_sig)
@@ -243,14 +514,23 @@ class MainLifecycle:
         if watchdog is not None:
             watchdog.stop()
         from sglang.srt.managers.io_struct import ShutdownReq
-        from sglang.srt.utils.cudacore_pyspy_dump_utils import collect_scheduler_processes
 
+        self.hard_exit.arm(self._teardown_budget(), EXIT_CODES["other"], "the ordered teardown")
+        # what the tree holds, while it still holds it
+        await _bounded_async(lambda: self.tracker.scan(deadline=time.monotonic() + SCAN_LIMIT_S)
+                             if self.tracker is not None else None, SCAN_LIMIT_S + 1.0,
+                             "the resource scan of the live tree")
+        # the schedulers, pinned by pidfd (stock's collect_scheduler_processes reads every child's
+        # cmdline, which blocks without a timeout on a process wedged with its mmap lock contended)
+        schedulers = _scheduler_handles()
         t_sched = time.monotonic()
         tm._dispatch_to_scheduler(ShutdownReq())
         sched_deadline = t_sched + self.barrier_timeout_s + SCHEDULER_EXIT_TIMEOUT_S
-        while time.monotonic() < sched_deadline and collect_scheduler_processes():
+        while time.monotonic() < sched_deadline and not all(h.exited() for h in schedulers):
             await asyncio.sleep(0.05)
-        stragglers = [p.pid for p in collect_scheduler_processes()]
+        stragglers = [f"pid {h.pid} ({h.name})" for h in schedulers if not h.exited()]
+        for h in schedulers:
+            h.close()
         _set_phase("schedulers", time.monotonic() - t_sched)
         t_children = time.monotonic()
         child_deadline = t_children + CHILD_EXIT_TIMEOUT_S
@@ -260,26 +540,28 @@ class MainLifecycle:
         failed = []
         for p, name in zip(procs, names):
             if p.is_alive():
-                stragglers.append(p.pid)
+                stragglers.append(f"pid {p.pid} ({name})")
             elif p.exitcode != 0:
                 failed.append(f"{name} (pid {p.pid}) {records.describe_exit(p.exitcode)}")
         if stragglers:
             logger.warning("dspark-harden lifecycle: processes still alive after ShutdownReq, killing them: %s",
-                           stragglers)
-        _kill_children(wait_timeout=60)
-        left = self.cleanup()
+                           ", ".join(stragglers))
+        self.hard_exit.set(what="killing what is left of the process tree")
+        report = await _to_thread(lambda: _kill_children(KILL_WAIT_S))
+        self.hard_exit.set(what="removing leftovers")
+        left = await _to_thread(lambda: self.cleanup(exclude=report.survivor_idents))
         total = time.monotonic() - t0
         _set_phase("total", total)
         if failed:
             logger.error("dspark-harden lifecycle: shutdown finished in %.1f s but child process(es) failed: %s",
                          total, "; ".join(failed))
+        clean = not failed and not stragglers and not report.survivors and not self.cleanup_incomplete
         logger.info("dspark-harden lifecycle: shutdown complete in %.1f s: %d request(s) drained, %d aborted, "
                     "every child exited %s, %d leftover(s) removed%s", total, drained, aborted,
-                    "0" if not failed and not stragglers else "(see above)", len(left["removed"]),
-                    f", kept (in use elsewhere): {left['kept']}" if left["kept"] else "")
-        if failed or stragglers:
-            _flush_logs()
-            os._exit(EXIT_CODES["other"])
+                    "0" if not failed and not stragglers else "(see above)", len(left["removed"]), _kept(left))
+        if clean:
+            return 0
+        return EXIT_CODES["other"]
 
     # -- death ------------------------------------------------------------------------------
     def cause_of(self, dead: list) -> dict:
@@ -349,6 +631,7 @@ class MainLifecycle:
 
     def _die(self, cause: dict, via: str) -> None:
         code = EXIT_CODES.get(cause["role"], EXIT_CODES["other"])
+        self.hard_exit.arm(self._death_budget(), code, "stopping the server after a child's death")
         _count("dspark_harden_lifecycle_child_deaths_total", cause["role"])
         tm = self.tm
         loop = getattr(tm, "event_loop", None) if tm is not None else None
@@ -358,17 +641,16 @@ class MainLifecycle:
         watchdog = getattr(tm, "_subprocess_watchdog", None) if tm is not None else None
         if watchdog is not None:
             watchdog._stop_event.set()  # never join: this may run on its thread
-        # the surviving schedulers cannot serve without the dead process: stop them before they
-        # add collective-timeout noise (their requests are answered below either way)
-        try:
-            from sglang.srt.utils.cudacore_pyspy_dump_utils import collect_scheduler_processes
-
-            for proc in collect_scheduler_processes():
-                proc.kill()
-        except Exception:  # noqa: BLE001
-            logger.debug("stopping the schedulers failed", exc_info=True)
+        # the last look at what the tree holds; then the surviving processes cannot serve without the
+        # dead one: the whole tree goes at once, every scheduler together with what it started (its
+        # requests are answered below either way)
+        self.hard_exit.set(what="the resource scan of the live tree")
+        self.scan_now()
+        self.hard_exit.set(what="killing the process tree")
+        report = _kill_tree_now()
         answered = 0
         if tm is not None and loop is not None and n_open:
+            self.hard_exit.set(what="answering the in-flight requests")
             done = threading.Event()
             box = {}
 
@@ -379,48 +661,25 @@ class MainLifecycle:
                     done.set()
 
             loop.call_soon_threadsafe(answer)
-            done.wait(5.0)
+            done.wait(ANSWER_WAIT_S)
             answered = box.get("n", 0)
             _count("dspark_harden_lifecycle_requests_failed_total", n=answered)
             # let the handlers write their 503 responses
             deadline = time.monotonic() + self.death_grace_s
             while time.monotonic() < deadline:
                 time.sleep(0.05)
-        try:
-            _kill_children(wait_timeout=30)
-        except Exception as exc:  # noqa: BLE001
-            logger.error("dspark-harden lifecycle: killing the process tree failed: %s", exc)
-        left = self.cleanup()
+        self.hard_exit.set(what="waiting for the killed processes to exit")
+        _finish_kill(report, KILL_WAIT_S)
+        self.hard_exit.set(what="removing leftovers")
+        left = self.cleanup(exclude=report.survivor_idents)
         logger.error("dspark-harden lifecycle: server stopped because %s (%d request(s) answered with 503, "
-                     "%d leftover(s) removed); exit code %d", cause["message"], answered, len(left["removed"]), code)
+                     "%d leftover(s) removed%s); exit code %d", cause["message"], answered, len(left["removed"]),
+                     _kept(left), code)
         _flush_logs()
         os._exit(code)
 
 
 MAIN = MainLifecycle()
-
-
-def _kill_children(wait_timeout: float) -> None:
-    """Kill what is left of the tree except multiprocessing's resource tracker, then stop the
-    tracker: with every other process gone it unlinks the semaphores they registered and never
-    released (``sem.mp-*``: SIGKILLed processes cannot; stock kills the tracker too, so they leak)."""
-    from multiprocessing import resource_tracker
-
-    from sglang.srt.utils import kill_process_tree
-
-    tracker = getattr(resource_tracker, "_resource_tracker", None)
-    tracker_pid = getattr(tracker, "_pid", None)
-    kill_process_tree(os.getpid(), include_parent=False, skip_pid=tracker_pid, wait_timeout=wait_timeout)
-    if tracker_pid is not None:
-        def stop():
-            try:
-                tracker._stop()
-            except Exception:  # noqa: BLE001 - then the /proc-based cleanup still runs
-                logger.debug("stopping the resource tracker failed", exc_info=True)
-
-        t = threading.Thread(target=stop, name="dspark-lifecycle-rtracker", daemon=True)
-        t.start()
-        t.join(5.0)  # it exits once every holder of its pipe is gone; never wait longer
 
 
 def _flush_logs() -> None:
@@ -496,6 +755,7 @@ def _dead(procs) -> list:
 
 def build_check_processes(_stock):
     def _check_processes(self):
+        MAIN.children_ready()  # the watchdog starts once every child is ready
         procs = list(zip(self._processes, self._names))
         if not _dead(procs):
             return False
