@@ -9,9 +9,12 @@
   (``DSPARK_HARDEN_SHUTDOWN_BARRIER_TIMEOUT_S``), so no rank tears its groups down while a peer
   still uses them (the source of NCCL/TCPStore noise on GPUs), and a dead peer costs at most the
   timeout;
-* ``Scheduler.run_event_loop`` (wrap): an exception out of the loop is recorded
-  (``fault-<pid>``: type, message, traceback), logged once naming the DP rank, and turned into
-  exit code 1 (stock logs it, SIGQUITs its parent and then exits **0**);
+* ``Scheduler.run_event_loop`` (wrap): an exception out of the loop is recorded (best effort:
+  ``fault-<pid>``: type, message, traceback), logged naming the DP rank (also when the record could
+  not be written), and re-raised into stock's ``run_scheduler_process`` handler, which logs the
+  traceback, SIGQUITs its parent and honours ``SGLANG_KILLPG_ON_SCHEDULER_EXCEPTION``; the process
+  then exits 1 (stock: 0). A failure caused by a peer's death (collateral) exits 1 quietly, unless
+  the kill-the-group opt-in is set;
 * ``DetokenizerManager.event_loop`` (replace; same loop as stock): on ``ShutdownReq`` from every
   DP rank (or 2 s after the first) it leaves the loop, so the detokenizer exits 0 instead of
   being SIGKILLed.
@@ -22,6 +25,7 @@ from __future__ import annotations
 import datetime
 import logging
 import os
+import sys
 import time
 import traceback
 
@@ -141,27 +145,80 @@ def dead_peers(run_dir) -> list:
     return [rec for pid, rec in records.read(run_dir, "rank").items() if pid != os.getpid() and _gone(pid)]
 
 
+def _killpg_opt_in() -> bool:
+    """Stock's operator opt-in ``SGLANG_KILLPG_ON_SCHEDULER_EXCEPTION`` (read the way stock reads it)."""
+    try:
+        from sglang.srt.environ import envs
+
+        return bool(envs.SGLANG_KILLPG_ON_SCHEDULER_EXCEPTION.get())
+    except Exception:  # noqa: BLE001 - unreadable: stock's handler decides (we then take its path)
+        return True
+
+
+def _exit_code_after_stock_handler(code: int) -> None:
+    """Make this scheduler process exit ``code`` after stock's ``run_scheduler_process`` returned.
+
+    Stock's ``except Exception`` logs the traceback, SIGQUITs its parent, SIGKILLs the process group
+    when ``SGLANG_KILLPG_ON_SCHEDULER_EXCEPTION`` is set, runs its ``finally`` and *returns*: the
+    process would exit 0. The scheduler is a multiprocessing child; after its target returned,
+    ``Process._bootstrap`` runs ``util._exit_function``, whose last step runs the registered
+    finalizers, lowest priority last. This one runs last and raises ``SystemExit(code)``, which
+    ``_bootstrap`` turns into the exit code (nothing is skipped: it is the last finalizer)."""
+    from multiprocessing import util
+
+    def exit_nonzero():
+        raise SystemExit(code)
+
+    util.Finalize(None, exit_nonzero, exitpriority=-sys.maxsize)
+
+
+def _record_fault(exc: BaseException, tb: str) -> tuple:
+    """Best effort: (dead peers, None) or ([], the reason the record could not be written). A
+    failure here must never hide the exception or the rank from the log."""
+    run_dir = os.environ.get(records.RUN_DIR_ENV)
+    try:
+        peers = dead_peers(run_dir)
+    except Exception:  # noqa: BLE001
+        peers = []
+    try:
+        records.write(run_dir, "fault", os.getpid(), {
+            **_rank_record(), "type": type(exc).__name__, "message": str(exc)[:500], "traceback": tb[-4000:],
+            "secondary": bool(peers)})
+    except Exception as werr:  # noqa: BLE001
+        return peers, f"{type(werr).__name__}: {werr}"
+    return peers, None
+
+
 def build_run_event_loop(stock):
     def run_event_loop(self):
         try:
             return stock(self)
         except Exception as exc:
-            run_dir = os.environ.get(records.RUN_DIR_ENV)
             tb = traceback.format_exc()
-            peers = dead_peers(run_dir)
-            records.write(run_dir, "fault", os.getpid(), {
-                **_rank_record(), "type": type(exc).__name__, "message": str(exc)[:500], "traceback": tb[-4000:],
-                "secondary": bool(peers)})
-            if peers:  # the cause is the peer's death, which the main process reports (at ERROR)
+            who, pid = _who(), os.getpid()
+            first = str(exc).splitlines()[0][:200] if str(exc) else ""
+            peers, write_error = _record_fault(exc, tb)
+            if write_error is not None:
+                logger.error("dspark-harden lifecycle: %s (pid %d): could not record its fault in %s (%s); the "
+                             "main process names this rank from its exit code only", who, pid,
+                             os.environ.get(records.RUN_DIR_ENV), write_error)
+            killpg = _killpg_opt_in()
+            if peers and not killpg:
+                # the cause is the peer's death, which the main process reports at ERROR; stock's
+                # handler would only add this collateral failure's traceback and a second SIGQUIT
                 logger.warning("dspark-harden lifecycle: %s (pid %d) stopped: its peer %s is gone (%s: %s); exiting "
-                             "with code 1", _who(), os.getpid(),
-                             ", ".join(records.who(r, f"pid {r.get('pid')}") for r in peers), type(exc).__name__,
-                             str(exc).splitlines()[0][:200] if str(exc) else "")
-            else:
-                logger.error("dspark-harden lifecycle: %s (pid %d): event loop raised %s: %s; exiting with code 1 "
-                             "(the server stops and answers its in-flight requests)\n%s",
-                             _who(), os.getpid(), type(exc).__name__, exc, tb)
-            raise SystemExit(1) from exc
+                               "with code 1", who, pid,
+                               ", ".join(records.who(r, f"pid {r.get('pid')}") for r in peers), type(exc).__name__,
+                               first)
+                raise SystemExit(1) from exc
+            # stock's handler runs next (traceback at ERROR, SIGQUIT to the parent, and with
+            # SGLANG_KILLPG_ON_SCHEDULER_EXCEPTION=1 SIGKILL of the process group); then exit 1
+            logger.error("dspark-harden lifecycle: %s (pid %d): event loop raised %s: %s; exiting with code 1 (the "
+                         "server stops and answers its in-flight requests)%s", who, pid, type(exc).__name__, first,
+                         "; SGLANG_KILLPG_ON_SCHEDULER_EXCEPTION is set: stock SIGKILLs the process group next"
+                         if killpg else "")
+            _exit_code_after_stock_handler(1)
+            raise
 
     return run_event_loop
 
