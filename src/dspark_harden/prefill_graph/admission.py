@@ -32,6 +32,7 @@ class StepState:
     """Handed from the vote to the post-exchange finalisation of the same scheduler step."""
 
     runner: Any = None
+    worker_mode: Any = None  # the capture mode this rank's worker passes to ForwardBatch.init_new
     local_ok: bool = True
     local_reason: Optional[str] = None
     local_tokens: int = 0
@@ -53,8 +54,13 @@ class Runtime:
     on_decision: Optional[Callable] = None
     #: ``on_divergence(exc)`` before a guard raises
     on_divergence: Optional[Callable] = None
+    #: ``on_view(view)`` with each schedule-time view the vote evaluated (tests, bench)
+    on_view: Optional[Callable] = None
     step: StepState = field(default_factory=StepState)
     last: Optional[D.SharedDecision] = None
+    last_local_reason: Optional[str] = None
+    #: the guard's last outcome: "graph", "eager" (shared eager), "eager_uniform", "divergence", "stock"
+    last_guard: Optional[str] = None
 
     def get_bs(self) -> list:
         if self.bs is not None:
@@ -106,22 +112,25 @@ def build_vote(stock: Callable, runtime: Optional[Runtime] = None) -> Callable:
             spec_algorithm=spec_algorithm, model_config=model_config,
         )
         runner = prefill_graph_runner
+        worker_mode = D.worker_capture_mode(spec_algorithm)
         if local_batch is None or local_batch.forward_mode.is_idle() or not _is_runner(runner):
             ok = stock(**kwargs)
-            rt.step = StepState(runner=runner if _is_runner(runner) else None, local_ok=bool(ok),
-                                local_reason=None if ok else "stock_vote", local_tokens=0)
+            rt.step = StepState(runner=runner if _is_runner(runner) else None, worker_mode=worker_mode,
+                                local_ok=bool(ok), local_reason=None if ok else "stock_vote", local_tokens=0)
             return ok
         local = int(num_tokens)
         if 0 < local <= runner.max_num_tokens:
             # lift the local padding bound: padding is judged on the shared bucket after the exchange
             kwargs["num_tokens"] = runner._pad_to_bucket(local, runner.capture_num_tokens)
+        view = D.schedule_view(
+            local_batch, server_mode=rt.get_server_mode(),
+            decode_as_extend=local_batch.forward_mode.is_decode(), worker_mode=worker_mode,
+        )
+        if rt.on_view is not None:
+            rt.on_view(view)
         ok = bool(stock(**kwargs))
-        reason = None if ok else _why_stock_said_eager(runner, local_batch, local, rt)
+        reason = None if ok else _why_stock_said_eager(runner, local_batch, local, rt, worker_mode)
         if ok:
-            view = D.schedule_view(
-                local_batch, server_mode=rt.get_server_mode(),
-                decode_as_extend=local_batch.forward_mode.is_decode(),
-            )
             fails = ["stock_vote"] if view is None else D.local_failures(runner, view, num_tokens=None, schedule_time=True)
             # per-bucket request slots (full backend): min(slots, bucket) for the smallest bucket this rank can get
             if view is not None and runner._is_full_backend and local <= runner.max_num_tokens:
@@ -129,14 +138,15 @@ def build_vote(stock: Callable, runtime: Optional[Runtime] = None) -> Callable:
                     fails.append("request_slots")
             if fails:
                 ok, reason = False, fails[0]
-        rt.step = StepState(runner=runner, local_ok=ok, local_reason=reason, local_tokens=local)
+        rt.step = StepState(runner=runner, worker_mode=worker_mode, local_ok=ok, local_reason=reason,
+                            local_tokens=local)
         return ok
 
     _local_prefill_cuda_graph_vote.__doc__ = stock.__doc__
     return _local_prefill_cuda_graph_vote
 
 
-def _why_stock_said_eager(runner, batch, local_tokens: int, rt: Runtime) -> str:
+def _why_stock_said_eager(runner, batch, local_tokens: int, rt: Runtime, worker_mode: Any = None) -> str:
     """Name the check behind a stock "eager" vote (metrics); only runs on that path."""
     from sglang.srt.model_executor.forward_batch_info import ForwardMode
 
@@ -148,7 +158,7 @@ def _why_stock_said_eager(runner, batch, local_tokens: int, rt: Runtime) -> str:
     try:
         if vote is not None and not vote(batch):
             return "backend_hook"
-        view = D.schedule_view(batch, server_mode=rt.get_server_mode())
+        view = D.schedule_view(batch, server_mode=rt.get_server_mode(), worker_mode=worker_mode)
         fails = D.local_failures(runner, view, num_tokens=None, schedule_time=True) if view is not None else []
     except Exception:  # noqa: BLE001 - diagnosis only
         return "stock_vote"
@@ -168,9 +178,11 @@ def build_update_gather(stock: Callable, runtime: Optional[Runtime] = None) -> C
         dec = D.finalize(
             gathered, vote=bool(batch.can_run_dp_prefill_cuda_graph), runner=step.runner, bs=rt.get_bs(),
             factor=rt.factor, server_mode=rt.get_server_mode(), attn_tp_size=rt.get_attn_tp(),
+            worker_mode=step.worker_mode,
         )
         batch.can_run_dp_prefill_cuda_graph = dec.graph
         rt.last = dec
+        rt.last_local_reason = step.local_reason
         if rt.on_decision is not None:
             rt.on_decision(dec, step.local_reason, step.local_tokens)
         return result

@@ -129,6 +129,30 @@ class PredictedForwardBatch:
         return bool(self.mm_inputs)
 
 
+class UnmodelledWorker(RuntimeError):
+    """A speculative worker whose ``capture_hidden_mode`` override the decision does not model."""
+
+
+#: speculative algorithm -> the capture mode its worker passes to ``ForwardBatch.init_new`` for the
+#: target's prefill and idle-rank forwards (``DSparkWorkerV2.forward_batch_generation`` /
+#: ``_forward_prefill``: FULL for both; fingerprinted in feature.MIRRORED)
+WORKER_CAPTURE = {"NONE": None, "DSPARK": "FULL"}
+
+
+def worker_capture_mode(spec_algorithm: Any) -> Any:
+    """The capture mode this rank's worker passes to ``init_new`` (``None``: init_new derives it);
+    :class:`UnmodelledWorker` for a speculative algorithm not in :data:`WORKER_CAPTURE`."""
+    _, CaptureHiddenMode = _modes()
+    name = "NONE" if spec_algorithm is None else getattr(spec_algorithm, "name", str(spec_algorithm))
+    if name not in WORKER_CAPTURE:
+        raise UnmodelledWorker(
+            f"speculative algorithm {name}: its worker's capture_hidden_mode override for target prefill and "
+            f"idle-rank forwards is not modelled by the prefill-graph decision (modelled: "
+            f"{', '.join(WORKER_CAPTURE)})")
+    mode = WORKER_CAPTURE[name]
+    return None if mode is None else CaptureHiddenMode[mode]
+
+
 def _modes():
     from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode, ForwardMode
 
@@ -141,33 +165,42 @@ def _cpu_lens(values) -> Any:
     return torch.tensor([int(v) for v in values], dtype=torch.int64)
 
 
-def required_capture_hidden_mode(batch: Any, server_mode: Any) -> Any:
-    """``ForwardBatch.init_new``'s capture mode for a target-worker batch (stock functions)."""
-    from sglang.srt.model_executor.forward_batch_info import get_required_capture_hidden_mode
+def required_capture_hidden_mode(batch: Any, server_mode: Any, worker_mode: Any = None, *,
+                                 is_draft_worker: bool = False) -> Any:
+    """The capture mode ``ForwardBatch.init_new`` gives ``batch``: the mode the rank's worker passes
+    (``worker_mode``, e.g. DSpark's FULL for target prefill and idle ranks), else its own
+    derivation: NULL on a draft runner, else max(batch request mode, server mode), raised to the
+    batch's speculative input's mode (stock ``get_required_capture_hidden_mode``)."""
+    from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode, get_required_capture_hidden_mode
 
-    return get_required_capture_hidden_mode(
-        max(getattr(batch, "return_hidden_states_mode", server_mode), server_mode), getattr(batch, "spec_info", None)
-    )
+    if worker_mode is not None:
+        return worker_mode
+    request = CaptureHiddenMode.NULL if is_draft_worker else max(
+        getattr(batch, "return_hidden_states_mode", None) or CaptureHiddenMode.NULL, server_mode)
+    return get_required_capture_hidden_mode(request, getattr(batch, "spec_info", None))
 
 
-def schedule_view(batch: Any, *, server_mode: Any, decode_as_extend: bool = False) -> Optional[PredictedForwardBatch]:
+def schedule_view(batch: Any, *, server_mode: Any, decode_as_extend: bool = False,
+                  worker_mode: Any = None) -> Optional[PredictedForwardBatch]:
     """What ``batch`` (a ``ScheduleBatch``) becomes at forward time, before DP padding.
 
-    EXTEND / MIXED: the batch itself. DECODE with ``decode_as_extend`` (breakable backend's
-    decode->extend conversion): one 1-token extend per row. Anything else: ``None`` (stock's
-    vote already says eager for it)."""
+    EXTEND / MIXED: ``ForwardBatch.init_new`` of the batch itself. DECODE with
+    ``decode_as_extend`` (the breakable backend's ``convert_decode_to_extend`` after a shared graph
+    verdict): one 1-token extend per row over its context, logprob start 0. Anything else:
+    ``None`` (stock's vote already says eager for it). ``worker_mode``: the capture mode the rank's
+    worker passes to ``init_new`` (``None``: init_new derives it)."""
     ForwardMode, CaptureHiddenMode = _modes()
     mode = batch.forward_mode
     reqs = list(getattr(batch, "reqs", None) or ())
-    # ForwardBatch.init_new (_maybe_init_non_generation_fields): set only for prefill-only batches
-    # in which every request carries it (the scheduler keeps readout batches homogeneous)
+    # ForwardBatch._maybe_init_non_generation_fields: set only for prefill-only batches in which
+    # every request carries it (the scheduler keeps readout batches homogeneous)
     pool = (
-        [r.token_indices_to_pool for r in reqs]
+        [list(r.token_indices_to_pool) for r in reqs]
         if reqs and getattr(batch, "is_prefill_only", False)
         and all(getattr(r, "token_indices_to_pool", None) is not None for r in reqs)
         else None
     )
-    capture = required_capture_hidden_mode(batch, server_mode)
+    capture = required_capture_hidden_mode(batch, server_mode, worker_mode)
     if mode in (ForwardMode.EXTEND, ForwardMode.MIXED):
         seq = batch.seq_lens_cpu
         if seq is None:
@@ -192,26 +225,25 @@ def schedule_view(batch: Any, *, server_mode: Any, decode_as_extend: bool = Fals
         seq = [int(s) for s in batch.seq_lens_cpu.tolist()]
         return PredictedForwardBatch(
             forward_mode=ForwardMode.EXTEND,
-            _original_forward_mode=mode,
             batch_size=len(seq),
             extend_seq_lens_cpu=[1] * len(seq),
             extend_prefix_lens_cpu=[s - 1 for s in seq],
             seq_lens_cpu=_cpu_lens(seq),
             capture_hidden_mode=capture,
-            extend_logprob_start_lens_cpu=[s - 1 for s in seq],
+            extend_logprob_start_lens_cpu=[0] * len(seq),
             spec_info=getattr(batch, "spec_info", None),
-            token_indices_to_pool=pool,
+            token_indices_to_pool=None,  # convert_decode_to_extend clears is_prefill_only
             extend_num_tokens=len(seq),
         )
     return None
 
 
-def dummy_extend_view(bucket: int, *, server_mode: Any) -> PredictedForwardBatch:
+def dummy_extend_view(bucket: int, *, server_mode: Any, worker_mode: Any = None) -> PredictedForwardBatch:
     """An idle rank at forward time under MAX_LEN padding: stock's
     ``ForwardBatch.prepare_mlp_sync_batch`` materialises one dummy request covering the bucket
-    (seq_lens = extend = [bucket], prefix 0, mode EXTEND relabelled from IDLE)."""
-    ForwardMode, _ = _modes()
-    from sglang.srt.model_executor.forward_batch_info import get_required_capture_hidden_mode
+    (seq_lens = extend = [bucket], prefix 0, mode EXTEND relabelled from IDLE); its capture mode is
+    what ``init_new`` gave the idle batch (the worker's, else the server's)."""
+    ForwardMode, CaptureHiddenMode = _modes()
 
     return PredictedForwardBatch(
         forward_mode=ForwardMode.EXTEND,
@@ -220,11 +252,23 @@ def dummy_extend_view(bucket: int, *, server_mode: Any) -> PredictedForwardBatch
         extend_seq_lens_cpu=[int(bucket)],
         extend_prefix_lens_cpu=[0],
         seq_lens_cpu=_cpu_lens([bucket]),
-        capture_hidden_mode=get_required_capture_hidden_mode(server_mode, None),
+        capture_hidden_mode=required_capture_hidden_mode(None, server_mode, worker_mode),
         extend_logprob_start_lens_cpu=[0],
         input_ids=range(int(bucket)),
         extend_num_tokens=int(bucket),
     )
+
+
+def at_bucket(view: PredictedForwardBatch, bucket: int, n_ranks: int = 2) -> PredictedForwardBatch:
+    """A busy rank's view as MAX_LEN padding presents it to the guard: input ids padded to the
+    shared bucket, the gathered table all ``bucket``, the shared graph verdict (stock
+    ``prepare_mlp_sync_batch`` changes nothing else on an EXTEND / MIXED batch)."""
+    out = PredictedForwardBatch(**{**view.__dict__, "extra": dict(view.extra)})
+    out.input_ids = range(int(bucket))
+    out.global_num_tokens_cpu = [int(bucket)] * n_ranks
+    out.can_run_dp_prefill_cuda_graph = True
+    out.extend_num_tokens = int(bucket)
+    return out
 
 
 # -- the checks ---------------------------------------------------------------------------------
@@ -348,12 +392,20 @@ class SharedDecision:
 
 
 _STOCK_PADDING: dict = {}
+_STOCK_PADDING_LOCK = __import__("threading").Lock()
 
 
 def _stock_padding_code() -> dict:
     """The MAX_LEN condition and the bucket expression of stock
     ``ForwardBatch.prepare_mlp_sync_batch`` (L1795-1810), compiled from the live source: the
     decision evaluates stock's own code, not a copy (its fingerprint is checked at bind time)."""
+    if _STOCK_PADDING:
+        return _STOCK_PADDING
+    with _STOCK_PADDING_LOCK:
+        return _compile_stock_padding()
+
+
+def _compile_stock_padding() -> dict:
     if _STOCK_PADDING:
         return _STOCK_PADDING
     import ast
@@ -412,6 +464,7 @@ def finalize(
     factor: float,
     server_mode: Any,
     attn_tp_size: int = 1,
+    worker_mode: Any = None,
 ) -> SharedDecision:
     """The verdict and bucket, from gathered values and process-uniform configuration only.
 
@@ -433,7 +486,8 @@ def finalize(
         return SharedDecision(False, None, "padding", n_max, f"bucket {bucket} > {factor} x {n_max}")
     if len(aligned) > 1 and any(int(n) == 0 for n in global_num_tokens):
         fails = local_failures(
-            runner, dummy_extend_view(bucket, server_mode=server_mode), num_tokens=bucket, schedule_time=True
+            runner, dummy_extend_view(bucket, server_mode=server_mode, worker_mode=worker_mode), num_tokens=bucket,
+            schedule_time=True
         )
         if fails:
             return SharedDecision(False, None, "idle_participant", n_max, f"dummy extend fails {fails}")
