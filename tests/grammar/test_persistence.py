@@ -305,12 +305,18 @@ def test_prune_skips_locked_entries_and_reports_failure(hf_tokenizer, cache_dir)
         lock.release()
 
 
-def test_invalid_ledger_stops_startup_naming_the_file(hf_tokenizer, cache_dir):
+def test_invalid_ledger_is_rebuilt_not_a_startup_failure(hf_tokenizer, cache_dir):
+    """Issue 21 item 4: the disk cache is never a startup dependency; a damaged ledger (it only
+    drives pruning) is recomputed from a scan when the next process opens the namespace."""
     pc = _compiler(hf_tokenizer, cache_dir)
+    pc.compile_regex("led[a-z]{2}")
+    pc.flush()
     with open(pc.ns.ledger_path, "wb") as fh:
         fh.write(b"garbage")
     with pytest.raises(disk.LedgerError, match=pc.ns.ledger_path):
-        _compiler(hf_tokenizer, cache_dir)
+        pc.ns.read_ledger()
+    again = _compiler(hf_tokenizer, cache_dir)
+    assert again.ns.read_ledger() == again.ns.scan_bytes() > 0 and again.ns.ledger_repairs == 1
 
 
 def test_marker_policy_and_peer_compiles_locally(hf_tokenizer, cache_dir):

@@ -64,6 +64,12 @@ def _settings():
     return feature_settings(make_manager(load_extensions=False), FEATURE)
 
 
+def _lock_timeout() -> float:
+    from .settings import DISK_LOCK_TIMEOUT
+
+    return _settings()[DISK_LOCK_TIMEOUT]
+
+
 def _root(args: Any) -> str:
     from .settings import DISK_DIR
 
@@ -83,10 +89,17 @@ def _namespace_stats(path: str) -> dict:
     total = 0
     for e in ns.iter_entries():
         try:
-            with open(e.path, "rb") as fh:
-                head = fh.read(disk.HEADER_SIZE)
-            size = e.stat().st_size
+            fd = disk.open_nofollow(e.path)
+            try:
+                head = os.read(fd, disk.HEADER_SIZE)
+            finally:
+                os.close(fd)
+            size = e.stat(follow_symlinks=False).st_size
         except FileNotFoundError:
+            continue
+        except disk.UnsafeCacheError:
+            n += 1
+            unreadable += 1
             continue
         n += 1
         total += size
@@ -179,7 +192,14 @@ def verify_main(args: Any) -> int:
     problems = 0
     lines = [f"grammar cache root {root}" + (" (deep: deserializing serialized entries)" if args.deep else "")]
     for path in disk.namespaces(root):
-        ns = disk.Namespace.open_existing(path)
+        ns = disk.Namespace.open_existing(path, lock_timeout_s=_lock_timeout())
+        try:
+            ns.check_dirs()
+            unsafe = ""
+        except disk.UnsafeCacheError as exc:
+            unsafe = str(exc)
+            problems += 1
+            lines.append(f"  UNSAFE: {unsafe}: a server refuses this root and runs memory-only")
         info, deep_error = (None, "")
         if args.deep:
             info, deep_error = _namespace_tokenizer_info(ns, tokenizers)
@@ -204,7 +224,7 @@ def verify_main(args: Any) -> int:
         # "the cache had problems", quarantining is the repair (run verify again to confirm it)
         problems += len(bad)
         problems += 0 if ledger_ok else 1
-        entry = {"path": path, "ok": ok, "invalid": [{"path": p, "reason": r} for p, r in bad],
+        entry = {"path": path, "ok": ok, "invalid": [{"path": p, "reason": r} for p, r in bad], "unsafe": unsafe,
                  "quarantined": moved, "ledger_bytes": ledger, "entry_bytes": scanned, "ledger_ok": ledger_ok,
                  "deep": info is not None}
         if deep_error:
@@ -233,7 +253,7 @@ def prune_main(args: Any) -> int:
     lines = [f"grammar cache root {root}: pruning each namespace to {limit} bytes"]
     now = time.time()
     for path in disk.namespaces(root):
-        ns = disk.Namespace.open_existing(path, max_bytes=max(1, limit))
+        ns = disk.Namespace.open_existing(path, max_bytes=max(1, limit), lock_timeout_s=_lock_timeout())
         removed_tmp = 0
         for t in ns.temp_files():
             try:
@@ -242,7 +262,13 @@ def prune_main(args: Any) -> int:
                     removed_tmp += 1
             except FileNotFoundError:
                 pass
-        res = ns.prune(limit)
+        try:
+            res = ns.prune(limit)
+        except disk.GrammarCacheLockTimeout as exc:
+            failed += 1
+            report.append({"path": path, "ok": False, "error": str(exc), "temp_removed": removed_tmp})
+            lines.append(f"  {path}: FAILED: {exc}")
+            continue
         failed += not res.ok
         report.append({"path": path, "before": res.before, "after": res.after, "removed": res.removed,
                        "skipped_locked": res.skipped_locked, "temp_removed": removed_tmp, "ok": res.ok})

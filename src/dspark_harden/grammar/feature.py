@@ -27,11 +27,11 @@ from typing import Any
 from ..core.feature import Feature
 from ..core.hookspecs import hookimpl
 from ..core.patch import Kind, Patch, Role
-from ..core.settings import Setting, directory_path, flag01, positive_float, positive_int
+from ..core.settings import Setting, directory_path, flag01, nonneg_int, positive_float, positive_int
 from .settings import (  # noqa: F401 - the feature's names (re-exported)
     FEATURE, SWITCH, WORKERS, CACHE_BYTES, CACHE_ENTRIES, TIMEOUT, MAX_GRAMMAR_BYTES, COMPILER_THREADS, DISK,
     DISK_DIR, DISK_BYTES, DISK_MAX_ENTRY, DISK_LOAD_RATIO, DISK_QUEUE, DISK_HELPER_MEMORY,
-    DISK_HELPER_DEADLINE, DEFAULT_DISK_DIR,
+    DISK_HELPER_DEADLINE, DISK_HELPER_RETRIES, DISK_LOCK_TIMEOUT, DEFAULT_DISK_DIR,
 )
 
 logger = logging.getLogger("dspark_harden.grammar")
@@ -106,9 +106,22 @@ def dspark_settings():
                 "kernel killed it). The largest real-world schema measured here, 683 KB, passes.",
                 feature=f, accepts="positive integer (bytes)"),
         Setting(DISK_HELPER_DEADLINE, positive_float, 120.0,
-                "Seconds of running time (pauses for request compiles excluded) one persistence job may "
-                "take before the helper is killed and a deadline marker is stored.",
+                "Seconds of running time (pauses for request compiles and the bounded lock phase excluded) one "
+                "persistence job may take before the helper is killed. A deadline marker is stored only if the "
+                "helper used at least half of it in CPU time; otherwise (a starved helper) nothing is stored and "
+                "the job is retried.",
                 feature=f, accepts="positive number (seconds)"),
+        Setting(DISK_HELPER_RETRIES, nonneg_int, 2,
+                "Retries of a persistence job that failed for a cause not measured to be the grammar's (helper "
+                "SIGKILLed by the OOM killer or an operator, starved past its deadline, crashed, lock timeout, I/O "
+                "error, protocol error); each retry waits 5 s x its number. Such failures never store a "
+                "compile-locally marker; after the last retry the job is dropped (a crash reproduced on every "
+                "attempt stores a helper_failed marker).", feature=f, accepts="integer >= 0"),
+        Setting(DISK_LOCK_TIMEOUT, positive_float, 5.0,
+                "Seconds any disk-cache lock (an entry's, ledger.lock) may be waited for. A lock not taken in "
+                "time skips that publication, prune or quarantine (WARNING, counted in "
+                "dspark_harden_grammar_disk_errors_total{op=\"lock_timeout\"}); opening the cache at start "
+                "never waits for a lock.", feature=f, accepts="positive number (seconds)"),
     ]
 
 
@@ -170,12 +183,14 @@ def install_persistent_compiler(backend: Any, settings: Any) -> None:
     """Replace ``backend.grammar_compiler`` (an XGrammarGrammarBackend's) with ours."""
     from xgrammar import GrammarCompiler
 
-    from . import disk, xgr
+    from . import metrics as gm
+    from . import xgr
 
     info = backend._tokenizer_info
     inner = GrammarCompiler(info, max_threads=settings[COMPILER_THREADS], cache_enabled=False)
     if not settings[DISK]:
         backend.grammar_compiler = inner
+        gm.set_disk_enabled(False)
         return
     scope = xgr.scope_for(
         info,
@@ -183,17 +198,43 @@ def install_persistent_compiler(backend: Any, settings: Any) -> None:
         override_stop_tokens=backend.override_stop_tokens,
         compiler={"any_whitespace": bool(backend.any_whitespace), "max_whitespace_cnt": backend.max_whitespace_cnt},
     )
-    ns = disk.Namespace(settings[DISK_DIR], scope, max_bytes=settings[DISK_BYTES])
+    ns = open_disk_cache(settings[DISK_DIR], scope, max_bytes=settings[DISK_BYTES],
+                         lock_timeout_s=settings[DISK_LOCK_TIMEOUT])
+    if ns is None:
+        backend.grammar_compiler = inner  # memory-only: the LRU still serves, nothing is persisted
+        return
     policy = xgr.Policy(load_ratio=settings[DISK_LOAD_RATIO], max_entry_bytes=settings[DISK_MAX_ENTRY])
     from .persist import CompileSlots, PersistSettings
 
     persist = PersistSettings(queue_max=settings[DISK_QUEUE], memory_limit_bytes=settings[DISK_HELPER_MEMORY],
-                              deadline_s=settings[DISK_HELPER_DEADLINE])
+                              deadline_s=settings[DISK_HELPER_DEADLINE], retries=settings[DISK_HELPER_RETRIES],
+                              lock_timeout_s=settings[DISK_LOCK_TIMEOUT])
     backend.grammar_compiler = xgr.PersistentCompiler(
         inner, info, ns, policy, inner_threads=settings[COMPILER_THREADS],
         slots=CompileSlots(settings[WORKERS]), persist=persist,
     )
+    gm.set_disk_enabled(True)
     logger.info("dspark-harden: persistent grammar cache at %s", ns.path)
+
+
+def open_disk_cache(root: str, scope: dict, *, max_bytes: int, lock_timeout_s: float):
+    """The scheduler's disk namespace, or None (memory-only) when the root cannot be used: the disk
+    cache is an optimisation, never a startup dependency. An unsafe root (not this uid's, group- or
+    world-writable, a symbolic link), a permission-denied, read-only or full one, or a lock not taken
+    in time gives a WARNING naming the root and the reason and counts
+    ``dspark_harden_grammar_disk_degraded_total{reason}``."""
+    from . import disk
+    from . import metrics as gm
+
+    try:
+        return disk.Namespace(root, scope, max_bytes=max_bytes, lock_timeout_s=lock_timeout_s)
+    except (disk.GrammarCacheError, OSError) as exc:
+        reason = disk.degrade_reason(exc)
+        logger.warning("dspark-harden: grammar disk cache at %s is unusable (%s: %s); this scheduler runs "
+                       "memory-only (grammars are compiled and kept in its LRU, nothing is persisted)",
+                       root, reason, exc)
+        gm.disk_degraded(reason)
+        return None
 
 
 def build_xgrammar_init(settings: Any):
@@ -231,6 +272,27 @@ def patches(role: Role, settings: Any) -> list:
                   "across restarts",
               retire_when="SGLang ships a persistent, checksummed XGrammar cache", **common),
     ]
+
+
+@hookimpl
+def dspark_process_bound(role, settings, report):
+    """Say in the scheduler's report whether the disk cache root is usable (``dspark-harden check``)."""
+    if role is not Role.SCHEDULER or not settings[SWITCH]:
+        return
+    for feat in report.features:
+        if feat.name != FEATURE or feat.status != "bound":
+            continue
+        if not settings[DISK]:
+            feat.detail = "disk cache off (DSPARK_HARDEN_GRAMMAR_DISK=0): memory-only"
+            continue
+        from . import disk
+
+        problem = disk.probe_root(settings[DISK_DIR])
+        if problem is None:
+            feat.detail = f"disk cache {settings[DISK_DIR]}: usable"
+        else:
+            feat.detail = (f"disk cache {settings[DISK_DIR]} unusable ({problem[0]}: {problem[1]}): schedulers "
+                           f"will run memory-only")
 
 
 @hookimpl

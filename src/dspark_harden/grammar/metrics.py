@@ -14,10 +14,16 @@ from .settings import FEATURE
 
 logger = logging.getLogger("dspark_harden.grammar")
 
-SOURCES = ("memory", "inflight", "disk", "compile", "local_compile", "corrupt", "refused")
+SOURCES = ("memory", "inflight", "disk", "compile", "local_compile", "oversized", "corrupt", "refused")
 MARKER_REASONS = ("slow_load", "predicted_slow", "too_large", "serialize_failed", "memory_limit", "deadline",
                   "helper_failed")
-SKIP_REASONS = ("queue_full", "queued")
+SKIP_REASONS = ("queue_full", "queued", "retries_exhausted")
+DISK_ERROR_OPS = ("publish", "prune", "helper", "lock_timeout", "protocol", "read")
+# mirrors disk.DEGRADE_REASONS and persist.TRANSIENT_CAUSES (tests keep them equal; importing
+# them here would load the disk and persistence modules into every process that builds the registry)
+DEGRADE_REASONS = ("unsafe", "permission", "read_only", "no_space", "lock_timeout", "error")
+TRANSIENT_CAUSES = ("killed", "starved", "crashed", "publish_timeout", "protocol", "lock_timeout",
+                    "publish_error", "helper_unavailable")
 RATIO_BUCKETS = (1.0, 1.5, 2.0, 3.0, 5.0, 10.0, 20.0, 50.0, 100.0, 200.0, 500.0)
 PHASES = ("disk_read", "verify", "deserialize", "native_compile", "serialize", "measure_compile", "measure_load", "entry_write_account")
 
@@ -27,8 +33,9 @@ FAMILIES = (
         "Grammar lookups by how they were resolved: memory (LRU hit), inflight (joined a compile "
         "already running for the same canonical key), disk (loaded a serialized entry), compile "
         "(compiled natively, nothing on disk), local_compile (compiled because the disk entry is a "
-        "compile-locally marker), corrupt (the disk entry was invalid: the request failed naming the file, "
-        "nothing compiled or served), refused (the grammar text was above DSPARK_HARDEN_GRAMMAR_MAX_BYTES: "
+        "compile-locally marker), oversized (the disk entry is larger than this server's "
+        "DSPARK_HARDEN_GRAMMAR_DISK_MAX_ENTRY_BYTES: not read, compiled locally), corrupt (the disk entry was "
+        "invalid: the request failed naming the file, nothing compiled or served), refused (the grammar text was above DSPARK_HARDEN_GRAMMAR_MAX_BYTES: "
         "failed at once, never compiled).",
         labels=("dp_rank", "source"), feature=FEATURE, roles=("scheduler",),
         precreate=tuple((DP_RANK, s) for s in SOURCES),
@@ -100,27 +107,61 @@ FAMILIES = (
     ),
     Family(
         "dspark_harden_grammar_disk_errors_total", "counter",
-        "Disk cache publications that failed: op publish (I/O error) or prune (could not get under "
-        "the hard limit; the new entry was withdrawn).",
+        "Disk cache operations that failed: op publish (I/O error), prune (could not get under "
+        "the hard limit; the new entry was withdrawn), helper (the persistence helper could not start), "
+        "lock_timeout (a cache lock was not taken within DSPARK_HARDEN_GRAMMAR_DISK_LOCK_TIMEOUT: the "
+        "publication was skipped), protocol (the helper wrote a line that was not its job's: it was "
+        "restarted), read (an entry could not be read: compiled locally).",
         labels=("dp_rank", "op"), feature=FEATURE, roles=("scheduler",),
-        precreate=((DP_RANK, "publish"), (DP_RANK, "prune"), (DP_RANK, "helper")),
+        precreate=tuple((DP_RANK, op) for op in DISK_ERROR_OPS),
         aggregation="`sum by (op) (increase(...))`; any increase needs attention (disk full, limit too small, "
-                    "op helper: the persistence helper process could not start).",
+                    "a stopped or wedged process holding a cache lock, a library printing into the helper).",
     ),
     Family(
         "dspark_harden_grammar_disk_markers_total", "counter",
         "Compile-locally markers this process published, by measured reason: slow_load, predicted_slow, "
         "too_large (serialized entry above DSPARK_HARDEN_GRAMMAR_DISK_MAX_ENTRY_BYTES), serialize_failed, "
         "memory_limit (the persistence helper hit its address-space limit), deadline (it ran past "
-        "DSPARK_HARDEN_GRAMMAR_DISK_HELPER_DEADLINE), helper_failed (it died otherwise).",
+        "DSPARK_HARDEN_GRAMMAR_DISK_HELPER_DEADLINE with at least half of it in CPU time), helper_failed (it "
+        "crashed the same way on every retry). Transient failures store no marker (disk_helper_transient_total).",
         labels=("dp_rank", "reason"), feature=FEATURE, roles=("scheduler",),
         precreate=tuple((DP_RANK, r) for r in MARKER_REASONS),
         aggregation="`sum by (reason) (increase(...))`; memory_limit/deadline name grammars too costly to persist.",
     ),
     Family(
+        "dspark_harden_grammar_disk_cache_enabled", "gauge",
+        "1 while this scheduler's persistent grammar cache is in use; 0 when it runs memory-only because the "
+        "cache root could not be used at start (see dspark_harden_grammar_disk_degraded_total) or the disk "
+        "cache is switched off.",
+        labels=("dp_rank",), multiprocess_mode="livemin", feature=FEATURE, roles=("scheduler",),
+        aggregation="`min`: 0 on any rank means that rank compiles every grammar it misses.",
+    ),
+    Family(
+        "dspark_harden_grammar_disk_degraded_total", "counter",
+        "Grammar backends that started memory-only because the disk cache root was unusable, by reason: "
+        "unsafe (not owned by this uid, group/world-writable, or a symbolic link), permission, read_only, "
+        "no_space, lock_timeout, error. The WARNING names the root and the cause.",
+        labels=("dp_rank", "reason"), feature=FEATURE, roles=("scheduler",),
+        precreate=tuple((DP_RANK, r) for r in DEGRADE_REASONS),
+        aggregation="`sum by (reason) (increase(...))`; any increase: fix the root (`dspark-harden check` "
+                    "reports it) and restart.",
+    ),
+    Family(
+        "dspark_harden_grammar_disk_helper_transient_total", "counter",
+        "Persistence attempts that failed for a cause not measured to be the grammar's, so no "
+        "compile-locally marker was stored and the job was retried (up to "
+        "DSPARK_HARDEN_GRAMMAR_DISK_HELPER_RETRIES): killed (SIGKILL from outside: OOM killer, operator), "
+        "starved (deadline passed with too little CPU time: host load), crashed (died otherwise), "
+        "publish_timeout, protocol, lock_timeout, publish_error (I/O error, e.g. ENOSPC), helper_unavailable.",
+        labels=("dp_rank", "cause"), feature=FEATURE, roles=("scheduler",),
+        precreate=tuple((DP_RANK, c) for c in TRANSIENT_CAUSES),
+        aggregation="`sum by (cause) (increase(...))`; steady killed means host memory pressure.",
+    ),
+    Family(
         "dspark_harden_grammar_disk_publish_skipped_total", "counter",
         "Publications not attempted: queue_full (DSPARK_HARDEN_GRAMMAR_DISK_PUBLISH_QUEUE jobs already "
-        "waiting) or queued (the same key is already waiting).",
+        "waiting or retrying), queued (the same key is already waiting) or retries_exhausted (every attempt "
+        "failed transiently: nothing was stored, a later miss tries again).",
         labels=("dp_rank", "reason"), feature=FEATURE, roles=("scheduler",),
         precreate=tuple((DP_RANK, r) for r in SKIP_REASONS),
         aggregation="`sum by (reason) (increase(...))`; steady queue_full means more new schemas than one helper persists.",
@@ -227,3 +268,20 @@ def set_memory(nbytes: int, entries: int) -> None:
 @_safe
 def set_disk_bytes(nbytes: int) -> None:
     M.get("dspark_harden_grammar_disk_cache_bytes").labels(dp_label()).set(nbytes)
+
+
+@_safe
+def inc_helper_transient(cause: str) -> None:
+    M.get("dspark_harden_grammar_disk_helper_transient_total").labels(dp_label(), cause).inc()
+
+
+@_safe
+def disk_degraded(reason: str) -> None:
+    dp = dp_label()
+    M.get("dspark_harden_grammar_disk_degraded_total").labels(dp, reason).inc()
+    M.get("dspark_harden_grammar_disk_cache_enabled").labels(dp).set(0)
+
+
+@_safe
+def set_disk_enabled(on: bool) -> None:
+    M.get("dspark_harden_grammar_disk_cache_enabled").labels(dp_label()).set(1 if on else 0)

@@ -1,24 +1,42 @@
-"""Persistence that cannot endanger the serving process.
+"""Persistence that cannot endanger the serving process, nor outlive it, nor wedge the cache.
 
 A scheduler compiles a missed grammar in its own compile pool and serves it at once. Publishing
 it to the disk cache happens later and elsewhere:
 
-* :class:`Persister` (one thread per cache) keeps a *bounded* queue of publication jobs. A job is
-  the grammar's cache key (kind + text), never the compiled grammar, so a queued job pins no
-  ``CompiledGrammar`` and no lock file descriptor. A full queue skips the publication (counted).
+* :class:`Persister` (one thread per cache) keeps a *bounded* set of publication jobs (queued plus
+  waiting to be retried). A job is the grammar's cache key (kind + text), never the compiled
+  grammar, so a job pins no ``CompiledGrammar`` and no lock file descriptor. A full set skips the
+  publication (counted).
 * :class:`Helper` runs each job in a separate helper process (:mod:`.persist_worker`) that
   compiles the key again itself, serializes, trial-loads and publishes, under an address-space
-  limit and a deadline. A grammar whose serialization would exceed the limit, the deadline or
-  the entry cap becomes a compile-locally marker with the measured reason; the serving process
-  never holds a serialized grammar, so its memory is the LRU's plus the compiles it serves.
+  limit and a deadline. The helper dies with the scheduler (``PR_SET_PDEATHSIG``), and every
+  protocol line is tagged with its job's number and key: anything else kills and restarts it.
 * :class:`CompileSlots` makes the helper's compile count against the same bound as the request
   compiles (``DSPARK_HARDEN_GRAMMAR_WORKERS``): a helper job starts only while a slot is free and
-  is paused (SIGSTOP) while every slot serves requests, resumed (SIGCONT) when one frees.
-  Requests never wait for persistence; the deadline counts only the helper's running time.
+  is paused (SIGSTOP) while every slot serves requests, resumed (SIGCONT) when one frees — but
+  only in the lock-free phases: before the helper takes a lock it announces the publish phase and
+  waits for a go, which is sent only once pausing is off for this job. So a paused helper never
+  holds a lock, and requests never wait for persistence.
+
+Why SIGSTOP in the lock-free phases rather than cooperative throttling (a token between phases):
+a token can only be refused *between* phases, and one phase of a large grammar (its serialize)
+runs for seconds to minutes; a request compile arriving meanwhile would either wait for it or run
+beyond the compile bound. SIGSTOP takes effect at once (measured in docs/grammar.md). With the
+lock phase protected and the helper dying with its parent, what made SIGSTOP dangerous is gone.
+
+Outcome classes (:meth:`Persister._one`): a compile-locally marker is stored only for causes
+measured to belong to the grammar (slow or predicted-slow load, too large, serialization raising,
+an allocation failing under the helper's own address-space cap, a deadline passed with the
+helper's CPU time to show for it, or the same crash on every retry). Everything else — an OOM kill
+or any SIGKILL from outside, a deadline passed while the host starved the helper of CPU, a lock not
+taken in time, an I/O error, a protocol error — stores nothing and is retried a bounded number of
+times after a delay.
 """
 
 from __future__ import annotations
 
+import heapq
+import itertools
 import json
 import logging
 import os
@@ -37,6 +55,15 @@ from . import metrics as gm
 
 logger = logging.getLogger("dspark_harden.grammar")
 
+# a deadline kill is the grammar's own cost only when the helper really ran: at least this
+# fraction of the deadline in CPU seconds (a host that starves the helper gives far less)
+DEADLINE_CPU_FRACTION = 0.5
+# extra seconds the publish phase may take beyond one lock timeout (rename, fsyncs, pruning)
+PUBLISH_IO_ALLOWANCE_S = 60.0
+STDERR_TAIL_BYTES = 16 << 10
+TRANSIENT_CAUSES = ("killed", "starved", "crashed", "publish_timeout", "protocol", "lock_timeout",
+                    "publish_error", "helper_unavailable")
+
 
 @dataclass(frozen=True)
 class PersistSettings:
@@ -45,14 +72,23 @@ class PersistSettings:
     deadline_s: float = 120.0
     idle_exit_s: float = 30.0
     start_timeout_s: float = 180.0
+    lock_timeout_s: float = disk.DEFAULT_LOCK_TIMEOUT_S
+    retries: int = 2
+    retry_delay_s: float = 5.0
 
     def __post_init__(self) -> None:
         for name in ("queue_max", "memory_limit_bytes"):
             if int(getattr(self, name)) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)!r}")
-        for name in ("deadline_s", "idle_exit_s", "start_timeout_s"):
+        for name in ("deadline_s", "idle_exit_s", "start_timeout_s", "lock_timeout_s", "retry_delay_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)!r}")
+        if int(self.retries) < 0:
+            raise ValueError(f"retries must be >= 0, got {self.retries!r}")
+
+    @property
+    def publish_timeout_s(self) -> float:
+        return self.lock_timeout_s + PUBLISH_IO_ALLOWANCE_S
 
 
 class CompileSlots:
@@ -67,6 +103,7 @@ class CompileSlots:
         self.active = 0  # request compiles running now
         self._helper_pid: Optional[int] = None
         self._stopped_at: Optional[float] = None
+        self._locking = False  # the helper is in its publish phase: never paused there
         self.stopped_s = 0.0  # helper time spent paused during the current job
         self.peak_running = 0  # most compiles ever running at once (requests + an unpaused helper job)
         self.pauses = 0
@@ -92,20 +129,30 @@ class CompileSlots:
 
     def helper_started(self, pid: int) -> None:
         with self._lock:
-            self._helper_pid, self._stopped_at, self.stopped_s = pid, None, 0.0
+            self._helper_pid, self._stopped_at, self.stopped_s, self._locking = pid, None, 0.0, False
             self._police()
+
+    def helper_publishing(self) -> None:
+        """The helper asked to enter its lock phase: stop pausing it (and resume it if paused).
+        Returns only when it is running, so the go that follows cannot meet a pause."""
+        with self._lock:
+            self._locking = True
+            self._resume()
 
     def helper_finished(self) -> None:
         with self._lock:
-            if self._stopped_at is not None and self._helper_pid is not None:
-                self._signal(signal.SIGCONT)
-                self.stopped_s += time.monotonic() - self._stopped_at
-            self._helper_pid, self._stopped_at = None, None
+            self._resume()
+            self._helper_pid, self._stopped_at, self._locking = None, None, False
 
     def helper_paused_seconds(self) -> float:
         with self._lock:
             extra = time.monotonic() - self._stopped_at if self._stopped_at is not None else 0.0
             return self.stopped_s + extra
+
+    @property
+    def helper_paused(self) -> bool:
+        with self._lock:
+            return self._stopped_at is not None
 
     def _signal(self, sig: int) -> None:
         try:
@@ -113,62 +160,145 @@ class CompileSlots:
         except ProcessLookupError:
             pass
 
+    def _resume(self) -> None:  # under self._lock
+        if self._stopped_at is not None and self._helper_pid is not None:
+            self._signal(signal.SIGCONT)
+            self.stopped_s += time.monotonic() - self._stopped_at
+        self._stopped_at = None
+
     def _police(self) -> None:  # under self._lock
-        if self._helper_pid is not None:
+        if self._helper_pid is not None and not self._locking:
             if self._stopped_at is None and self.active >= self.limit:
                 self._signal(signal.SIGSTOP)
                 self._stopped_at = time.monotonic()
                 self.pauses += 1
             elif self._stopped_at is not None and self.active < self.limit:
-                self._signal(signal.SIGCONT)
-                self.stopped_s += time.monotonic() - self._stopped_at
-                self._stopped_at = None
-        running = self.active + (1 if self._helper_pid is not None and self._stopped_at is None else 0)
-        self.peak_running = max(self.peak_running, running)
+                self._resume()
+        helper_compiling = self._helper_pid is not None and self._stopped_at is None and not self._locking
+        self.peak_running = max(self.peak_running, self.active + (1 if helper_compiling else 0))
 
 
 class HelperError(RuntimeError):
     pass
 
 
+class HelperProtocolError(HelperError):
+    pass
+
+
+def cpu_seconds(pid: int) -> Optional[float]:
+    """User + system CPU seconds of process ``pid`` (None when unreadable)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as fh:
+            fields = fh.read().rsplit(b")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError):
+        return None
+
+
 class Helper:
     """One persistence helper process, started on demand and restarted after it exits."""
 
-    def __init__(self, init: dict, settings: PersistSettings, slots: CompileSlots):
+    def __init__(self, init: dict, settings: PersistSettings, slots: CompileSlots,
+                 argv: Optional[list] = None):
         self._init = init
         self.settings = settings
         self.slots = slots
+        self.argv = list(argv) if argv else [sys.executable, "-m", "dspark_harden.grammar.persist_worker"]
         self.proc: Optional[subprocess.Popen] = None
         self._buf = b""
+        self._seq = 0
         self.starts = 0
         self.limit_bytes: Optional[int] = None
+        self.phase: Optional[str] = None  # the running job's last announced phase (tests, bench)
+        self._err_tail = bytearray()
+        self._err_thread: Optional[threading.Thread] = None
+        self._to_child: Any = None
+        self._from_child: Any = None
+
+    @property
+    def pid(self) -> Optional[int]:
+        proc = self.proc
+        return proc.pid if proc is not None else None
 
     def _start(self) -> None:
         env = dict(os.environ)
         env["CUDA_VISIBLE_DEVICES"] = ""  # the helper needs no GPU and must not create a context
         env.pop("SGLANG_PLUGINS", None)
         env.pop("PROMETHEUS_MULTIPROC_DIR", None)
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "dspark_harden.grammar.persist_worker"],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, close_fds=True,
-        )
+        # started from the persister thread: the helper's PR_SET_PDEATHSIG follows this thread,
+        # which runs every job of the helper and lives until close()
+        # the protocol runs over its own pipes, never the helper's stdout: whatever a library prints
+        # there (Python or C) lands in the log, and cannot shift a result onto another job
+        child_in, to_child = os.pipe()
+        from_child, child_out = os.pipe()
+        try:
+            self.proc = subprocess.Popen(
+                self.argv + ["--parent-pid", str(os.getpid()), "--proto-fds", f"{child_in},{child_out}"],
+                stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env,
+                close_fds=True, pass_fds=(child_in, child_out),
+            )
+        except BaseException:
+            for fd in (to_child, from_child):
+                os.close(fd)
+            raise
+        finally:
+            os.close(child_in)
+            os.close(child_out)
+        self._to_child = os.fdopen(to_child, "wb")
+        self._from_child = os.fdopen(from_child, "rb", buffering=0)
         self._buf = b""
+        self._err_tail = bytearray()
+        self._err_thread = threading.Thread(target=self._drain_stderr, args=(self.proc.stdout,),
+                                            name="dspark-grammar-helper-output", daemon=True)
+        self._err_thread.start()
         self.starts += 1
         try:
-            self.proc.stdin.write((json.dumps(self._init) + "\n").encode())
-            self.proc.stdin.flush()
+            self._send(self._init)
             msg = self._read_line(self.settings.start_timeout_s)
         except (EOFError, BrokenPipeError, OSError):
-            rc = self.proc.poll()
+            rc = None
+            try:
+                rc = self.proc.wait(timeout=5) if self.proc else None
+            except subprocess.TimeoutExpired:
+                pass
+            if self._err_thread is not None:
+                self._err_thread.join(timeout=2)
             self.kill()
-            raise HelperError(f"grammar persistence helper exited during start-up (exit code {rc})") from None
+            raise HelperError(f"grammar persistence helper exited during start-up (exit code {rc}): "
+                              f"{self.stderr_tail()[-500:]}") from None
+        except HelperProtocolError as exc:
+            self.kill()
+            raise HelperError(f"grammar persistence helper broke the protocol during start-up: {exc}") from None
         if msg is None or not msg.get("ready"):
             self.kill()
-            raise HelperError(f"grammar persistence helper did not start within {self.settings.start_timeout_s:g} s")
+            raise HelperError(f"grammar persistence helper did not start within {self.settings.start_timeout_s:g} s"
+                              if msg is None else f"grammar persistence helper's first line was not ready: {msg!r}")
         self.limit_bytes = msg.get("limit")
 
+    def _drain_stderr(self, stream) -> None:
+        """Forward the helper's stdout and stderr to our stderr and keep their tail (it tells a
+        bad_alloc abort from a kill)."""
+        try:
+            while True:
+                chunk = stream.read1(1 << 16)
+                if not chunk:
+                    stream.close()
+                    return
+                self._err_tail += chunk
+                del self._err_tail[:-STDERR_TAIL_BYTES]
+                try:
+                    os.write(2, chunk)
+                except OSError:
+                    pass
+        except (OSError, ValueError):
+            return
+
+    def stderr_tail(self) -> str:
+        return bytes(self._err_tail).decode("utf-8", "replace")
+
     def _read_line(self, timeout: float) -> Optional[dict]:
-        fd = self.proc.stdout.fileno()
+        fd = self._from_child.fileno()
         end = time.monotonic() + timeout
         while b"\n" not in self._buf:
             left = end - time.monotonic()
@@ -181,7 +311,17 @@ class Helper:
                     raise EOFError
                 self._buf += chunk
         line, self._buf = self._buf.split(b"\n", 1)
-        return json.loads(line)
+        try:
+            msg = json.loads(line)
+        except ValueError:
+            raise HelperProtocolError(f"not a protocol line: {line[:200]!r}") from None
+        if not isinstance(msg, dict):
+            raise HelperProtocolError(f"not a protocol object: {line[:200]!r}")
+        return msg
+
+    def _send(self, obj: dict) -> None:
+        self._to_child.write((json.dumps(obj) + "\n").encode())
+        self._to_child.flush()
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
@@ -199,107 +339,186 @@ class Helper:
             proc.wait(timeout=10)
         except subprocess.TimeoutExpired:  # pragma: no cover - SIGKILL does not time out
             pass
-        for f in (proc.stdin, proc.stdout):
+        for f in (self._to_child, self._from_child):
             try:
-                f.close()
+                if f is not None:
+                    f.close()
             except OSError:
                 pass
+        self._to_child = self._from_child = None
+
+    def _died(self, phase: str) -> dict:
+        proc = self.proc
+        rc = None
+        if proc is not None:
+            try:
+                rc = proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                rc = None
+        if self._err_thread is not None:
+            self._err_thread.join(timeout=2)
+        tail = self.stderr_tail()
+        self.kill()
+        return {"status": "died", "reason": "helper_failed", "phase": phase, "returncode": rc,
+                "stderr_tail": tail[-2000:]}
 
     def run(self, job: dict) -> dict:
         """Run one job; always returns a result dict (``status`` says what happened)."""
         if not self.alive():
             self.kill()
             self._start()
+        self._seq += 1
+        seq = self._seq
+        msg_out = {"job": seq, **job}
         try:
-            self.proc.stdin.write((json.dumps(job) + "\n").encode())
-            self.proc.stdin.flush()
+            self._send(msg_out)
         except (BrokenPipeError, OSError):  # it exited on idle between our check and the write
             self.kill()
             self._start()
-            self.proc.stdin.write((json.dumps(job) + "\n").encode())
-            self.proc.stdin.flush()
-        phase = "queued"
+            self._send(msg_out)
+        key_hex = job["key_hex"]
+        phase = self.phase = "queued"
         t0 = time.monotonic()
+        publish_t: Optional[float] = None
+        running = 0.0
+        cpu0 = cpu_seconds(self.proc.pid) or 0.0  # the helper's start-up and earlier jobs are not this job's
         self.slots.helper_started(self.proc.pid)
         try:
             while True:
-                running = time.monotonic() - t0 - self.slots.helper_paused_seconds()
-                if running > self.settings.deadline_s:
+                now = time.monotonic()
+                if publish_t is None:
+                    # running time: paused time excluded, and the clock stops at the publish phase
+                    # (lock waits there are bounded by the lock timeout, never charged to the grammar)
+                    running = now - t0 - self.slots.helper_paused_seconds()
+                    if running > self.settings.deadline_s:
+                        cpu = cpu_seconds(self.proc.pid)
+                        cpu = None if cpu is None else cpu - cpu0
+                        self.kill()
+                        return {"status": "killed", "reason": "deadline", "phase": phase, "running_s": running,
+                                "cpu_s": cpu}
+                elif now - publish_t > self.settings.publish_timeout_s:
                     self.kill()
-                    return {"status": "killed", "reason": "deadline", "phase": phase, "running_s": running}
+                    return {"status": "killed", "reason": "publish_timeout", "phase": phase, "running_s": running,
+                            "publish_s": now - publish_t}
                 try:
                     msg = self._read_line(0.05)
                 except EOFError:
-                    rc = self.proc.wait(timeout=10) if self.proc else None
+                    return self._died(phase)
+                except HelperProtocolError as exc:
                     self.kill()
-                    return {"status": "died", "reason": "helper_failed", "phase": phase, "returncode": rc}
+                    return {"status": "protocol_error", "error": str(exc), "phase": phase}
                 if msg is None:
                     continue
-                if "phase" in msg and "status" not in msg:
-                    phase = msg["phase"]
-                    continue
-                return msg
+                if msg.get("job") != seq or msg.get("key_hex") != key_hex:
+                    self.kill()
+                    return {"status": "protocol_error", "phase": phase,
+                            "error": f"line tagged job {msg.get('job')!r} key {str(msg.get('key_hex'))[:16]!r}, "
+                                     f"expected job {seq} key {key_hex[:16]}: {json.dumps(msg)[:200]}"}
+                if "status" in msg:
+                    return msg
+                if "phase" not in msg:
+                    self.kill()
+                    return {"status": "protocol_error", "phase": phase,
+                            "error": f"neither phase nor status: {json.dumps(msg)[:200]}"}
+                phase = self.phase = str(msg["phase"])
+                if msg.get("wait") == "go":
+                    publish_t = time.monotonic()
+                    self.slots.helper_publishing()  # never paused from here on: it is about to lock
+                    try:
+                        self._send({"go": seq})
+                    except (BrokenPipeError, OSError):
+                        return self._died(phase)
         finally:
+            self.phase = None
             self.slots.helper_finished()
 
 
 class Persister:
-    """Bounded queue of publication jobs, drained by one thread through the helper process."""
+    """Bounded publication jobs, drained by one thread through the helper process."""
 
-    def __init__(self, ns: disk.Namespace, init: dict, settings: PersistSettings, slots: CompileSlots):
+    def __init__(self, ns: disk.Namespace, init: dict, settings: PersistSettings, slots: CompileSlots,
+                 helper_argv: Optional[list] = None):
         self.ns = ns
         self.settings = settings
         self.slots = slots
-        self.helper = Helper(init, settings, slots)
-        self._q: "queue.Queue" = queue.Queue(maxsize=settings.queue_max)
+        self.helper = Helper(init, settings, slots, argv=helper_argv)
+        self._q: "queue.Queue" = queue.Queue()
+        self._retry: list = []  # heap of (due, n, job): transient failures waiting for their retry
+        self._retry_n = itertools.count()
         self._queued: set = set()
         self._lock = threading.Lock()
+        self._idle = threading.Condition(self._lock)
+        self._pending = 0  # jobs queued, waiting for a retry, or running
         self._thread: Optional[threading.Thread] = None
         self._stop = threading.Event()
         self.outcomes: dict[str, dict] = {}  # key digest -> last result (tests, bench)
-        self.skipped: dict[str, int] = {"queue_full": 0, "queued": 0}
+        self.skipped: dict[str, int] = {"queue_full": 0, "queued": 0, "retries_exhausted": 0}
+        self.transient: dict[str, int] = {c: 0 for c in TRANSIENT_CAUSES}
 
     def submit(self, key_hex: str, parts: list, compile_s: float) -> bool:
         with self._lock:
+            if self._stop.is_set():
+                return False
             if key_hex in self._queued:
                 self.skipped["queued"] += 1
                 gm.inc_publish_skipped("queued")
                 return False
-            if self._thread is None or not self._thread.is_alive():
-                self._thread = threading.Thread(target=self._run, name="dspark-grammar-persist", daemon=True)
-                self._thread.start()
-            try:
-                self._q.put_nowait({"key_hex": key_hex, "parts": parts, "compile_s": compile_s})
-            except queue.Full:
+            if self._pending >= self.settings.queue_max:
                 self.skipped["queue_full"] += 1
                 gm.inc_publish_skipped("queue_full")
                 return False
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(target=self._run, name="dspark-grammar-persist", daemon=True)
+                self._thread.start()
+            self._q.put_nowait({"key_hex": key_hex, "parts": parts, "compile_s": compile_s, "attempt": 0,
+                                "causes": []})
             self._queued.add(key_hex)
-            gm.set_publish_queue(self._q.qsize())
+            self._pending += 1
+            gm.set_publish_queue(self._pending)
             return True
 
-    def flush(self) -> None:
-        self._q.join()
+    def flush(self, timeout: Optional[float] = None) -> bool:
+        """Wait until every job (retries included) reached its final outcome."""
+        end = None if timeout is None else time.monotonic() + timeout
+        with self._lock:
+            while self._pending and not self._stop.is_set():
+                left = None if end is None else end - time.monotonic()
+                if left is not None and left <= 0:
+                    return False
+                self._idle.wait(left if left is not None else 0.5)
+            return not self._pending
 
     def close(self) -> None:
         """Stop the thread (after the job in progress) and the helper process. Idempotent."""
         self._stop.set()
-        try:
-            self._q.put_nowait(None)
-        except queue.Full:
-            pass
+        self._q.put_nowait(None)
         self.helper.kill()
+        with self._lock:
+            self._idle.notify_all()
+
+    def _next_job(self) -> Optional[dict]:
+        while not self._stop.is_set():
+            with self._lock:
+                due = self._retry[0][0] if self._retry else None
+            timeout = None if due is None else max(0.0, due - time.monotonic())
+            try:
+                return self._q.get(timeout=timeout)
+            except queue.Empty:
+                with self._lock:
+                    if self._retry and self._retry[0][0] <= time.monotonic():
+                        return heapq.heappop(self._retry)[2]
+        return None
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            job = self._q.get()
+            job = self._next_job()
             if job is None:
-                self._q.task_done()
                 return
+            final = True
             try:
                 self.slots.wait_for_helper_slot(self._stop)
                 if not self._stop.is_set():
-                    self._one(job)
+                    final = self._one(job)
             except BaseException:  # noqa: BLE001 - never let the persister die
                 # closing (or interpreter shutdown) kills the helper under a running job: not an error.
                 # Python 3.11 parses source while formatting a traceback, which races the main thread's
@@ -308,31 +527,99 @@ class Persister:
                     logger.exception("dspark-harden: grammar cache persistence failed")
             finally:
                 with self._lock:
-                    self._queued.discard(job["key_hex"])
-                    gm.set_publish_queue(self._q.qsize())
-                self._q.task_done()
+                    if final:
+                        self._queued.discard(job["key_hex"])
+                        self._pending -= 1
+                        self._idle.notify_all()
+                    gm.set_publish_queue(self._pending)
 
-    def _one(self, job: dict) -> None:
+    # -- one job ----------------------------------------------------------------------------
+    def _one(self, job: dict) -> bool:
+        """Run ``job``; True when its outcome is final, False when it was scheduled for a retry."""
         key_hex = job["key_hex"]
-        if os.path.exists(self.ns.entry_path(key_hex)):
+        if os.path.lexists(self.ns.entry_path(key_hex)):
             self.outcomes[key_hex] = {"status": "exists"}
-            return
+            return True
         try:
-            res = self.helper.run(job)
+            res = self.helper.run({k: job[k] for k in ("key_hex", "parts", "compile_s")})
         except HelperError as exc:
             gm.inc_disk_error("helper")
             logger.error("dspark-harden: %s; grammar %s not persisted", exc, key_hex)
-            self.outcomes[key_hex] = {"status": "helper_unavailable", "error": str(exc)}
-            return
+            return self._transient(job, "helper_unavailable", {"status": "helper_unavailable", "error": str(exc)})
         status = res.get("status")
-        if status in ("killed", "died"):
-            reason = res["reason"]
-            if status == "died" and res.get("phase") in ("serialize", "measure_load"):
-                reason = "memory_limit"  # an allocation failure the binding could not turn into an exception
+        if status in ("killed", "died", "protocol_error"):
+            permanent, cause = self._classify(res)
+            if permanent is None:
+                return self._transient(job, cause, res)
             logger.warning("dspark-harden: grammar cache helper %s during %s (%s); storing a compile-locally "
                            "marker for %s", "hit its deadline" if status == "killed" else "died",
-                           res.get("phase"), reason, key_hex)
-            res = self._publish_marker(key_hex, reason, job["compile_s"], res)
+                           res.get("phase"), permanent, key_hex)
+            res = self._publish_marker(key_hex, permanent, job["compile_s"], res)
+            status = res.get("status")
+        elif status == "lock_timeout":
+            gm.inc_disk_error("lock_timeout")
+            return self._transient(job, "lock_timeout", res)
+        elif status in ("publish_error", "error"):
+            gm.inc_disk_error("publish")
+            logger.error("dspark-harden: publishing grammar cache entry %s failed: %s", key_hex, res.get("error"))
+            if status == "publish_error":
+                return self._transient(job, "publish_error", res)
+        self._record(key_hex, res)
+        return True
+
+    def _classify(self, res: dict) -> tuple[Optional[str], str]:
+        """(marker reason, "") when the failure is measured to be the grammar's; (None, transient cause)
+        otherwise."""
+        status = res.get("status")
+        if status == "protocol_error":
+            logger.warning("dspark-harden: grammar cache helper protocol error (%s); helper restarted",
+                           res.get("error"))
+            gm.inc_disk_error("protocol")
+            return None, "protocol"
+        if status == "killed":
+            if res.get("reason") == "publish_timeout":
+                return None, "publish_timeout"
+            cpu = res.get("cpu_s")
+            if cpu is not None and cpu >= DEADLINE_CPU_FRACTION * self.settings.deadline_s:
+                return "deadline", ""
+            return None, "starved"  # the host, not the grammar, kept it from finishing
+        rc = res.get("returncode")
+        tail = res.get("stderr_tail") or ""
+        if res.get("phase") in ("compile", "serialize", "measure_load") and ("bad_alloc" in tail or "MemoryError" in tail):
+            return "memory_limit", ""  # an allocation failed under the helper's own address-space cap
+        if rc == -signal.SIGKILL:
+            return None, "killed"  # the OOM killer or an operator: nothing about the grammar
+        return None, "crashed"
+
+    def _transient(self, job: dict, cause: str, res: dict) -> bool:
+        key_hex = job["key_hex"]
+        self.transient[cause] = self.transient.get(cause, 0) + 1
+        gm.inc_helper_transient(cause)
+        job = {**job, "attempt": job["attempt"] + 1, "causes": job["causes"] + [cause]}
+        res = {**res, "transient": cause, "attempt": job["attempt"]}
+        self.outcomes[key_hex] = res
+        if job["attempt"] <= self.settings.retries and not self._stop.is_set():
+            delay = self.settings.retry_delay_s * job["attempt"]
+            logger.warning("dspark-harden: persisting grammar %s failed transiently (%s, phase %s); no marker "
+                           "stored, retry %d of %d in %.3g s", key_hex, cause, res.get("phase"), job["attempt"],
+                           self.settings.retries, delay)
+            with self._lock:
+                heapq.heappush(self._retry, (time.monotonic() + delay, next(self._retry_n), job))
+            return False
+        if job["causes"] and all(c == "crashed" for c in job["causes"]):
+            # the same crash on every attempt: reproduced, so it belongs to the grammar
+            logger.warning("dspark-harden: grammar cache helper crashed on all %d attempts for %s; storing a "
+                           "helper_failed compile-locally marker", len(job["causes"]), key_hex)
+            self._record(key_hex, self._publish_marker(key_hex, "helper_failed", job["compile_s"], res))
+            return True
+        self.skipped["retries_exhausted"] += 1
+        gm.inc_publish_skipped("retries_exhausted")
+        logger.warning("dspark-harden: grammar %s not persisted after %d attempts (%s); nothing stored, it is "
+                       "compiled where it misses and persisted by a later miss", key_hex, len(job["causes"]),
+                       ", ".join(job["causes"]))
+        return True
+
+    def _record(self, key_hex: str, res: dict) -> None:
         self.outcomes[key_hex] = res
         status = res.get("status")
         if status == "published":
@@ -346,26 +633,35 @@ class Persister:
         elif status == "prune_error":
             gm.inc_disk_error("prune")
             logger.error("dspark-harden: %s", res.get("error"))
-        elif status in ("publish_error", "error", "compile_failed"):
+        elif status == "compile_failed":
+            gm.inc_disk_error("publish")
+            logger.error("dspark-harden: publishing grammar cache entry %s failed: %s", key_hex, res.get("error"))
+        elif status == "lock_timeout":
+            gm.inc_disk_error("lock_timeout")
+            logger.warning("dspark-harden: %s", res.get("error"))
+        elif status in ("publish_error", "unsafe"):
             gm.inc_disk_error("publish")
             logger.error("dspark-harden: publishing grammar cache entry %s failed: %s", key_hex, res.get("error"))
 
     def _publish_marker(self, key_hex: str, reason: str, compile_s: float, res: dict) -> dict:
-        from filelock import Timeout
-
         lock = self.ns.entry_lock(key_hex)
         try:
             lock.acquire(blocking=False)
-        except Timeout:
+        except disk.GrammarCacheLockTimeout:
             return {"status": "busy", **res}  # another helper is publishing this key
+        except (disk.GrammarCacheError, OSError) as exc:
+            return {"status": "publish_error", "error": str(exc)}
         try:
-            if os.path.exists(self.ns.entry_path(key_hex)):
+            if os.path.lexists(self.ns.entry_path(key_hex)):
                 return {"status": "exists", **res}
             marker = disk.Marker(reason, max(1, int(compile_s * 1e9)), 0, 0)
             total, pruned = self.ns.publish(key_hex, disk.encode_marker(self.ns.scope_hex, key_hex, marker))
+        except disk.GrammarCacheLockTimeout as exc:
+            return {"status": "lock_timeout", "error": str(exc)}
         except (disk.PruneError, OSError) as exc:
             return {"status": "publish_error", "error": str(exc)}
         finally:
             lock.release()
         return {"status": "published", "stored": "marker", "reason": reason, "total": total,
                 "pruned": pruned.removed if pruned else 0, "helper": res}
+

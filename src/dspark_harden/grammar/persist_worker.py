@@ -1,29 +1,46 @@
 """The persistence helper process: compile from the key, serialize, trial-load, decide, publish.
 
 Started by :class:`dspark_harden.grammar.persist.Helper` as ``python -m
-dspark_harden.grammar.persist_worker`` (never forked from a scheduler). It never receives a
-compiled grammar: every job names the grammar by its cache key parts and the helper compiles it
-again itself, so nothing large crosses the process boundary and nothing it allocates can grow
-the serving process. Its address space is capped (``RLIMIT_AS`` = its size after start-up +
-``memory_limit_bytes``): xgrammar's ``serialize_json`` / ``deserialize_json`` then fail with
+dspark_harden.grammar.persist_worker --parent-pid PID`` (never forked from a scheduler). It never
+receives a compiled grammar: every job names the grammar by its cache key parts and the helper
+compiles it again itself, so nothing large crosses the process boundary and nothing it allocates
+can grow the serving process. Its address space is capped (``RLIMIT_AS`` = its size after start-up
++ ``memory_limit_bytes``): xgrammar's ``serialize_json`` / ``deserialize_json`` then fail with
 ``std::bad_alloc`` instead of taking the host's memory, and the grammar is recorded as a
 ``memory_limit`` marker. The parent enforces a deadline by killing the helper.
 
-Protocol: newline-delimited JSON. stdin: one init object, then jobs
-``{"key_hex", "parts", "compile_s"}``. stdout: ``{"ready": ...}`` once, then per job any number
-of ``{"phase": name}`` progress lines and one result line with ``"status"``. The helper exits
-on end of input (its parent died or closed it) or after ``idle_exit_s`` without a job.
+It dies with its parent: ``PR_SET_PDEATHSIG(SIGKILL)`` is set first thing, then ``getppid()`` is
+compared with the parent pid it was given (the parent may have died before the prctl), and again
+before every phase. (The death signal follows the parent *thread* that started the helper: the
+persister thread, which outlives every job it runs.) A helper paused by its parent, or one that was
+orphaned while compiling, therefore never outlives the scheduler.
+
+It holds no lock while it can be paused: compile, serialize, trial load and the temp-file write
+run lock-free; before it takes the entry lock and ``ledger.lock`` it announces the publish phase and
+waits for the parent's go, which the parent sends only after it has stopped pausing this helper
+(and resumed it, if it was paused). Every lock it takes is bounded.
+
+Protocol: newline-delimited JSON on a private pair of pipes the parent passes as extra descriptors
+(``--proto-fds IN,OUT``); stdin is /dev/null and stdout/stderr go to the parent's log, so nothing a
+library prints, from Python or C, can reach the protocol. IN: one init object, then jobs
+``{"job", "key_hex", "parts", "compile_s"}`` and go tokens ``{"go": job}``. OUT: ``{"ready": ...}`` once, then per job any number of ``{"job", "key_hex", "phase"}``
+progress lines (``"await": "go"`` on the publish phase) and one result line with ``"status"``,
+every one tagged with its job's number and key. The helper exits on end of input (its parent died
+or closed it), on a protocol error, or after ``idle_exit_s`` without a job.
 """
 
 from __future__ import annotations
 
+import argparse
+import ctypes
 import json
 import os
 import resource
 import select
+import signal
 import sys
 import time
-from typing import Any
+from typing import Any, Optional
 
 from . import disk
 
@@ -32,6 +49,24 @@ from . import disk
 # optimistic ends, so it only skips serialisation when even the best case would be too slow.
 PREDICT_SERIALIZED_PER_MEMORY_BYTE = 1.1
 PREDICT_LOAD_BYTES_PER_SECOND = 60e6
+
+PR_SET_PDEATHSIG = 1
+EXIT_ORPHANED = 75  # the parent is gone: nothing to report to
+EXIT_PROTOCOL = 76  # the parent sent something this protocol does not allow
+
+
+def die_with_parent(parent_pid: int) -> None:
+    """SIGKILL this process when its parent dies; exit now if it already has."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"prctl(PR_SET_PDEATHSIG) failed: {os.strerror(err)}")
+    check_parent(parent_pid)
+
+
+def check_parent(parent_pid: int) -> None:
+    if os.getppid() != parent_pid:
+        os._exit(EXIT_ORPHANED)
 
 
 def compile_parts(compiler: Any, parts: list):
@@ -54,15 +89,44 @@ def _is_oom(exc: BaseException) -> bool:
     return isinstance(exc, MemoryError) or "bad_alloc" in str(exc)
 
 
+class LineReader:
+    """Newline-delimited reads from a descriptor, with an optional timeout (None: wait)."""
+
+    def __init__(self, fd: int):
+        self.fd = fd
+        self.buf = b""
+
+    def readline(self, timeout: Optional[float]) -> Optional[bytes]:
+        """One line; None on timeout; b"" on end of input."""
+        while b"\n" not in self.buf:
+            ready, _, _ = select.select([self.fd], [], [], timeout)
+            if not ready:
+                return None
+            chunk = os.read(self.fd, 1 << 20)
+            if not chunk:
+                return b""
+            self.buf += chunk
+        line, self.buf = self.buf.split(b"\n", 1)
+        return line
+
+
+class _Exists(Exception):
+    """Another process published the key meanwhile: stop working on it."""
+
+
 class Worker:
-    def __init__(self, init: dict, out=sys.stdout):
+    def __init__(self, init: dict, out: Any, reader: LineReader, parent_pid: int):
         from xgrammar import GrammarCompiler, TokenizerInfo
 
         self.out = out
+        self.reader = reader
+        self.parent_pid = parent_pid
         self.tokenizer_info = TokenizerInfo.deserialize_json(init["tokenizer_info"])
         self.compiler = GrammarCompiler(self.tokenizer_info, max_threads=int(init["compiler_threads"]),
                                         cache_enabled=False)
-        self.ns = disk.Namespace(init["root"], init["scope"], max_bytes=int(init["max_bytes"]))
+        # the server created the namespace: open it without taking any lock, checking its directories
+        self.ns = disk.Namespace(init["root"], init["scope"], max_bytes=int(init["max_bytes"]), create=False,
+                                 secure=True, lock_timeout_s=float(init["lock_timeout_s"]))
         if self.ns.scope_hex != init["scope_hex"]:
             raise RuntimeError(f"helper scope {self.ns.scope_hex} differs from the server's {init['scope_hex']}")
         self.load_ratio = float(init["load_ratio"])
@@ -72,10 +136,18 @@ class Worker:
         self.baseline_vm = _vm_size()
         limit = self.baseline_vm + self.memory_limit
         resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+        self._tag: dict = {}
 
     def say(self, **kw: Any) -> None:
-        self.out.write(json.dumps(kw) + "\n")
+        self.out.write(json.dumps({**self._tag, **kw}) + "\n")
         self.out.flush()
+
+    def step(self, phase: str, key_hex: str) -> None:
+        """Between phases: die if orphaned, stop if the key was published meanwhile, announce."""
+        check_parent(self.parent_pid)
+        if os.path.lexists(self.ns.entry_path(key_hex)):
+            raise _Exists
+        self.say(phase=phase)
 
     def marker(self, key_hex: str, reason: str, compile_s: float, serialized: int = 0, load_s: float = 0.0) -> bytes:
         m = disk.Marker(reason, max(1, int(compile_s * 1e9)), serialized, int(load_s * 1e9))
@@ -92,7 +164,7 @@ class Worker:
         if predicted > budget:
             facts.update(stored="marker", reason="predicted_slow")
             return self.marker(key_hex, "predicted_slow", compile_s, 0, predicted), facts
-        self.say(phase="serialize")
+        self.step("serialize", key_hex)
         ts = time.perf_counter()
         try:
             text = cg.serialize_json()
@@ -112,7 +184,7 @@ class Worker:
         del text
         data = disk.encode_entry(self.ns.scope_hex, key_hex, disk.KIND_SERIALIZED, payload)
         del payload
-        self.say(phase="measure_load")
+        self.step("measure_load", key_hex)
         tl = time.perf_counter()
         try:
             entry = disk.decode_entry("<measure>", data, self.ns.scope_hex, key_hex)
@@ -131,20 +203,9 @@ class Worker:
         return data, facts
 
     def handle(self, job: dict) -> dict:
-        from filelock import Timeout
-
         key_hex = job["key_hex"]
-        if os.path.exists(self.ns.entry_path(key_hex)):
-            return {"status": "exists"}
-        lock = self.ns.entry_lock(key_hex)
         try:
-            lock.acquire(blocking=False)
-        except Timeout:
-            return {"status": "busy"}  # another process's helper is publishing this key
-        try:
-            if os.path.exists(self.ns.entry_path(key_hex)):
-                return {"status": "exists"}
-            self.say(phase="compile")
+            self.step("compile", key_hex)
             tc = time.perf_counter()
             try:
                 cg = compile_parts(self.compiler, job["parts"])
@@ -159,40 +220,88 @@ class Worker:
                 data, facts = self.decide(key_hex, cg, min(compile_s, float(job["compile_s"])))
                 del cg
                 facts["phases"].update(facts_compile)
-            self.say(phase="publish")
-            tw = time.perf_counter()
+            self.step("write", key_hex)
+        except _Exists:
+            return {"status": "exists"}
+        try:
+            self.ns.check_size(key_hex, len(data))
+        except disk.PruneError as exc:
+            return {"status": "prune_error", "error": str(exc), **facts}
+        tw = time.perf_counter()
+        size = len(data)
+        try:
+            tmp = self.ns.stage(data)  # lock-free: the parent may still pause us here
+        except OSError as exc:
+            return {"status": "publish_error", "error": str(exc), **facts}
+        del data
+        try:
+            return self._publish(key_hex, tmp, size, facts, tw)
+        finally:
+            if os.path.lexists(tmp):
+                os.unlink(tmp)
+
+    def _publish(self, key_hex: str, tmp: str, size: int, facts: dict, tw: float) -> dict:
+        # the only phase that takes locks: the parent must stop pausing us before we take any
+        self.say(phase="publish", wait="go")
+        line = self.reader.readline(None)
+        if not line:
+            os._exit(EXIT_ORPHANED)  # end of input: the parent is gone or closed us
+        try:
+            go = json.loads(line)
+        except ValueError:
+            go = None
+        if not isinstance(go, dict) or go.get("go") != self._tag.get("job"):
+            sys.stderr.write(f"dspark-harden grammar persistence helper: expected go for job {self._tag.get('job')}, "
+                             f"got {line[:200]!r}\n")
+            os._exit(EXIT_PROTOCOL)
+        check_parent(self.parent_pid)
+        lock = self.ns.entry_lock(key_hex)
+        try:
+            lock.acquire(blocking=False)
+        except disk.GrammarCacheLockTimeout:
+            return {"status": "busy", **facts}  # another process's helper is publishing this key
+        except disk.UnsafeCacheError as exc:  # a symbolic link planted at the lock's name: not followed
+            return {"status": "unsafe", "error": str(exc), **facts}
+        except OSError as exc:
+            return {"status": "publish_error", "error": str(exc), **facts}
+        try:
+            if os.path.lexists(self.ns.entry_path(key_hex)):
+                return {"status": "exists"}
             try:
-                total, pruned = self.ns.publish(key_hex, data)
+                total, pruned = self.ns.commit(key_hex, tmp, size)
+            except disk.GrammarCacheLockTimeout as exc:
+                return {"status": "lock_timeout", "error": str(exc), **facts}
             except disk.PruneError as exc:
                 return {"status": "prune_error", "error": str(exc), **facts}
             except OSError as exc:
                 return {"status": "publish_error", "error": str(exc), **facts}
-            facts["phases"]["entry_write_account"] = time.perf_counter() - tw
-            return {"status": "published", "total": total, "pruned": pruned.removed if pruned else 0,
-                    "entry_bytes": len(data), **facts}
         finally:
             lock.release()
+        facts["phases"]["entry_write_account"] = time.perf_counter() - tw
+        return {"status": "published", "total": total, "pruned": pruned.removed if pruned else 0,
+                "entry_bytes": size, "ledger_repairs": self.ns.ledger_repairs, **facts}
 
-    def serve(self, stream) -> None:
+    def serve(self) -> None:
         self.say(ready=True, pid=os.getpid(), baseline_vm=self.baseline_vm, limit=self.baseline_vm + self.memory_limit)
-        fd = stream.fileno()
-        buf = b""
         while True:
-            while b"\n" not in buf:
-                ready, _, _ = select.select([fd], [], [], self.idle_exit_s)
-                if not ready:
-                    return  # idle: the parent starts a new helper for the next job
-                chunk = os.read(fd, 1 << 20)
-                if not chunk:
-                    return  # parent closed the pipe or died
-                buf += chunk
-            line, buf = buf.split(b"\n", 1)
-            job = json.loads(line)
+            line = self.reader.readline(self.idle_exit_s)
+            if line is None:
+                return  # idle: the parent starts a new helper for the next job
+            if not line:
+                return  # parent closed the pipe or died
+            check_parent(self.parent_pid)
+            try:
+                job = json.loads(line)
+                self._tag = {"job": job["job"], "key_hex": job["key_hex"]}
+            except (ValueError, KeyError, TypeError):
+                sys.stderr.write(f"dspark-harden grammar persistence helper: not a job: {line[:200]!r}\n")
+                os._exit(EXIT_PROTOCOL)
             try:
                 result = self.handle(job)
             except Exception as exc:  # noqa: BLE001 - report, keep serving
                 result = {"status": "error", "error": f"{type(exc).__name__}: {exc}"[:300]}
             self.say(**result)
+            self._tag = {}
 
 
 def _vm_size() -> int:
@@ -203,10 +312,19 @@ def _vm_size() -> int:
     raise RuntimeError("no VmSize in /proc/self/status")
 
 
-def main() -> int:
-    stdin = sys.stdin.buffer
-    init = json.loads(stdin.readline())
-    Worker(init).serve(stdin)
+def main(argv: Optional[list] = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m dspark_harden.grammar.persist_worker")
+    p.add_argument("--parent-pid", type=int, required=True, help="the scheduler that started this helper")
+    p.add_argument("--proto-fds", required=True, metavar="IN,OUT",
+                   help="the inherited descriptors of the protocol pipes (never stdin/stdout)")
+    args = p.parse_args(argv)
+    die_with_parent(args.parent_pid)
+    fd_in, fd_out = (int(x) for x in args.proto_fds.split(","))
+    reader, out = LineReader(fd_in), os.fdopen(fd_out, "w", encoding="utf-8")
+    line = reader.readline(None)
+    if not line:
+        return 0
+    Worker(json.loads(line), out, reader, args.parent_pid).serve()
     return 0
 
 

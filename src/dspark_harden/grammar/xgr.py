@@ -6,7 +6,10 @@ entry point that SGLang's four dispatch methods use (``compile_json_schema`` inc
 
 1. published entry present -> validate (checksum, scope, key) -> serialized: deserialize with
    the live TokenizerInfo (source ``disk``); marker: compile locally (source ``local_compile``);
-   invalid: the request fails naming the file (source ``corrupt``);
+   invalid (a symbolic link or other non-regular file included): the request fails naming the
+   file (source ``corrupt``); larger than this server's ``DISK_MAX_ENTRY_BYTES`` (a cache shared
+   with a server configured larger): not read, compiled locally (source ``oversized``); an I/O
+   error reading it: compiled locally (source ``compile``, counted as a read error);
 2. absent -> compile natively in this process (source ``compile``, counted against the compile
    slots) and hand the result back at once; then queue the *key* (not the grammar) for
    publication by :class:`.persist.Persister`, whose helper process compiles it again, serializes,
@@ -23,6 +26,7 @@ reads it to label its lookup metric by source).
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib.metadata
 import json
@@ -44,7 +48,7 @@ _TLS = threading.local()
 
 @dataclass
 class Resolution:
-    source: str  # disk | compile | local_compile | corrupt
+    source: str  # disk | compile | local_compile | oversized | corrupt
     seconds: float
     phases: dict = field(default_factory=dict)
     path: Optional[str] = None
@@ -74,8 +78,9 @@ class Policy:
             raise ValueError(f"max_entry_bytes must be positive, got {self.max_entry_bytes}")
 
 
+@functools.lru_cache(maxsize=None)
 def xgrammar_version() -> str:
-    return importlib.metadata.version("xgrammar")
+    return importlib.metadata.version("xgrammar")  # fixed for the life of the process
 
 
 def tokenizer_digest(tokenizer_info: Any) -> str:
@@ -150,6 +155,7 @@ class PersistentCompiler:
         weakref.finalize(self, self.persister.close)  # a discarded compiler leaves no helper process
         self.native_compiles = 0  # native compile calls made through this object
         self._count_lock = threading.Lock()
+        self._warned: set = set()  # (kind, ...) already logged: one WARNING each, bounded
 
     @property
     def stored(self) -> dict:
@@ -165,6 +171,7 @@ class PersistentCompiler:
             "load_ratio": self.policy.load_ratio, "max_entry_bytes": self.policy.max_entry_bytes,
             "memory_limit_bytes": self.persist_settings.memory_limit_bytes,
             "idle_exit_s": self.persist_settings.idle_exit_s,
+            "lock_timeout_s": self.persist_settings.lock_timeout_s,
         }
 
     def close(self) -> None:
@@ -236,12 +243,46 @@ class PersistentCompiler:
         _record(Resolution("compile", dt, phases={"native_compile": dt}))
         return cg
 
+    def _read(self, key_hex: str, t0: float) -> tuple[Optional[tuple], Optional[str]]:
+        """(entry, None), (None, None) when absent, or (None, source) when the entry is not read:
+        ``oversized`` (larger than this server's entry limit: written by a server with a larger one)
+        or ``compile`` after an I/O error (the disk cache is an optimisation: compile instead)."""
+        try:
+            return self.ns.read(key_hex, limit=self.policy.max_entry_bytes + disk.HEADER_SIZE + disk.TRAILER_SIZE), None
+        except disk.EntryTooLarge as exc:
+            self._warn_once(("oversized", key_hex), "dspark-harden: %s", exc)
+            return None, "oversized"
+        except disk.CorruptEntryError as exc:  # a symbolic link or other non-regular file
+            gm.inc_corrupt()
+            _record(Resolution("corrupt", time.perf_counter() - t0, {}, exc.path, key_hex))
+            raise
+        except OSError as exc:
+            gm.inc_disk_error("read")
+            self._warn_once(("read", type(exc).__name__, exc.errno), "dspark-harden: reading grammar cache entry %s "
+                            "failed (%s); compiling locally", self.ns.entry_path(key_hex), exc)
+            return None, "compile"
+
+    def _warn_once(self, what: tuple, msg: str, *args: Any) -> None:
+        with self._count_lock:
+            if what in self._warned:
+                return
+            if len(self._warned) < 1024:
+                self._warned.add(what)
+        logger.warning(msg, *args)
+
     def _get(self, parts: list, fn: Callable[[], Any]):
         key_hex = disk.key_digest(parts)
         t0 = time.perf_counter()
-        got = self.ns.read(key_hex)
+        got, skipped = self._read(key_hex, t0)
         if got is not None:
             return self._from_entry(key_hex, got, fn, t0)
+        if skipped is not None:
+            tc = time.perf_counter()
+            cg = self._compile(fn)
+            compile_s = time.perf_counter() - tc
+            _record(Resolution(skipped, time.perf_counter() - t0, {"native_compile": compile_s},
+                               self.ns.entry_path(key_hex), key_hex))
+            return cg
         tc = time.perf_counter()
         cg = self._compile(fn)
         compile_s = time.perf_counter() - tc
