@@ -60,7 +60,8 @@ FEATURES = [
             roles=frozenset({Role.MAIN, Role.SCHEDULER, Role.DETOKENIZER})),
     Feature(name=S.HICACHE_GATE, area="hicache",
             description="one-shot idle-only HiCache eviction through /set_internal_state, write-back preserving",
-            switch=S.GATE_CONTROL, default_on=False, roles=frozenset({Role.SCHEDULER})),
+            switch=S.GATE_CONTROL, default_on=False, roles=frozenset({Role.SCHEDULER}),
+            available=lambda settings: _gate_available(settings)),
     Feature(name=S.HOSTPOOL, area="hicache",
             description="HostPoolGroup.destroy runs every pool's destroy() and reports every failure by pool",
             switch=S.HOSTPOOL_SWITCH, default_on=True, roles=frozenset({Role.SCHEDULER})),
@@ -68,6 +69,13 @@ FEATURES = [
             description="refuse SGLang's silent FABRIC -> POSIX fallback of the CUDA VMM multimodal transport",
             switch=S.STRICT_VMM_SWITCH, default_on=False, roles=frozenset({Role.MAIN})),
 ]
+
+
+def _gate_available(settings):
+    """hicache-gate only where each DP group is one scheduler (attention-TP 1): hicache_gate.group_problem."""
+    from .hicache_gate import available
+
+    return available(settings)
 
 
 def _patch(feature, target, kind, role, build, why, retire_when):

@@ -9,6 +9,9 @@ rejects unknown keys). With ``SGLANG_HICACHE_GATE_CONTROL=armed`` each scheduler
 * hierarchical cache is on with a cache controller (``--enable-hierarchical-cache``),
 * the scheduler is fully idle (no running/waiting request) and no HiCache transfer is in flight.
 
+Startup refuses the armed gate unless each DP group is one scheduler (attention-TP 1, attention-CP
+1, PP 1: :func:`group_problem` says why).
+
 Execution, in this order: the arm is consumed (no retry, even on failure); pending write-through
 acknowledgements are settled (``writing_check(write_back=True)``); the evictable size is
 recorded; the write policy is forced to ``write_back`` (the controller's ``write_policy`` and the
@@ -30,6 +33,46 @@ from ..core import metrics, roles
 logger = logging.getLogger("dspark_harden.lifecycle")
 
 GATE_KEY = "hicache_gate_evict_device_tokens"
+
+
+def group_widths(server_args: Any) -> dict:
+    """Attention-TP, attention-CP and PP widths of one DP group, from the ``server_args`` this
+    process was launched with (resolved by the main process: ``attn_dp_size``; unresolved:
+    ``--dp-size`` with ``--enable-dp-attention``)."""
+    g = lambda name, default=1: getattr(server_args, name, default)  # noqa: E731
+    attn_dp = int(g("attn_dp_size") or 1)
+    if attn_dp <= 1 and g("enable_dp_attention", False):
+        attn_dp = int(g("dp_size") or 1)
+    attn_cp = int(g("attn_cp_size") or 1)
+    tp = int(g("tp_size") or 1)
+    return {"attn_tp": max(1, tp // max(1, attn_dp) // attn_cp), "attn_cp": attn_cp, "pp": int(g("pp_size") or 1)}
+
+
+def group_problem(server_args: Any) -> Optional[str]:
+    """Why the gate cannot run with this geometry (None: one scheduler per DP group).
+
+    The gate decides per scheduler (idle? transfers in flight? how much is evictable?). With
+    attention-TP > 1 (or attention-CP / PP > 1) several schedulers mirror one DP group's radix tree;
+    they can disagree (one has a write-through ack in flight and refuses, the others evict) and their
+    trees diverge. Agreeing through a collective would put a blocking all-reduce on a control
+    request that a rank can miss (a rank that fails validation or raises before it) -- a wedged DP
+    group -- and even an agreed eviction can differ per rank (host pool space). The gate is opt-in
+    and the supported deployment is attention-TP 1, so it refuses to start instead (fail closed)."""
+    if server_args is None:
+        return None
+    w = group_widths(server_args)
+    if w["attn_tp"] == 1 and w["attn_cp"] == 1 and w["pp"] == 1:
+        return None
+    return (f"the HiCache gate decides per scheduler, and each DP group here has {w['attn_tp'] * w['attn_cp'] * w['pp']} "
+            f"schedulers (attention-TP {w['attn_tp']}, attention-CP {w['attn_cp']}, PP {w['pp']}) whose radix trees "
+            "would diverge if some evicted and others refused; it needs attention-TP 1, attention-CP 1 and PP 1 "
+            "(e.g. --dp-size 2 --tp-size 2 --enable-dp-attention), or SGLANG_HICACHE_GATE_CONTROL=disabled")
+
+
+def available(_settings) -> Optional[str]:
+    """Feature ``hicache-gate``'s availability in this process (None: it can run)."""
+    ctx = roles.CONTEXT
+    return group_problem(getattr(ctx, "server_args", None)) if ctx is not None else None
 
 
 class Gate:
