@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable, Optional
 
 MODES = ("extend", "mixed", "decode", "idle")
-REQ_FLAGS = ("logprob", "hidden", "pool", "embeds")
+REQ_FLAGS = ("logprob", "hidden", "pool", "embeds", "mm", "replace")
 
 
 class TraceError(ValueError):
@@ -40,6 +40,8 @@ class TraceReq:
     hidden: bool = False
     pool: bool = False
     embeds: bool = False
+    mm: bool = False
+    replace: bool = False
 
 
 @dataclass(frozen=True)
@@ -64,6 +66,12 @@ def _int(value: Any, where: str, lo: int) -> int:
     return value
 
 
+def _seq(value: Any, w: str, mode: str) -> tuple:
+    if not isinstance(value, list) or not value:
+        raise TraceError(f"{w}.seq must be a non-empty list of sequence lengths for mode {mode}")
+    return tuple(_int(v, f"{w}.seq[]", 1) for v in value)
+
+
 def parse_step(obj: Any, where: str = "step") -> Step:
     if not isinstance(obj, dict) or not isinstance(obj.get("ranks"), list):
         raise TraceError(f"{where}: expected an object with a 'ranks' list")
@@ -79,6 +87,8 @@ def parse_step(obj: Any, where: str = "step") -> Step:
         if mode not in MODES:
             raise TraceError(f"{w}.mode must be one of {', '.join(MODES)}, got {mode!r}")
         unknown = set(r) - {"mode", "reqs", "seq"}
+        if "seq" in r and mode not in ("decode", "mixed"):
+            raise TraceError(f"{w}.seq is only valid for modes decode and mixed, not {mode}")
         if unknown:
             raise TraceError(f"{w}: unknown field(s) {sorted(unknown)}")
         reqs: list = []
@@ -99,13 +109,16 @@ def parse_step(obj: Any, where: str = "step") -> Step:
                     if not isinstance(v, bool):
                         raise TraceError(f"{wq}.{f} must be true or false, got {v!r}")
                     flags[f] = v
-                reqs.append(TraceReq(extend=_int(q.get("extend"), f"{wq}.extend", 1),
-                                     prefix=_int(q.get("prefix", 0), f"{wq}.prefix", 0), **flags))
+                req = TraceReq(extend=_int(q.get("extend"), f"{wq}.extend", 1),
+                               prefix=_int(q.get("prefix", 0), f"{wq}.prefix", 0), **flags)
+                if req.replace and req.prefix:
+                    raise TraceError(f"{wq}: a 'replace' request (positional embedding override) never hits the "
+                                     f"prefix cache (stock disables matching): prefix must be 0, got {req.prefix}")
+                reqs.append(req)
+            if mode == "mixed" and "seq" in r:
+                seq = _seq(r["seq"], w, mode)
         elif mode == "decode":
-            s = r.get("seq")
-            if not isinstance(s, list) or not s:
-                raise TraceError(f"{w}.seq must be a non-empty list of sequence lengths for mode decode")
-            seq = tuple(_int(v, f"{w}.seq[]", 1) for v in s)
+            seq = _seq(r.get("seq"), w, mode)
         out.append(RankStep(mode=mode, reqs=tuple(reqs), seq=seq))
     return Step(ranks=tuple(out))
 
@@ -170,6 +183,8 @@ class TraceShape:
     p_hidden: float = 0.002  # return_hidden_states (the graph captures none)
     p_pool: float = 0.002  # multi-position pooling readout (scoring)
     p_embeds: float = 0.001  # input embeddings
+    p_mm: float = 0.0  # multimodal inputs (not in the built-in text trace)
+    p_replace: float = 0.0  # positional embedding overrides (not in the built-in trace)
 
 
 def _loguniform(rng: random.Random, hi: int) -> int:
@@ -194,10 +209,12 @@ def _prefill_rank(rng: random.Random, shape: TraceShape) -> RankStep:
             prefix = min(_loguniform(rng, shape.max_prefix), length - 1)  # served from the prefix cache
         extend = min(length - prefix, budget)  # chunked prefill: the rest comes in later steps
         budget -= extend
+        replace = shape.p_replace > 0 and rng.random() < shape.p_replace
         reqs.append(TraceReq(
-            extend=extend, prefix=prefix,
+            extend=extend, prefix=0 if replace else prefix,
             logprob=rng.random() < shape.p_logprob, hidden=rng.random() < shape.p_hidden,
             pool=rng.random() < shape.p_pool, embeds=rng.random() < shape.p_embeds,
+            mm=shape.p_mm > 0 and rng.random() < shape.p_mm, replace=replace,
         ))
     return RankStep(rng.choice(("extend",) * 9 + ("mixed",)), tuple(reqs))
 

@@ -89,10 +89,15 @@ def _config_dir() -> str:
 _PUBLISHED: dict = {}
 
 
-def publish_runtime(cfg, *, backend: str, spec: str) -> Any:
+SERVER_HIDDEN = ("null", "last", "full")  # --return-hidden-states-mode (server-wide capture ceiling)
+
+
+def publish_runtime(cfg, *, backend: str, spec: str, server_hidden: str = "null") -> Any:
     """Publish a real resolved DP2 ServerArgs in this process and write the capture configuration
     into it; returns the ModelConfig. Idempotent for the same arguments."""
-    key = (cfg, backend, spec)
+    if server_hidden not in SERVER_HIDDEN:
+        raise ValueError(f"server_hidden must be one of {SERVER_HIDDEN}, got {server_hidden!r}")
+    key = (cfg, backend, spec, server_hidden)
     if _PUBLISHED.get("key") == key:
         return _PUBLISHED["model_config"]
     from sglang.srt.configs.model_config import ModelConfig
@@ -124,6 +129,7 @@ def publish_runtime(cfg, *, backend: str, spec: str) -> Any:
     get_context().override(
         "dspark-harden prefill world", cuda_graph_config=graph, chunked_prefill_size=cfg.chunked_prefill,
         max_running_requests=cfg.max_running_requests,
+        return_hidden_states_mode=None if server_hidden == "null" else server_hidden,
         speculative_algorithm=None if spec == "none" else SpeculativeAlgorithm.from_string(spec.upper()).name,
     )
     _PUBLISHED["key"] = key
@@ -238,7 +244,8 @@ class RankEngine:
         return head + array("q", [max(diverge, 8)]) + array("q", [9]) * max(length - prefix - 1, 0)
 
     def new_req(self, *, prefix: int, extend: int, logprob: bool = False, hidden: bool = False,
-                pool: bool = False, embeds: bool = False, max_new_tokens: int = 16):
+                pool: bool = False, embeds: bool = False, mm: bool = False, replace: bool = False,
+                max_new_tokens: int = 16):
         from sglang.srt.managers.schedule_batch import Req
         from sglang.srt.sampling.sampling_params import SamplingParams
 
@@ -247,13 +254,26 @@ class RankEngine:
         params = SamplingParams(max_new_tokens=0 if pool else max_new_tokens, temperature=0.0)
         params.normalize(None)
         params.verify(self.model_config.vocab_size)
+        overrides = None
+        if replace:
+            import torch
+            from sglang.srt.managers.embed_types import PositionalEmbeds
+
+            overrides = PositionalEmbeds(embeds=torch.zeros(1, 1), positions=[length - 1])
         req = Req(
             rid=f"r{self.rank}-{self.serial}", origin_input_text="", origin_input_ids=self._ids(prefix, length),
             sampling_params=params, return_logprob=logprob, return_hidden_states=hidden,
             input_embeds=[[0.0]] * length if embeds else None,
+            positional_embed_overrides=overrides,
             token_indices_to_pool=[extend - 1] if pool else None,
             vocab_size=self.model_config.vocab_size,
         )
+        if mm:
+            import torch
+            from sglang.srt.managers.schedule_batch import Modality, MultimodalDataItem, MultimodalInputs
+
+            req.multimodal_inputs = MultimodalInputs(mm_items=[
+                MultimodalDataItem(modality=Modality.IMAGE, feature=torch.zeros(1), offsets=[(0, 0)])])
         # Scheduler.handle_generate_request: -1 (last token only) without logprobs, past the prompt for a
         # prefill-only request; a logprob request here asks for input logprobs of its new tokens
         req.logprob_start_len = prefix if logprob else (length if req.is_prefill_only else -1)
@@ -468,8 +488,8 @@ ALL_SIDES = SIDES + ("probe",)
 class World:
     """Both DP ranks of one deployment (real objects; see the module docstring)."""
 
-    def __init__(self, cfg, *, backend: str = "full", spec: str = "none", factor: Optional[float] = None,
-                 runtime_hook=None) -> None:
+    def __init__(self, cfg, *, backend: str = "full", spec: str = "none", server_hidden: str = "null",
+                 factor: Optional[float] = None, runtime_hook=None) -> None:
         from sglang.srt.managers.scheduler_components import dp_attn
         from sglang.srt.model_executor.forward_batch_info import get_server_return_hidden_states_mode
         from sglang.srt.model_executor.runner.prefill_cuda_graph_runner import PrefillCudaGraphRunner
@@ -484,7 +504,8 @@ class World:
             raise ValueError(f"backend must be full or breakable, got {backend!r}")
         self.cfg, self.backend, self.spec = cfg, backend, spec
         self.factor = D.DEFAULT_PADDING_FACTOR if factor is None else factor
-        self.model_config = publish_runtime(cfg, backend=backend, spec=spec)
+        self.server_hidden = server_hidden
+        self.model_config = publish_runtime(cfg, backend=backend, spec=spec, server_hidden=server_hidden)
         self.spec_algorithm = SpeculativeAlgorithm.NONE if spec == "none" else SpeculativeAlgorithm.from_string(spec.upper())
         self.server_mode = get_server_return_hidden_states_mode()
         parallel = get_parallel()
@@ -583,7 +604,7 @@ class World:
         if rs.mode == "decode":
             return eng.decode_batch(rs.seq, self.spec_algorithm)
         reqs = [eng.new_req(prefix=q.prefix, extend=q.extend, logprob=q.logprob, hidden=q.hidden, pool=q.pool,
-                            embeds=q.embeds) for q in rs.reqs]
+                            embeds=q.embeds, mm=q.mm, replace=q.replace) for q in rs.reqs]
         batch = eng.extend_batch(reqs, self.spec_algorithm)
         if rs.mode == "mixed" and self.spec_algorithm.is_none():  # speculative_hook disables mixed chunks
             running = eng.decode_batch(rs.seq or (_DEFAULT_DECODE_SEQ,), self.spec_algorithm)
@@ -609,6 +630,7 @@ class World:
 
         from . import decision as D
 
+        publish_runtime(self.cfg, backend=self.backend, spec=self.spec, server_hidden=self.server_hidden)
         try:
             batches = [self.build(r, rs) for r, rs in enumerate(step.ranks)]
             results = [RankResult(rank=r, mode=rs.mode, useful=rs.extend_tokens) for r, rs in enumerate(step.ranks)]
