@@ -70,7 +70,7 @@ def test_every_patch_binds_verifies_and_reverts_on_real_sglang(monkeypatch):
             assert p.live_check() is None
             p.revert()
             seen.add(p.key)
-    assert len(seen) == 17, sorted(seen)
+    assert len(seen) == 18, sorted(seen)
 
 
 # -- controller monitor --------------------------------------------------------------------------

@@ -42,6 +42,7 @@ FINGERPRINTS = {
     f"{SCHED}.release_host_resources": "5b8af19ff4241ba9",
     f"{SCHED}.run_event_loop": "7966bc22c946f6ee",
     f"{SCHED}.get_init_info": "e9e7f8ba9a31f1b6",
+    f"{SCHED}.ingest_requests": "20d17ed5a9605536",
     "sglang.srt.mem_cache.pool_host.group:HostPoolGroup.destroy": "7c8820fdf4127922",
     f"{ISC}.set_internal_state": "3d377f4afe1fa7a4",
     f"{ISC}.get_internal_state": "19ec0b4389100261",
@@ -161,6 +162,11 @@ def gc_patches(role) -> list:
         return [_patch(S.GC_FREEZE, f"{SCHED}.get_init_info", Kind.WRAP, role,
                        _builder("gc_freeze", "build_scheduler_get_init_info"),
                        "freezing is on demand only in 0.5.23: gen-2 collections walk the whole warmed heap",
+                       "SGLang freezes after warm-up (upstream #34999)"),
+                _patch(S.GC_FREEZE, f"{SCHED}.ingest_requests", Kind.WRAP, role,
+                       _builder("gc_freeze", "build_scheduler_ingest_requests"),
+                       "the freeze runs on the scheduler thread between loop iterations, where no graph capture "
+                       "can start between the capture check and gc.collect()/gc.freeze()",
                        "SGLang freezes after warm-up (upstream #34999)")]
     if role is Role.DETOKENIZER:
         return [_patch(S.GC_FREEZE, f"{DETOK}.handle_batch_token_id_out", Kind.WRAP, role,

@@ -9,8 +9,15 @@ When warm-up is over — the process is serving (scheduler: its event loop runs,
 load and any graph capture; detokenizer: its loop runs; main: the server answered SGLang's
 warm-up request) and it processed ``DSPARK_HARDEN_GC_FREEZE_AFTER_BATCHES`` batches, plus
 ``DSPARK_HARDEN_GC_FREEZE_DELAY_S`` — :func:`freeze_now` runs ``gc.collect()`` then
-``gc.freeze()`` once. Never during capture: it waits while SGLang's capture mode is on, and
-re-freezes if a later capture unfroze the heap.
+``gc.freeze()`` once. Never during capture, and re-freezes if a later capture unfroze the heap
+(stock's capture context ``freeze_gc`` calls ``gc.unfreeze()`` at its end).
+
+In a scheduler the freeze runs **on the scheduler's own thread**, at the top of an event-loop
+iteration (``Scheduler.ingest_requests``, wrapped): graph capture runs only on that thread (inside
+model forward or before the loop), so no capture can start between the capture check and the
+``gc.collect(); gc.freeze()`` -- checking on one thread and collecting on another would leave that
+window open. The watcher thread only decides *when* (warm-up batches, delay, re-freeze) and marks
+the freeze due; the loop runs it. In the main process and the detokenizer nothing captures.
 
 :class:`PauseRecorder` measures every collection (a ``gc.callbacks`` pair) into a lock-free
 buffer (a collection can start while any lock is held, so the callback never takes one); a
@@ -111,6 +118,8 @@ class GcFreezer:
         self._watcher: Optional[threading.Thread] = None
         self._precreated = False  # this process's gauge series exist (flush, once metrics are ready)
         self._gauges_dirty = False  # a gauge update waited for metrics to be ready
+        self.on_loop_thread = False  # scheduler: the freeze runs on the event-loop thread (run_due)
+        self._due: Optional[str] = None  # the reason of a freeze the loop thread has to run
 
     def configure(self, *, role: str, dp_label: str, after_batches: int, delay_s: float) -> None:
         self.role, self.dp_label = role, dp_label
@@ -161,16 +170,32 @@ class GcFreezer:
                 time.sleep(0.25)
             if self.delay_s:
                 time.sleep(self.delay_s)
-            self.freeze_now(f"{need} {what}" + (f" + {self.delay_s:g} s" if self.delay_s else ""))
+            self._freeze_or_mark_due(f"{need} {what}" + (f" + {self.delay_s:g} s" if self.delay_s else ""))
             # a later graph capture unfreezes (stock freeze_gc context): freeze again after it
             while True:
                 time.sleep(5.0)
-                if gc.get_freeze_count() == 0 and not _capturing():
+                if self._due is None and gc.get_freeze_count() == 0 and not _capturing():
                     self.frozen_at = None
-                    self.freeze_now("re-freeze: the heap was unfrozen (graph capture?)")
+                    self._freeze_or_mark_due("re-freeze: the heap was unfrozen (graph capture?)")
 
         self._watcher = threading.Thread(target=run, name="dspark-gc-freeze", daemon=True)
         self._watcher.start()
+
+    def _freeze_or_mark_due(self, reason: str) -> None:
+        if self.on_loop_thread:
+            self._due = reason  # the scheduler's next loop iteration runs it (run_due)
+        else:
+            self.freeze_now(reason)
+
+    def run_due(self) -> None:
+        """Scheduler loop thread, between iterations: run a freeze the watcher marked due. Capture
+        runs only on this thread, so none can start before the freeze is done; should capture mode
+        be on here all the same, the freeze waits for a later iteration (never sleeps here)."""
+        reason = self._due
+        if reason is None or _capturing():
+            return
+        self._due = None
+        self.freeze_now(reason)
 
     def count_batch(self) -> None:
         """Inline variant for single-threaded loops (detokenizer): call once per batch."""
@@ -239,10 +264,24 @@ def build_scheduler_get_init_info(stock):
     def get_init_info(self):
         out = stock(self)
         if FREEZER.enabled:
+            FREEZER.on_loop_thread = True  # the freeze itself runs in ingest_requests (this thread)
             FREEZER.watch(lambda: int(getattr(self, "forward_ct", 0)), what="forward batches served")
         return out
 
     return get_init_info
+
+
+def build_scheduler_ingest_requests(stock):
+    """``Scheduler.ingest_requests`` opens every iteration of every stock event loop (normal,
+    overlap, PP, disaggregation, PD-multiplexing): a freeze marked due runs here, on the scheduler
+    thread, where no graph capture is in progress. Costs one attribute read per iteration."""
+
+    def ingest_requests(self, *args, **kwargs):
+        if FREEZER._due is not None:
+            FREEZER.run_due()
+        return stock(self, *args, **kwargs)
+
+    return ingest_requests
 
 
 def build_detokenizer_batch(stock):
