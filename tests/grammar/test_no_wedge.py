@@ -55,7 +55,10 @@ def shared_tmp():
 
 
 def _counter(name: str, *labels: str) -> float:
-    return M.get(name).labels("none", *labels)._value.get()
+    try:
+        return M.get(name).labels("none", *labels)._value.get()
+    except KeyError:  # a family this code base does not declare (yet): the assertions on it fail
+        return float("nan")
 
 
 def _namespace(root, scope, **kw) -> disk.Namespace:
@@ -324,16 +327,17 @@ def test_sigkill_from_outside_stores_no_marker_and_is_retried(hf_tokenizer, cach
 @pytest.mark.timeout(600)
 def test_deadline_of_a_starved_helper_stores_no_marker(hf_tokenizer, cache_dir):
     """The helper passes its deadline without running (host load, a frozen cgroup: here SIGSTOP from
-    outside): today a permanent deadline marker. Now its CPU time shows it was starved: nothing is
-    stored (retries 0: the job is dropped, counted)."""
-    pc = _compiler(hf_tokenizer, cache_dir, deadline_s=3.0, retries=0)
+    outside): today a permanent deadline marker. Now the deadline is the job's CPU time, and a job
+    killed after 4x its deadline in wall time without using it stores nothing (retries 0: the job is
+    dropped, counted)."""
+    pc = _compiler(hf_tokenizer, cache_dir, deadline_s=1.0, retries=0)
     pid = _stop_idle_helper(pc)
     pc.compile_regex("starved-[0-9]{4}")
     _flush(pc)
     key = disk.key_digest(["regex", "starved-[0-9]{4}"])
     assert key not in _kinds(pc.ns), _kinds(pc.ns)
     out = pc.persister.outcomes[key]
-    assert out.get("transient") == "starved" and out["cpu_s"] < 1.5, out
+    assert out.get("transient") == "starved" and out["cpu_s"] < 0.5 and out["running_s"] > 1.0, out
     assert pc.persister.skipped["retries_exhausted"] == 1
     X.sigkill(pid)
     pc.close()
@@ -680,3 +684,19 @@ def test_symlinked_lock_file_is_not_followed(hf_tokenizer, cache_dir, tmp_path):
     assert not os.path.lexists(pc.ns.entry_path(key))
     assert pc.persister.outcomes[key]["status"] == "unsafe", pc.persister.outcomes[key]
     pc.close()
+
+
+def test_new_settings_parse_strictly_and_metric_labels_match_the_code(tmp_path):
+    from dspark_harden.core.settings import SettingsError, load_settings
+    from dspark_harden.grammar import metrics as gm
+    from dspark_harden.grammar import persist
+
+    for name, bad in [(F.DISK_HELPER_RETRIES, "-1"), (F.DISK_HELPER_RETRIES, "two"), (F.DISK_LOCK_TIMEOUT, "0"),
+                      (F.DISK_LOCK_TIMEOUT, "soon")]:
+        with pytest.raises(SettingsError, match=name):
+            load_settings(F.dspark_settings(), environ={F.DISK_DIR: str(tmp_path), name: bad})
+    ok = load_settings(F.dspark_settings(), environ={F.DISK_DIR: str(tmp_path), F.DISK_HELPER_RETRIES: "0",
+                                                     F.DISK_LOCK_TIMEOUT: "0.25"})
+    assert ok[F.DISK_HELPER_RETRIES] == 0 and ok[F.DISK_LOCK_TIMEOUT] == 0.25
+    assert gm.DEGRADE_REASONS == disk.DEGRADE_REASONS
+    assert gm.TRANSIENT_CAUSES == persist.TRANSIENT_CAUSES

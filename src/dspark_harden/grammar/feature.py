@@ -106,10 +106,10 @@ def dspark_settings():
                 "kernel killed it). The largest real-world schema measured here, 683 KB, passes.",
                 feature=f, accepts="positive integer (bytes)"),
         Setting(DISK_HELPER_DEADLINE, positive_float, 120.0,
-                "Seconds of running time (pauses for request compiles and the bounded lock phase excluded) one "
-                "persistence job may take before the helper is killed. A deadline marker is stored only if the "
-                "helper used at least half of it in CPU time; otherwise (a starved helper) nothing is stored and "
-                "the job is retried.",
+                "CPU seconds one persistence job may use before the helper is killed and a deadline marker is "
+                "stored (CPU time: the grammar's own cost, whatever the host's load). A job that runs 4x this "
+                "long in wall time (pauses for request compiles and the bounded lock phase excluded) without "
+                "using it is starved or stuck: killed, nothing stored, retried.",
                 feature=f, accepts="positive number (seconds)"),
         Setting(DISK_HELPER_RETRIES, nonneg_int, 2,
                 "Retries of a persistence job that failed for a cause not measured to be the grammar's (helper "

@@ -121,8 +121,8 @@ FAMILIES = (
         "dspark_harden_grammar_disk_markers_total", "counter",
         "Compile-locally markers this process published, by measured reason: slow_load, predicted_slow, "
         "too_large (serialized entry above DSPARK_HARDEN_GRAMMAR_DISK_MAX_ENTRY_BYTES), serialize_failed, "
-        "memory_limit (the persistence helper hit its address-space limit), deadline (it ran past "
-        "DSPARK_HARDEN_GRAMMAR_DISK_HELPER_DEADLINE with at least half of it in CPU time), helper_failed (it "
+        "memory_limit (the persistence helper hit its address-space limit), deadline (the job used more than "
+        "DSPARK_HARDEN_GRAMMAR_DISK_HELPER_DEADLINE CPU seconds), helper_failed (it "
         "crashed the same way on every retry). Transient failures store no marker (disk_helper_transient_total).",
         labels=("dp_rank", "reason"), feature=FEATURE, roles=("scheduler",),
         precreate=tuple((DP_RANK, r) for r in MARKER_REASONS),
@@ -151,7 +151,7 @@ FAMILIES = (
         "Persistence attempts that failed for a cause not measured to be the grammar's, so no "
         "compile-locally marker was stored and the job was retried (up to "
         "DSPARK_HARDEN_GRAMMAR_DISK_HELPER_RETRIES): killed (SIGKILL from outside: OOM killer, operator), "
-        "starved (deadline passed with too little CPU time: host load), crashed (died otherwise), "
+        "starved (4x the deadline in wall time without using it in CPU: host load or stuck), crashed (died otherwise), "
         "publish_timeout, protocol, lock_timeout, publish_error (I/O error, e.g. ENOSPC), helper_unavailable.",
         labels=("dp_rank", "cause"), feature=FEATURE, roles=("scheduler",),
         precreate=tuple((DP_RANK, c) for c in TRANSIENT_CAUSES),

@@ -26,11 +26,11 @@ lock phase protected and the helper dying with its parent, what made SIGSTOP dan
 
 Outcome classes (:meth:`Persister._one`): a compile-locally marker is stored only for causes
 measured to belong to the grammar (slow or predicted-slow load, too large, serialization raising,
-an allocation failing under the helper's own address-space cap, a deadline passed with the
-helper's CPU time to show for it, or the same crash on every retry). Everything else — an OOM kill
-or any SIGKILL from outside, a deadline passed while the host starved the helper of CPU, a lock not
-taken in time, an I/O error, a protocol error — stores nothing and is retried a bounded number of
-times after a delay.
+an allocation failing under the helper's own address-space cap, the job's CPU time passing the
+deadline, or the same crash on every retry). Everything else — an OOM kill or any SIGKILL from
+outside, a job that ran WALL_FACTOR x its deadline without the CPU time to show for it (a starved
+or stuck helper), a lock not taken in time, an I/O error, a protocol error — stores nothing and is
+retried a bounded number of times after a delay.
 """
 
 from __future__ import annotations
@@ -55,9 +55,9 @@ from . import metrics as gm
 
 logger = logging.getLogger("dspark_harden.grammar")
 
-# a deadline kill is the grammar's own cost only when the helper really ran: at least this
-# fraction of the deadline in CPU seconds (a host that starves the helper gives far less)
-DEADLINE_CPU_FRACTION = 0.5
+# a job that has run this many times its CPU deadline in wall time (pauses and the lock phase
+# excluded) without using it is starved by the host or stuck: killed, no marker, retried
+WALL_FACTOR = 4.0
 # extra seconds the publish phase may take beyond one lock timeout (rename, fsyncs, pruning)
 PUBLISH_IO_ALLOWANCE_S = 60.0
 STDERR_TAIL_BYTES = 16 << 10
@@ -85,6 +85,10 @@ class PersistSettings:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)!r}")
         if int(self.retries) < 0:
             raise ValueError(f"retries must be >= 0, got {self.retries!r}")
+
+    @property
+    def wall_limit_s(self) -> float:
+        return self.deadline_s * WALL_FACTOR
 
     @property
     def publish_timeout_s(self) -> float:
@@ -390,12 +394,18 @@ class Helper:
                     # running time: paused time excluded, and the clock stops at the publish phase
                     # (lock waits there are bounded by the lock timeout, never charged to the grammar)
                     running = now - t0 - self.slots.helper_paused_seconds()
-                    if running > self.settings.deadline_s:
-                        cpu = cpu_seconds(self.proc.pid)
-                        cpu = None if cpu is None else cpu - cpu0
+                    cpu = cpu_seconds(self.proc.pid)
+                    job_cpu = None if cpu is None else cpu - cpu0
+                    # the deadline is the job's CPU time: work the grammar needed, whatever the host's
+                    # load; a job that runs WALL_FACTOR x as long without using it is starved or stuck
+                    if job_cpu is not None and job_cpu > self.settings.deadline_s:
                         self.kill()
                         return {"status": "killed", "reason": "deadline", "phase": phase, "running_s": running,
-                                "cpu_s": cpu}
+                                "cpu_s": job_cpu}
+                    if running > self.settings.wall_limit_s:
+                        self.kill()
+                        return {"status": "killed", "reason": "starved", "phase": phase, "running_s": running,
+                                "cpu_s": job_cpu}
                 elif now - publish_t > self.settings.publish_timeout_s:
                     self.kill()
                     return {"status": "killed", "reason": "publish_timeout", "phase": phase, "running_s": running,
@@ -579,10 +589,9 @@ class Persister:
         if status == "killed":
             if res.get("reason") == "publish_timeout":
                 return None, "publish_timeout"
-            cpu = res.get("cpu_s")
-            if cpu is not None and cpu >= DEADLINE_CPU_FRACTION * self.settings.deadline_s:
-                return "deadline", ""
-            return None, "starved"  # the host, not the grammar, kept it from finishing
+            if res.get("reason") == "deadline":
+                return "deadline", ""  # it used its whole CPU budget: measured work of the grammar
+            return None, "starved"  # the host (or a stuck call), not the grammar, kept it from finishing
         rc = res.get("returncode")
         tail = res.get("stderr_tail") or ""
         if res.get("phase") in ("compile", "serialize", "measure_load") and ("bad_alloc" in tail or "MemoryError" in tail):

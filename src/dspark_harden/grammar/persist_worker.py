@@ -243,7 +243,9 @@ class Worker:
     def _publish(self, key_hex: str, tmp: str, size: int, facts: dict, tw: float) -> dict:
         # the only phase that takes locks: the parent must stop pausing us before we take any
         self.say(phase="publish", wait="go")
+        th = time.perf_counter()
         line = self.reader.readline(None)
+        facts["handshake_s"] = time.perf_counter() - th
         if not line:
             os._exit(EXIT_ORPHANED)  # end of input: the parent is gone or closed us
         try:
