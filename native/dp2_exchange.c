@@ -793,6 +793,30 @@ int dspark_dp2_poison(dspark_dp2_channel *ch, const char *msg, char *err, size_t
     return publish(ch, DSPARK_DP2_E_CALLER, err, errlen, "%s", msg);
 }
 
+int dspark_dp2_peer_state(dspark_dp2_channel *ch, int32_t *pid, char *state, char *why, size_t whylen) {
+    if (ch == NULL || pid == NULL || state == NULL || why == NULL || whylen == 0) return -1;
+    why[0] = '\0';
+    dp2_rank_block *peer = &ch->shm->ranks[1 - ch->rank];
+    int dead = peer_dead(peer, why, whylen, state);
+    *pid = atomic_load(&peer->pid);
+    if (atomic_load(&peer->state) != ST_ATTACHED) *pid = 0;
+    return dead;
+}
+
+int dspark_dp2_declare_peer_dead(dspark_dp2_channel *ch, const char *msg, char *err, size_t errlen) {
+    if (err == NULL || errlen < DSPARK_DP2_ERRBUF_MIN) return DSPARK_DP2_E_ARG;
+    if (ch == NULL || msg == NULL) {
+        set_err(err, errlen, "dp2 declare_peer_dead: NULL argument");
+        return DSPARK_DP2_E_ARG;
+    }
+    if (getpid() != ch->owner_pid) {
+        set_err(err, errlen, "dp2 channel %s rank %d: handle used after fork (opened by pid %d, used by pid %d)",
+                ch->name, ch->rank, (int)ch->owner_pid, (int)getpid());
+        return DSPARK_DP2_E_FORK;
+    }
+    return publish(ch, DSPARK_DP2_E_PEER_DIED, err, errlen, "%s", msg);
+}
+
 int dspark_dp2_shared_error(dspark_dp2_channel *ch) {
     if (ch == NULL) return -1;
     return (int)atomic_load(&ch->shm->header.error_code);

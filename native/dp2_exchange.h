@@ -88,6 +88,15 @@ int dspark_dp2_exchange(dspark_dp2_channel *ch, const int64_t *local, int64_t *o
  * the check (a stopped peer is then a stall like any other). Default after open: 0. */
 int dspark_dp2_set_peer_stop_limit(dspark_dp2_channel *ch, int64_t limit_ms, char *err, size_t errlen);
 
+/* For a watcher thread of the process that owns the handle (the handle must stay open meanwhile; only shared
+ * state and /proc are read): the peer's pid (0 when it is not attached or has closed) and process state
+ * letter ('?' unknown). Returns 1 when the peer is dead (why says how), else 0. */
+int dspark_dp2_peer_state(dspark_dp2_channel *ch, int32_t *pid, char *state, char *why, size_t whylen);
+
+/* Publish DSPARK_DP2_E_PEER_DIED with msg: a watcher judged the peer dead (e.g. stopped for longer than the
+ * limit while this rank was blocked outside the exchange). Thread-safe like dspark_dp2_poison. */
+int dspark_dp2_declare_peer_dead(dspark_dp2_channel *ch, const char *msg, char *err, size_t errlen);
+
 /* Continue the exchange whose wait returned DSPARK_DP2_STALLED, for one more timeout period (same
  * outcomes as dspark_dp2_exchange; `out` receives the rows on success). */
 int dspark_dp2_wait(dspark_dp2_channel *ch, int64_t *out, dspark_dp2_stats *stats, char *err, size_t errlen);

@@ -274,3 +274,71 @@ def test_runtime_publishes_a_stopped_peer_on_the_board_and_clears_it(monkeypatch
         rt.close_all()
         peer.finish()
         board.close()
+
+
+WATCHED_RANK = r"""
+import json, logging, os, sys, time
+logging.basicConfig(level=logging.INFO, stream=sys.stderr)
+from dspark_harden.dp2.channels import Dp2Runtime
+session, stop_ms = sys.argv[1], int(sys.argv[2])
+rt = Dp2Runtime()
+rt.configure(session_id=session, timeout_ms=300, spin_us=50, export=False, rank=0, dp_label="0", hard_timeout_ms=0,
+             peer_stop_ms=stop_ms)
+ch = rt.open("mlp", width=11, digest=7)
+for i in range(2):
+    ch.exchange([i] * 11)
+rt.start_watch("mlp")
+print(json.dumps({"event": "blocked"}), flush=True)
+time.sleep(120)  # blocked outside the exchange, like a scheduler inside stock's gloo control broadcast
+print(json.dumps({"event": "not_ended"}), flush=True)
+"""
+
+
+def test_peer_watch_names_and_ends_a_rank_blocked_outside_the_exchange():
+    """The scheduler thread is not in the exchange (stock's gloo control broadcast holds it under DP
+    attention): the peer watch thread still publishes the stall on the board (naming the stopped peer)
+    after one period, then publishes peer_died (the peer fails when it resumes) and, since the blocked
+    thread cannot fail on its own, ends the process with a CRITICAL line naming the error."""
+    board = B.Board.create()
+    s = _session()
+    env = dict(os.environ, **{B.ENV: board.spec})
+    rank0 = subprocess.Popen([sys.executable, "-c", WATCHED_RANK, s, "2000"], stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True, env=env)
+    peer = Peer("exchange-then-late", s, 1, 2, 15.0, timeout_ms=300)
+    try:
+        assert peer.event()["event"] == "opened"
+        assert json.loads(rank0.stdout.readline())["event"] == "blocked"
+        assert peer.event()["event"] == "ready"
+        os.kill(peer.proc.pid, signal.SIGSTOP)
+        _wait_state(peer.proc.pid, "T")
+        t0 = time.monotonic()
+        recs = []
+        while not recs and rank0.poll() is None and time.monotonic() < t0 + 30:
+            recs = B.current_stalls(board)
+            time.sleep(0.02)
+        assert recs, "the peer watch never published the stall"
+        (rec,) = recs
+        assert (rec["rank"], rec["peer_rank"], rec["channel"], rec["pid"]) == (0, 1, "mlp", rank0.pid)
+        assert rec["message"].startswith(f"peer rank 1 (pid {peer.proc.pid}) is stopped (process state T) for ")
+        assert rank0.wait(timeout=60) == 1
+        elapsed = time.monotonic() - t0
+        err = rank0.stderr.read()
+        assert 2.0 <= elapsed < 60, elapsed
+        assert f"peer died: rank 1 pid {peer.proc.pid} is stopped (state T) for " in err, err
+        assert "longer than the limit of 2000 ms (SGLANG_DSPARK_DP2_SHM_PEER_STOP_MS)" in err
+        assert "CRITICAL" in err and "blocked outside the DP2 exchange" in err and "exiting with code 1" in err
+        os.kill(peer.proc.pid, signal.SIGCONT)
+        ev = peer.event()  # its next exchange: the published error, not a wait for a rank that is gone
+        assert ev["event"] == "error" and ev["code"] == "poisoned" and "is stopped (state T)" in ev["message"], ev
+    finally:
+        try:
+            os.kill(peer.proc.pid, signal.SIGCONT)
+        except ProcessLookupError:
+            pass
+        if rank0.poll() is None:
+            rank0.kill()
+        rank0.wait(timeout=30)
+        rank0.stdout.close()
+        rank0.stderr.close()
+        peer.finish()
+        board.close()

@@ -225,8 +225,8 @@ def test_dp2_stalled_names_the_rank_the_other_waits_for(shm):
         assert child.stdout.readline().strip() == "published"
         v = check_dp2()
         assert (v.status_code, v.reason, v.bad_ranks) == (503, V.DP2_STALLED, [1])
-        assert v.message.startswith("DP rank 1 stalled: alive but not arriving at the DP2 exchange; DP rank 0 "
-                                    "has waited 6.0 s for DP rank 1 in the DP2 exchange (channel mlp)")
+        assert v.message.startswith("DP rank 1 stalled: alive but not taking part in the scheduler steps; DP "
+                                    "rank 0 has waited 6.0 s for DP rank 1 (DP2 channel mlp)")
         assert "process state T: stopped" in v.message
         # starting and a dead child still come first
         manager.server_status = ServerStatus.Starting

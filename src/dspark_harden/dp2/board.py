@@ -26,6 +26,7 @@ import mmap
 import os
 import stat
 import struct
+import threading
 import time
 import uuid
 from typing import Optional
@@ -56,7 +57,7 @@ class Board:
 
     def __init__(self, fd: int, mm: mmap.mmap, spec: str, creator: bool):
         self.fd, self.mm, self.spec, self.creator = fd, mm, spec, creator
-        self._gen = [0] * RANKS
+        self._lock = threading.Lock()  # the scheduler thread and the peer watch both write this rank's slot
 
     # -- creation / opening -------------------------------------------------------------------
     @classmethod
@@ -126,12 +127,13 @@ class Board:
         if len(payload) > _MAX_PAYLOAD:
             raise ValueError(f"board record of {len(payload)} bytes exceeds {_MAX_PAYLOAD}")
         off = HEADER + rank * SLOT
-        gen = _SLOT.unpack_from(self.mm, off)[0]
-        gen += 1 if gen % 2 == 0 else 2  # odd: being written
-        _SLOT.pack_into(self.mm, off, gen, 0)
-        self.mm[off + _SLOT.size: off + _SLOT.size + len(payload)] = payload
-        _SLOT.pack_into(self.mm, off, gen, len(payload))
-        _SLOT.pack_into(self.mm, off, gen + 1, len(payload))  # even: complete
+        with self._lock:
+            gen = _SLOT.unpack_from(self.mm, off)[0]
+            gen += 1 if gen % 2 == 0 else 2  # odd: being written
+            _SLOT.pack_into(self.mm, off, gen, 0)
+            self.mm[off + _SLOT.size: off + _SLOT.size + len(payload)] = payload
+            _SLOT.pack_into(self.mm, off, gen, len(payload))
+            _SLOT.pack_into(self.mm, off, gen + 1, len(payload))  # even: complete
 
     def publish_stall(self, *, rank: int, peer_rank: int, channel: str, waited_s: float, period_s: float,
                       message: str) -> None:

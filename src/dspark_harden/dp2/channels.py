@@ -102,6 +102,9 @@ class Dp2Runtime:
         self.peer_stop_ms = 60_000
         #: the stall board /health_scheduler reads (:mod:`.board`); None when the launcher made none
         self.board = None
+        #: set when a Dp2Error is raised to the scheduler (the peer watch then leaves the exit to it)
+        self.failed = threading.Event()
+        self.watch = None
         self._atexit = False
 
     def configure(self, *, session_id: str, timeout_ms: int, spin_us: int, export: bool, rank: int, dp_label: str,
@@ -156,24 +159,56 @@ class Dp2Runtime:
                 from ..core import metrics
 
                 metrics.get("dspark_harden_dp2_exchange_stalls_total").labels(name, self.dp_label).inc()
-            if self.board is not None:
-                try:
-                    self.board.publish_stall(rank=self.rank, peer_rank=1 - self.rank, channel=name, waited_s=waited_s,
-                                             period_s=self.timeout_ms / 1000.0, message=message)
-                except Exception:  # noqa: BLE001 - health reporting must not break the exchange
-                    logger.exception("dp2: publishing the stall to the health board failed")
+            self.board_publish(name, waited_s, message)
 
         return report
 
     def _stall_end(self, name: str):
         def end(waited_s: float) -> None:
-            if self.board is not None:
-                self.board.clear(self.rank)
+            self.board_clear()
             logger.warning("dspark-harden dp2: channel %s: the exchange that stalled for %.1f s ended", name, waited_s)
 
         return end
 
+    # -- health board / peer watch ---------------------------------------------------------------
+    def board_publish(self, channel: str, waited_s: float, message: str) -> bool:
+        """Publish 'this rank waits for the peer' on the health board; False without a board."""
+        if self.board is None or self.rank is None:
+            return False
+        try:
+            self.board.publish_stall(rank=self.rank, peer_rank=1 - self.rank, channel=channel, waited_s=waited_s,
+                                     period_s=self.timeout_ms / 1000.0, message=message)
+            return True
+        except Exception:  # noqa: BLE001 - health reporting must not break the exchange
+            logger.exception("dp2: publishing the stall to the health board failed")
+            return False
+
+    def board_clear(self) -> None:
+        if self.board is not None and self.rank is not None:
+            try:
+                self.board.clear(self.rank)
+            except Exception:  # noqa: BLE001
+                logger.exception("dp2: clearing the health board failed")
+
+    def count_error(self, name: str, code: str) -> None:
+        if self.export:
+            try:
+                from ..core import metrics
+
+                metrics.get("dspark_harden_dp2_exchange_errors_total").labels(name, self.dp_label, code).inc()
+            except Exception:  # noqa: BLE001
+                logger.debug("dp2: error metric failed", exc_info=True)
+
+    def start_watch(self, channel: str = "mlp", **kw):
+        """Start the peer watch (dp2/watch.py) on ``channel`` (once per process)."""
+        from .watch import PeerWatch
+
+        if self.watch is None:
+            self.watch = PeerWatch(self, channel, **kw).start()
+        return self.watch
+
     def record_error(self, name: str, exc: BaseException) -> None:
+        self.failed.set()
         acc = self.accs.get(name)
         code = exc.name if isinstance(exc, Dp2Error) else PY_ERROR
         if acc is not None:
@@ -183,6 +218,9 @@ class Dp2Runtime:
                 logger.exception("dp2: recording error metric failed")
 
     def close_all(self) -> None:
+        watch, self.watch = self.watch, None
+        if watch is not None:
+            watch.stop()
         with self.lock:
             for name, ch in list(self.channels.items()):
                 acc = self.accs.get(name)

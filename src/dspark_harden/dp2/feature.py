@@ -194,6 +194,7 @@ def dspark_process_bound(role, settings, report):
         hard_timeout_ms=settings[S.HARD_TIMEOUT_MS], peer_stop_ms=settings[S.PEER_STOP_MS],
     )
     mlp_sync.start(RUNTIME)
+    RUNTIME.start_watch("mlp")  # a stopped peer is noticed wherever this scheduler is blocked (dp2/watch.py)
     bound_targets = {t.target for f in report.features if f.name == FEATURE for t in f.targets if t.bound}
     if VERIFY_TARGET in bound_targets:
         verify_tier.start(RUNTIME)

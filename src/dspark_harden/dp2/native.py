@@ -235,6 +235,25 @@ class Channel:
         rc = lib.dspark_dp2_poison(self._h, message.encode("utf-8", "replace")[:200], self._err, ERRBUF)
         return Dp2Error(rc, ffi.string(self._err).decode("utf-8", "replace"))
 
+    def peer_state(self) -> tuple:
+        """``(dead, pid, state, why)`` of the peer: pid 0 when it is not attached (or closed), ``state`` its
+        /proc process state letter ('?' unknown). Safe from another thread of this process while the
+        channel stays open (the caller serialises against :meth:`close`)."""
+        h = self._h
+        if h is None:
+            return False, 0, "?", ""
+        pid, state, why = ffi.new("int32_t *"), ffi.new("char[1]"), ffi.new("char[]", 256)
+        dead = lib.dspark_dp2_peer_state(h, pid, state, why, 256)
+        return dead == 1, int(pid[0]), state[0].decode("ascii", "replace"), ffi.string(why).decode("utf-8", "replace")
+
+    def declare_peer_dead(self, message: str) -> Dp2Error:
+        """Publish code ``peer_died`` with ``message`` (both ranks stop); returns the error to raise."""
+        if self._h is None:
+            return Dp2Error(lib.DSPARK_DP2_E_CLOSED, message)
+        err = ffi.new("char[]", ERRBUF)  # own buffer: callable from a watcher thread
+        rc = lib.dspark_dp2_declare_peer_dead(self._h, message.encode("utf-8", "replace")[:250], err, ERRBUF)
+        return Dp2Error(rc, ffi.string(err).decode("utf-8", "replace"))
+
     def shared_error(self) -> int:
         return -1 if self._h is None else lib.dspark_dp2_shared_error(self._h)
 

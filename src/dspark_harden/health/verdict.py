@@ -177,8 +177,8 @@ def evaluate_dp2_stalls(stalls: list) -> Verdict:
     """503 naming the DP rank(s) the others wait for in the native DP2 exchange."""
     late = sorted({int(r["peer_rank"]) for r in stalls})
     parts = [f"DP rank {int(r['rank'])} has waited {float(r['waited_s']):.1f} s for DP rank {int(r['peer_rank'])} "
-             f"in the DP2 exchange (channel {r.get('channel')}): {r.get('message', '')}" for r in stalls]
-    return _fail(DP2_STALLED, f"{_ranks_text(late)} stalled: alive but not arriving at the DP2 exchange; "
+             f"(DP2 channel {r.get('channel')}): {r.get('message', '')}" for r in stalls]
+    return _fail(DP2_STALLED, f"{_ranks_text(late)} stalled: alive but not taking part in the scheduler steps; "
                  + "; ".join(parts), bad_ranks=late)
 
 
