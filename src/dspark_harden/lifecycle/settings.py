@@ -94,7 +94,8 @@ SETTINGS = [
     Setting(GATE_CONTROL, gate_control, GateMode("disabled"),
             "The one-shot HiCache eviction gate (POST /set_internal_state with "
             "{\"server_args\": {\"hicache_gate_evict_device_tokens\": N}}). armed: accepted once per scheduler "
-            "(then disarmed), only while HiCache is on and the scheduler idle. disabled: the key is refused.",
+            "(then disarmed), only while HiCache is on and the scheduler idle; needs one scheduler per DP group "
+            "(attention-TP 1, attention-CP 1, PP 1), startup stops otherwise. disabled: the key is refused.",
             feature=HICACHE_GATE, accepts="disabled (default) or armed"),
     Setting(HOSTPOOL_SWITCH, flag01, True,
             "1: HostPoolGroup.destroy runs every pool's destroy() even when one raises, then reports every "
