@@ -296,6 +296,76 @@ def ensure_model(arch: str) -> str:
     return _build_once(f"tiny-{arch}-r{RECIPE_VERSION}", lambda d: _build_model(d, arch))
 
 
+# ---------------------------------------------------------------------------------------------
+# DSpark draft for the tiny Qwen3 target (stock ``sglang.srt.models.dspark.Qwen3DSparkModel``)
+
+#: the draft's geometry; ``target_layer_ids`` must name target layers whose *output* the 2-layer
+#: Qwen3 target can capture (it captures after layer id + 1, so only layer 0 here)
+DSPARK_DRAFT = dict(layers=1, block_size=4, markov_rank=16, target_layer_ids=(0,), mask_token=PAD_TOKEN)
+
+
+def _build_dspark_draft(out: Path) -> None:
+    import torch
+    from safetensors.torch import save_file
+
+    target = Path(ensure_model("qwen3"))
+    tc = json.loads((target / "config.json").read_text())
+    H, V, I = tc["hidden_size"], tc["vocab_size"], tc["intermediate_size"]
+    nh, nkv, hd = tc["num_attention_heads"], tc["num_key_value_heads"], tc["head_dim"]
+    L, R = DSPARK_DRAFT["layers"], DSPARK_DRAFT["markov_rank"]
+    from transformers import AutoTokenizer
+
+    mask_id = AutoTokenizer.from_pretrained(str(target)).convert_tokens_to_ids(DSPARK_DRAFT["mask_token"])
+    cfg = dict(
+        architectures=["Qwen3DSparkModel"], model_type="qwen3", hidden_size=H, intermediate_size=I,
+        num_hidden_layers=L, num_attention_heads=nh, num_key_value_heads=nkv, head_dim=hd, vocab_size=V,
+        rms_norm_eps=tc.get("rms_norm_eps", 1e-6), rope_theta=tc.get("rope_theta", 1000000.0),
+        max_position_embeddings=tc["max_position_embeddings"], hidden_act="silu", tie_word_embeddings=False,
+        torch_dtype="bfloat16", dtype="bfloat16", block_size=DSPARK_DRAFT["block_size"],
+        num_target_layers=tc["num_hidden_layers"], markov_rank=R, markov_head_type="vanilla",
+        enable_confidence_head=True,
+        dflash_config={"target_layer_ids": list(DSPARK_DRAFT["target_layer_ids"]), "mask_token_id": mask_id},
+        bos_token_id=tc.get("bos_token_id"), eos_token_id=tc.get("eos_token_id"), pad_token_id=tc.get("pad_token_id"),
+    )
+    (out / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+    g = torch.Generator().manual_seed(4321)
+
+    def rand(*shape):
+        return (torch.randn(*shape, generator=g) * 0.02).to(torch.bfloat16)
+
+    def ones(n):
+        return torch.ones(n, dtype=torch.bfloat16)
+
+    sd = {}
+    for i in range(L):
+        p = f"layers.{i}."
+        sd.update({
+            p + "self_attn.q_proj.weight": rand(nh * hd, H), p + "self_attn.k_proj.weight": rand(nkv * hd, H),
+            p + "self_attn.v_proj.weight": rand(nkv * hd, H), p + "self_attn.o_proj.weight": rand(H, nh * hd),
+            p + "self_attn.q_norm.weight": ones(hd), p + "self_attn.k_norm.weight": ones(hd),
+            p + "mlp.gate_proj.weight": rand(I, H), p + "mlp.up_proj.weight": rand(I, H),
+            p + "mlp.down_proj.weight": rand(H, I),
+            p + "input_layernorm.weight": ones(H), p + "post_attention_layernorm.weight": ones(H),
+        })
+    k = len(DSPARK_DRAFT["target_layer_ids"])
+    sd.update({
+        "fc.weight": rand(H, k * H), "hidden_norm.weight": ones(H), "norm.weight": ones(H),
+        "markov_head.markov_w1.weight": rand(V, R), "markov_head.markov_w2.weight": rand(V, R),
+        "confidence_head.proj.weight": (torch.randn(1, H + R, generator=g) * 0.02).float(),
+        "confidence_head.proj.bias": torch.zeros(1),
+    })
+    save_file(sd, str(out / "model.safetensors"), metadata={"format": "pt"})
+    for f in target.iterdir():
+        if f.name.startswith(("tokenizer", "special_tokens", "chat_template")):
+            shutil.copy(f, out / f.name)
+
+
+def ensure_dspark_draft() -> str:
+    """Directory of a tiny random-weight DSpark draft (``Qwen3DSparkModel``) for ``ensure_model("qwen3")``
+    (``--speculative-algorithm DSPARK --speculative-draft-model-path <dir>``), built once, cached."""
+    return _build_once(f"tiny-dspark-draft-qwen3-r{RECIPE_VERSION}", _build_dspark_draft)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m dspark_harden.devtools.tiny_models", description=__doc__.split("\n\n")[0])
     ap.add_argument("--all", action="store_true", help="build every model arch and the 2048 + 32000 tokenizers")

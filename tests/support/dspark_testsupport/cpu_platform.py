@@ -174,6 +174,213 @@ def adjust_sglang_for_cpu() -> list[str]:
     return done
 
 
+# -- DSpark on CPU ---------------------------------------------------------------------------------
+#
+# Stock ``speculative_hook._handle_dspark`` (the DSPARK server-args handler) opens with a device gate
+# that, unlike ``_handle_dflash`` and ``_check_oot_speculative_algorithm``, does not consult an
+# out-of-tree platform's ``supports_speculative_algorithm``:
+#
+#     if not cfg.device.startswith(("cuda", "npu", "xpu")):
+#         raise ValueError("DSpark speculative decoding only supports CUDA, NPU or XPU device.")
+#
+# The CPU form is the stock function, compiled from its own source with exactly that gate replaced
+# by the out-of-tree check DFLASH uses (every other line unchanged; the gate's text is asserted, so
+# an SGLang bump that changes it fails loudly). Installed in the main process from
+# ``apply_server_args_defaults`` (resolution runs platform defaults before speculative handling).
+DSPARK_HANDLER_MODULE = "sglang.srt.arg_groups.speculative_hook"
+DSPARK_HANDLER = "_handle_dspark"
+DSPARK_DEVICE_GATE = (
+    '    if not cfg.device.startswith(("cuda", "npu", "xpu")):\n'
+    '        raise ValueError(\n'
+    '            "DSpark speculative decoding only supports CUDA, NPU or XPU device."\n'
+    '        )\n'
+)
+DSPARK_OOT_GATE = '    _check_oot_speculative_algorithm(algorithm="DSPARK", device=cfg.device)\n'
+SPECULATIVE_ALGORITHMS = frozenset({"DSPARK"})
+DRAFT_ATTENTION_BACKENDS = frozenset({"torch_native"})
+
+
+def install_dspark_cpu_handler() -> bool:
+    """Replace ``speculative_hook._handle_dspark`` by its CPU form (idempotent; True if installed now)."""
+    import importlib
+    import inspect
+    import textwrap
+
+    mod = importlib.import_module(DSPARK_HANDLER_MODULE)
+    stock = getattr(mod, DSPARK_HANDLER)
+    if getattr(stock, "__dspark_cpu_form__", False):
+        return False
+    src = textwrap.dedent(inspect.getsource(stock))
+    assert src.count(DSPARK_DEVICE_GATE) == 1, (
+        f"dspark_test_cpu platform: {DSPARK_HANDLER_MODULE}.{DSPARK_HANDLER} no longer opens with the device gate "
+        f"this platform replaces (written against sglang 0.5.23): update tests/support/dspark_testsupport/cpu_platform.py"
+    )
+    assert callable(getattr(mod, "_check_oot_speculative_algorithm", None))
+    namespace: dict = {}
+    code = compile(src.replace(DSPARK_DEVICE_GATE, DSPARK_OOT_GATE), inspect.getsourcefile(stock), "exec")
+    exec(code, mod.__dict__, namespace)  # noqa: S102 - the stock source, one gate replaced
+    cpu_form = namespace[DSPARK_HANDLER]
+    cpu_form.__dspark_cpu_form__ = True
+    cpu_form.__wrapped__ = stock
+    setattr(mod, DSPARK_HANDLER, cpu_form)
+    return True
+
+
+# Stock functions that run a Triton kernel, or on ``_is_cpu`` an op of the CPU build of sgl-kernel
+# (``from sgl_kernel import <op>``, which the PyPI CUDA build does not have), on the DSpark path:
+#
+# - ``cache_move.copy_all_layer_kv_cache_func`` (speculative KV slot moves, the pool's warm-up)
+#   -> ``copy_all_layer_kv_cache_cpu(data_ptrs, strides, tgt_loc, src_loc)``: for every layer buffer
+#   (base pointer, row stride in bytes) copy row ``src_loc[i]`` to row ``tgt_loc[i]``, all sources
+#   read before any target is written (the Triton kernel is safe in place too);
+# - ``allocation.assign_req_to_token_pool_func`` (speculative decode slot allocation)
+#   -> ``assign_req_to_token_pool_cpu(req_pool_indices, req_to_token, start, end, out_cache_loc,
+#   pool_len)``: row ``req_pool_indices[i]`` of ``req_to_token`` gets ``out_cache_loc``'s next
+#   ``end[i] - start[i]`` entries at ``[start[i], end[i])``.
+#
+# The CPU forms below are those ops' contracts in plain torch / ctypes; the module's ``_is_cpu`` is
+# set so the stock function takes its own CPU branch. Every name is asserted to exist.
+
+
+def copy_all_layer_kv_cache_cpu(data_ptrs, strides, tgt_loc, src_loc) -> None:
+    import ctypes
+
+    tgt = [int(x) for x in tgt_loc.tolist()]
+    src = [int(x) for x in src_loc.tolist()]
+    if not tgt:
+        return
+    for base, stride in zip(data_ptrs.tolist(), strides.tolist()):
+        rows = [ctypes.string_at(int(base) + s * int(stride), int(stride)) for s in src]
+        for t, row in zip(tgt, rows):
+            ctypes.memmove(int(base) + t * int(stride), row, int(stride))
+
+
+def assign_req_to_token_pool_cpu(req_pool_indices, req_to_token, start_offset, end_offset, out_cache_loc,
+                                 pool_len) -> None:
+    del pool_len  # req_to_token's row length
+    offset = 0
+    for row, start, end in zip(req_pool_indices.tolist(), start_offset.tolist(), end_offset.tolist()):
+        n = int(end) - int(start)
+        if n > 0:
+            req_to_token[int(row), int(start) : int(end)] = out_cache_loc[offset : offset + n].to(req_to_token.dtype)
+        offset += max(n, 0)
+
+
+# module -> (stock function that branches on _is_cpu, sgl-kernel CPU op name, CPU form)
+CPU_OP_FORMS = {
+    "sglang.kernels.ops.kvcache.cache_move": (
+        "copy_all_layer_kv_cache_func", "copy_all_layer_kv_cache_cpu", copy_all_layer_kv_cache_cpu),
+    "sglang.srt.mem_cache.allocation": (
+        "assign_req_to_token_pool_func", "assign_req_to_token_pool_cpu", assign_req_to_token_pool_cpu),
+}
+
+
+def adjust_dspark_for_cpu() -> list[str]:
+    """Scheduler processes: the CPU op forms above, and ``torch_native`` as a draft attention backend
+    (stock extension point ``choices.add_draft_attention_backend_choices``; the draft worker checks
+    the list in the scheduler, so it is extended there as well as in the main process)."""
+    import importlib
+
+    done = []
+    for module, (func, op, form) in CPU_OP_FORMS.items():
+        mod = importlib.import_module(module)
+        for attr in ("_is_cpu", func):
+            assert hasattr(mod, attr), f"dspark_test_cpu platform: {module}.{attr} does not exist in this SGLang"
+        mod._is_cpu = True
+        setattr(mod, op, form)
+        done.append(f"{module}.{op}=<CPU form>")
+    done += add_draft_attention_backends()
+    done += install_record_stream_cpu_form()
+    return done
+
+
+# Stock ``DSparkWorkerV2._forward_decode`` calls ``batch.seq_lens.record_stream(
+# torch.get_device_module(self.device).current_stream())`` unconditionally; on the CPU that is a
+# ``torch.cpu.Stream`` and ``Tensor.record_stream`` raises "unknown parameter type".
+# ``record_stream`` only tells the CUDA caching allocator not to reuse a block before a stream is
+# done with it; CPU tensors have no stream-ordered allocator, so its CPU form is a no-op (non-CPU
+# tensors keep the stock method).
+_STOCK_RECORD_STREAM = None
+
+
+def _record_stream_cpu_form(self, stream):
+    if self.device.type == "cpu":
+        return None
+    return _STOCK_RECORD_STREAM(self, stream)
+
+
+def install_record_stream_cpu_form() -> list[str]:
+    import torch
+
+    global _STOCK_RECORD_STREAM
+    if torch.Tensor.record_stream is _record_stream_cpu_form:
+        return []
+    _STOCK_RECORD_STREAM = torch.Tensor.record_stream
+    torch.Tensor.record_stream = _record_stream_cpu_form
+    return ["torch.Tensor.record_stream=<no-op on CPU tensors>"]
+
+
+def add_draft_attention_backends() -> list[str]:
+    from sglang.srt.arg_groups import choices
+
+    missing = [b for b in sorted(DRAFT_ATTENTION_BACKENDS) if b not in choices.DRAFT_ATTENTION_BACKEND_CHOICES]
+    if missing:
+        choices.add_draft_attention_backend_choices(missing)
+    return [f"draft attention backend {b}" for b in missing]
+
+
+# Stock ``DSparkDraftMixin.write_target_hidden_kv`` (models/dspark.py) writes the draft's context
+# K/V either through the Triton kernel ``fused_kv_write.fused_kv_norm_rope_write`` (when
+# ``_fused_kv_write_bundle(pool)`` returns a bundle: bf16 weights, plain RoPE, a K/V pool) or
+# through its own unfused torch branch (``kv_proj_only`` -> ``apply_k_norm`` -> ``apply_k_rope`` ->
+# ``pool.set_kv_buffer``). The CPU form declines the bundle on the loaded draft model (instance
+# attribute, from ``post_load_model``), so the stock unfused branch runs.
+DSPARK_DRAFT_MIXIN = ("sglang.srt.models.dspark", "DSparkDraftMixin", "_fused_kv_write_bundle")
+
+
+def _no_fused_kv_write_bundle(pool):
+    return None
+
+
+def adjust_loaded_model(model) -> list[str]:
+    import sys
+
+    mod = sys.modules.get(DSPARK_DRAFT_MIXIN[0])
+    mixin = getattr(mod, DSPARK_DRAFT_MIXIN[1], None) if mod is not None else None
+    if mixin is None or not isinstance(model, mixin):
+        return []
+    assert callable(getattr(mixin, DSPARK_DRAFT_MIXIN[2], None)), (
+        f"dspark_test_cpu platform: {'.'.join(DSPARK_DRAFT_MIXIN)} does not exist in this SGLang"
+    )
+    model._fused_kv_write_bundle = _no_fused_kv_write_bundle
+    done = [f"{type(model).__name__}._fused_kv_write_bundle=None (stock unfused KV write)"]
+    # Stock DFlashAttention.forward takes the Triton ``table_qk_norm_rope_`` when
+    # ``use_table_qk_norm_rope`` (bf16, neox RoPE over the whole head), else its own torch
+    # q/k norm + RoPE branch: the CPU form turns the flag off per attention module.
+    attn_cls = getattr(sys.modules.get("sglang.srt.models.dflash"), "DFlashAttention", None)
+    n = 0
+    for module in model.modules():
+        if attn_cls is not None and isinstance(module, attn_cls) and getattr(module, "use_table_qk_norm_rope", False):
+            module.use_table_qk_norm_rope = False
+            n += 1
+    if n:
+        done.append(f"DFlashAttention.use_table_qk_norm_rope=False on {n} module(s) (stock torch q/k norm + RoPE)")
+    return done
+
+
+def speculative_cache_locs_cpu(*, req_pool_indices, req_to_token, start_offset, end_offset, batch_size,
+                               draft_token_num, device):
+    """Platform form of ``cache_locs.assign_extend_cache_locs_func`` (stock out-of-tree hook
+    ``get_speculative_cache_locs_fn``): row i's ``draft_token_num`` slots are
+    ``req_to_token[req_pool_indices[i], start_offset[i]:end_offset[i]]``, rows concatenated."""
+    import torch
+
+    out = torch.empty((batch_size * draft_token_num,), dtype=torch.int64, device=device)
+    for i, (row, start, end) in enumerate(zip(req_pool_indices.tolist(), start_offset.tolist(), end_offset.tolist())):
+        out[i * draft_token_num : (i + 1) * draft_token_num] = req_to_token[int(row), int(start) : int(end)]
+    return out
+
+
 class DsparkTestCpuPlatform(CpuDeviceMixin, SRTPlatform):
     """Out-of-tree CPU platform for tests (see module docstring)."""
 
@@ -200,8 +407,27 @@ class DsparkTestCpuPlatform(CpuDeviceMixin, SRTPlatform):
     def get_graph_runner_cls(self):
         return None
 
+    def get_speculative_cache_locs_fn(self):
+        return speculative_cache_locs_cpu
+
+    def supports_speculative_algorithm(self, algorithm: str) -> bool:
+        return algorithm in SPECULATIVE_ALGORITHMS
+
+    def supports_speculative_draft_attention_backend(self, algorithm: str, backend: str) -> bool:
+        return algorithm in SPECULATIVE_ALGORITHMS and backend in DRAFT_ATTENTION_BACKENDS
+
+    def apply_server_args_defaults(self, server_args) -> None:
+        add_draft_attention_backends()
+        if install_dspark_cpu_handler():
+            logger.info("dspark_test_cpu platform: %s.%s replaced by its CPU form", DSPARK_HANDLER_MODULE, DSPARK_HANDLER)
+
+    def post_load_model(self, model) -> None:
+        done = adjust_loaded_model(model)
+        if done:
+            logger.info("dspark_test_cpu platform: %s (pid %d)", ", ".join(done), os.getpid())
+
     def init_backend(self) -> None:
-        done = adjust_sglang_for_cpu()
+        done = adjust_sglang_for_cpu() + adjust_dspark_for_cpu()
         logger.info("dspark_test_cpu platform: adjusted %s (pid %d)", ", ".join(done), os.getpid())
 
 
