@@ -181,3 +181,13 @@ def test_drain_gate_over_every_real_stock_route(tmp_path):
     finally:
         main.MAIN.shutdown_started, main.MAIN.fault = saved
         gate[0].revert()
+
+
+def test_route_path_strips_root_path_like_starlette():
+    from dspark_harden.lifecycle import drain_routes as R
+
+    assert R.route_path({"path": "/sglang/metrics", "root_path": "/sglang"}) == "/metrics"
+    assert R.route_path({"path": "/sglangx/metrics", "root_path": "/sglang"}) == "/sglangx/metrics"
+    assert R.route_path({"path": "/flush_cache"}) == "/flush_cache"
+    assert R.served_while_refusing("http", "GET", R.route_path({"path": "/p/v1/models/m", "root_path": "/p"}), False)
+    assert not R.served_while_refusing("http", "GET", R.route_path({"path": "/p/flush_cache", "root_path": "/p"}), False)

@@ -118,6 +118,14 @@ def read_class(path: str) -> Optional[str]:
     return None
 
 
+def route_path(scope: dict) -> str:
+    """The path the app's routes match (Starlette's ``get_route_path``: ``root_path`` stripped)."""
+    path, root = scope.get("path", ""), scope.get("root_path", "")
+    if root and path.startswith(root) and (len(path) == len(root) or path[len(root)] == "/"):
+        return path[len(root):] or "/"
+    return path
+
+
 def served_while_refusing(scope_type: str, method: str, path: str, child_died: bool) -> bool:
     """True when a refusing server still passes this request to stock."""
     if scope_type != "http":

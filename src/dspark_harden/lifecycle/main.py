@@ -791,9 +791,9 @@ class DrainGate:
         if kind in ("http", "websocket"):
             msg = MAIN.refusing()
             if msg is not None:
-                from .drain_routes import served_while_refusing
+                from .drain_routes import route_path, served_while_refusing
 
-                if not served_while_refusing(kind, scope.get("method", "GET"), scope.get("path", ""),
+                if not served_while_refusing(kind, scope.get("method", "GET"), route_path(scope),
                                              child_died=MAIN.fault is not None):
                     MAIN.refused += 1
                     _count("dspark_harden_shutdown_requests_total", "refused")
