@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import inspect
 
+import pytest
+
 import torch
 
 from dspark_testsupport import cpu_platform as C
@@ -67,3 +69,92 @@ def test_dspark_handler_cpu_form_replaces_exactly_the_device_gate(monkeypatch):
     # the form's code differs from stock only by the gate: it now calls the out-of-tree check first
     assert "_check_oot_speculative_algorithm" in form.__code__.co_names
     assert "_check_oot_speculative_algorithm" not in stock.__code__.co_names
+
+
+def _verify_setup(causal: bool, *, nq=4, nkv=2, hd=8, prefixes=(5, 3), n=4, seed=0):
+    """A real ``MHATokenToKVPool`` on CPU, a req_to_token table whose block slots are the batch's
+    ``out_cache_loc`` (as ``assign_extend_cache_locs`` leaves them), and a TARGET_VERIFY batch."""
+    import types
+
+    from sglang.srt.layers.radix_attention import AttentionType
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+    from sglang.srt.model_executor.forward_batch_info import ForwardMode
+    from sglang.srt.speculative.draft_worker_common import make_draft_block_spec_info
+
+    g = torch.Generator().manual_seed(seed)
+    pool = MHATokenToKVPool(size=64, page_size=1, dtype=torch.float32, head_num=nkv, head_dim=hd, layer_num=1,
+                            device="cpu", enable_memory_saver=False, enable_alt_stream=False)
+    req_to_token = torch.zeros((4, 32), dtype=torch.int32)
+    rows, slot, out_cache_loc = [2, 0], 1, []
+    for row, prefix in zip(rows, prefixes):
+        ids = torch.arange(slot, slot + prefix + n, dtype=torch.int32)
+        slot += prefix + n
+        req_to_token[row, : prefix + n] = ids
+        out_cache_loc.append(ids[prefix:].to(torch.int64))
+    # the injected context K/V (prefix slots); the block's slots hold stale values the forward overwrites
+    pool.k_buffer[0].copy_(torch.randn(pool.k_buffer[0].shape, generator=g))
+    pool.v_buffer[0].copy_(torch.randn(pool.v_buffer[0].shape, generator=g))
+    bs = len(rows)
+    layer = types.SimpleNamespace(
+        layer_id=0, tp_q_head_num=nq, tp_k_head_num=nkv, tp_v_head_num=nkv, qk_head_dim=hd, v_head_dim=hd,
+        head_dim=hd, scaling=hd ** -0.5, is_cross_attention=False, sliding_window_size=-1, logit_cap=0.0,
+        attn_type=AttentionType.DECODER if causal else AttentionType.ENCODER_ONLY, k_scale=None, v_scale=None)
+    fb = types.SimpleNamespace(
+        forward_mode=ForwardMode.TARGET_VERIFY, spec_info=make_draft_block_spec_info(draft_token_num=n, device="cpu"),
+        seq_lens=torch.tensor(prefixes), req_pool_indices=torch.tensor(rows), out_cache_loc=torch.cat(out_cache_loc))
+    backend = types.SimpleNamespace(token_to_kv_pool=pool, req_to_token_pool=types.SimpleNamespace(req_to_token=req_to_token),
+                                    swa_out_cache_loc=None)
+    q = torch.randn((bs * n, nq * hd), generator=g)
+    k = torch.randn((bs * n, nkv, hd), generator=g)  # RadixAttention.forward hands K/V over as [tokens, heads, dim]
+    v = torch.randn((bs * n, nkv, hd), generator=g)
+    return backend, layer, fb, q, k, v
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["encoder_only_block", "causal_block"])
+def test_target_verify_cpu_form_equals_stock_extend_sdpa_over_prefix_plus_block(causal):
+    """Differential: the CPU form on a TARGET_VERIFY batch == stock ``TorchNativeAttnBackend.
+    _run_sdpa_forward_extend`` run on the same pool as an EXTEND of the block over its prefix
+    (``extend_prefix_lens = seq_lens``, ``extend_seq_lens = n``, KV length prefix + n): the
+    computation FlashInfer/Triton perform for the draft block (bidirectional for ENCODER_ONLY,
+    bottom-right causal otherwise)."""
+    from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
+
+    backend, layer, fb, q, k, v = _verify_setup(causal)
+    got = C.target_verify_attention_cpu(backend, q, k, v, layer, fb, save_kv_cache=True)
+    n = 4
+    # the block K/V were written at out_cache_loc
+    assert torch.equal(backend.token_to_kv_pool.k_buffer[0][fb.out_cache_loc], k)
+    want = torch.empty((q.shape[0], 4, 8))
+    TorchNativeAttnBackend._run_sdpa_forward_extend(
+        object.__new__(TorchNativeAttnBackend), q.view(-1, 4, 8), want,
+        backend.token_to_kv_pool.get_key_buffer(0), backend.token_to_kv_pool.get_value_buffer(0),
+        backend.req_to_token_pool.req_to_token, fb.req_pool_indices, fb.seq_lens + n, fb.seq_lens,
+        torch.full_like(fb.seq_lens, n), scaling=layer.scaling, enable_gqa=True, causal=causal)
+    torch.testing.assert_close(got.view(-1, 4, 8), want, rtol=1e-5, atol=1e-5)
+    # the two masks really differ (the test would not see a mask mix-up otherwise)
+    layer.attn_type = _verify_setup(not causal)[1].attn_type
+    flipped = C.target_verify_attention_cpu(backend, q, k, v, layer, fb, save_kv_cache=True)
+    assert not torch.allclose(flipped, got)
+
+
+def test_target_verify_cpu_form_refuses_what_it_does_not_reproduce():
+    backend, layer, fb, q, k, v = _verify_setup(False)
+    layer.sliding_window_size = 8
+    with pytest.raises(C.TargetVerifyCpuFormError, match="sliding window"):
+        C.target_verify_attention_cpu(backend, q, k, v, layer, fb)
+    layer.sliding_window_size = -1
+    fb.spec_info.custom_mask = torch.ones(4, dtype=torch.bool)
+    with pytest.raises(C.TargetVerifyCpuFormError, match="custom_mask"):
+        C.target_verify_attention_cpu(backend, q, k, v, layer, fb)
+
+
+def test_target_verify_cpu_form_is_installed_for_target_verify_only():
+    from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
+
+    stock = TorchNativeAttnBackend.__dict__["forward_extend"]
+    try:
+        assert C.install_target_verify_cpu_form() and not C.install_target_verify_cpu_form()
+        assert TorchNativeAttnBackend.forward_extend is C._torch_native_forward_extend_cpu_form
+        assert C._STOCK_TORCH_NATIVE_FORWARD_EXTEND is stock
+    finally:
+        TorchNativeAttnBackend.forward_extend = stock

@@ -291,6 +291,7 @@ def adjust_dspark_for_cpu() -> list[str]:
         done.append(f"{module}.{op}=<CPU form>")
     done += add_draft_attention_backends()
     done += install_record_stream_cpu_form()
+    done += install_target_verify_cpu_form()
     return done
 
 
@@ -379,6 +380,137 @@ def speculative_cache_locs_cpu(*, req_pool_indices, req_to_token, start_offset, 
     for i, (row, start, end) in enumerate(zip(req_pool_indices.tolist(), start_offset.tolist(), end_offset.tolist())):
         out[i * draft_token_num : (i + 1) * draft_token_num] = req_to_token[int(row), int(start) : int(end)]
     return out
+
+
+# DSpark/DFlash TARGET_VERIFY attention (the draft's block forward and the target's verify forward).
+#
+# ``DSparkDraftProposer._run_forward`` runs the draft as a ``ForwardMode.TARGET_VERIFY`` batch:
+# ``seq_lens`` = the committed context (whose draft K/V the worker injected from the target's hidden
+# states), ``out_cache_loc`` = the block's ``query_token_num`` slots, ``spec_info`` = a
+# ``DFlashVerifyInput`` with ``custom_mask=None``; ``DSparkVerifier.run_non_compact`` runs the target
+# the same way with the verify window. Stock ``TorchNativeAttnBackend.forward_extend`` has no
+# TARGET_VERIFY branch: ``_run_sdpa_forward_extend`` reads ``forward_batch.extend_prefix_lens``, which
+# such a batch does not set (``AttributeError: 'NoneType' object has no attribute 'shape'``).
+#
+# What the CUDA backends compute for that batch (sglang 0.5.23):
+# - FlashInfer (``FlashInferAttnBackend.forward_extend``, paged branch, with
+#   ``DFlashVerifyInput.generate_attn_arg_prefill``): ``qo_indptr`` a uniform stride of
+#   ``draft_token_num`` per request, the KV of request i = ``req_to_token[row_i, :seq_lens[i] +
+#   draft_token_num]`` (the block's K/V written at ``out_cache_loc`` first), no custom mask,
+#   ``causal = not layer.is_cross_attention and layer.attn_type != ENCODER_ONLY`` (FlashInfer's
+#   causal mask is bottom-right aligned: block query j sees KV positions ``<= seq_lens[i] + j``);
+# - Triton (``TritonAttnBackend.forward_extend``, TARGET_VERIFY metadata): prefix KV
+#   ``req_to_token[row_i, :seq_lens[i]]`` plus the block's own K/V at ``out_cache_loc``, the same
+#   causal rule (ENCODER_ONLY -> bidirectional over prefix + block), ``custom_mask`` None.
+# The two read the same slots (the verify window's ``out_cache_loc`` are ``req_to_token[row_i,
+# seq_lens[i]:seq_lens[i] + n]``, assigned by ``assign_extend_cache_locs``). The CPU form below is
+# that computation with torch SDPA: write the block's K/V at ``out_cache_loc`` (as both do), gather
+# prefix + block K/V from the pool, one SDPA per request with an explicit boolean mask (all-true for
+# a bidirectional layer, ``kv_pos <= prefix + j`` for a causal one). Everything the CUDA paths do
+# that this form does not reproduce is refused by name (ragged verify layouts, tree custom masks,
+# sliding windows, logit caps, cross attention), never approximated.
+TARGET_VERIFY_CPU_FORM = (ATTN_BACKEND_MODULE, ATTN_BACKEND_CLASS, "forward_extend")
+
+
+class TargetVerifyCpuFormError(NotImplementedError):
+    pass
+
+
+def target_verify_attention_cpu(backend, q, k, v, layer, forward_batch, save_kv_cache=True):
+    """TARGET_VERIFY attention of ``TorchNativeAttnBackend`` (see the comment above)."""
+    import torch
+    from torch.nn.functional import scaled_dot_product_attention
+
+    from sglang.srt.layers.radix_attention import AttentionType
+    from sglang.srt.mem_cache.memory_pool import KVWriteLoc
+
+    spec = forward_batch.spec_info
+
+    def refuse(what):
+        raise TargetVerifyCpuFormError(f"dspark_test_cpu TARGET_VERIFY attention: {what} is not supported by the CPU form")
+
+    if spec is None:
+        refuse("a TARGET_VERIFY batch without spec_info")
+    if getattr(spec, "custom_mask", None) is not None:
+        refuse("a tree custom_mask")
+    if getattr(spec, "ragged_verify_layout", None) is not None:
+        refuse("a ragged verify layout")
+    if layer.is_cross_attention:
+        refuse("cross attention")
+    if layer.sliding_window_size is not None and layer.sliding_window_size > -1:
+        refuse(f"a sliding window ({layer.sliding_window_size})")
+    if getattr(layer, "logit_cap", 0) and layer.logit_cap > 0:
+        refuse("a logit cap")
+    if layer.qk_head_dim != layer.v_head_dim:
+        refuse("qk_head_dim != v_head_dim")
+    n = int(getattr(spec, "num_tokens_per_req", -1))
+    if n <= 0:
+        n = int(spec.draft_token_num)
+    bs = int(forward_batch.seq_lens.shape[0])
+    cache_loc = forward_batch.out_cache_loc
+    if q.shape[0] != bs * n or cache_loc.shape[0] != bs * n:
+        refuse(f"{q.shape[0]} query rows / {cache_loc.shape[0]} cache slots for {bs} requests x {n} tokens")
+    pool = backend.token_to_kv_pool
+    if save_kv_cache and k is not None and v is not None:
+        pool.set_kv_buffer(layer, KVWriteLoc(cache_loc, backend.swa_out_cache_loc), k, v)
+    elif k is None or v is None:
+        refuse("a forward without the block's K/V")
+    k_cache = pool.get_key_buffer(layer.layer_id)
+    v_cache = pool.get_value_buffer(layer.layer_id)
+    req_to_token = backend.req_to_token_pool.req_to_token
+    causal = layer.attn_type != AttentionType.ENCODER_ONLY
+    nq, nkv = layer.tp_q_head_num, layer.tp_k_head_num
+    q3 = q.view(-1, nq, layer.qk_head_dim)
+    out = q.new_empty((q3.shape[0], nq, layer.v_head_dim))
+    k3 = k.view(-1, nkv, layer.qk_head_dim) if k is not None else None
+    v3 = v.view(-1, layer.tp_v_head_num, layer.v_head_dim) if v is not None else None
+    for i, (row, prefix) in enumerate(zip(forward_batch.req_pool_indices.tolist(), forward_batch.seq_lens.tolist())):
+        rows = slice(i * n, (i + 1) * n)
+        prefix_ids = req_to_token[int(row), : int(prefix)].to(torch.int64)
+        if save_kv_cache:
+            ids = torch.cat([prefix_ids, cache_loc[rows].to(torch.int64)])
+            key, value = k_cache[ids], v_cache[ids]
+        else:
+            key = torch.cat([k_cache[prefix_ids], k3[rows].to(k_cache.dtype)])
+            value = torch.cat([v_cache[prefix_ids], v3[rows].to(v_cache.dtype)])
+        query = q3[rows]
+        key, value = key.to(query.dtype), value.to(query.dtype)
+        kv_len = int(prefix) + n
+        if causal:
+            mask = torch.arange(kv_len).unsqueeze(0) <= (int(prefix) + torch.arange(n)).unsqueeze(1)
+        else:
+            mask = torch.ones((n, kv_len), dtype=torch.bool)
+        o = scaled_dot_product_attention(
+            query.movedim(0, 1).unsqueeze(0), key.movedim(0, 1).unsqueeze(0), value.movedim(0, 1).unsqueeze(0),
+            attn_mask=mask.to(query.device), scale=layer.scaling, enable_gqa=nq != nkv,
+        )
+        out[rows] = o.squeeze(0).movedim(0, 1)
+    return out.view(q.shape[0], nq * layer.v_head_dim)
+
+
+_STOCK_TORCH_NATIVE_FORWARD_EXTEND = None
+
+
+def _torch_native_forward_extend_cpu_form(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
+    if forward_batch.forward_mode.is_target_verify():
+        return target_verify_attention_cpu(self, q, k, v, layer, forward_batch, save_kv_cache=save_kv_cache)
+    return _STOCK_TORCH_NATIVE_FORWARD_EXTEND(self, q, k, v, layer, forward_batch, save_kv_cache=save_kv_cache, **kwargs)
+
+
+def install_target_verify_cpu_form() -> list[str]:
+    """``TorchNativeAttnBackend.forward_extend``: TARGET_VERIFY batches take the CPU form, every other
+    mode the stock method (idempotent)."""
+    import importlib
+
+    global _STOCK_TORCH_NATIVE_FORWARD_EXTEND
+    backend = getattr(importlib.import_module(ATTN_BACKEND_MODULE), ATTN_BACKEND_CLASS)
+    current = backend.__dict__.get("forward_extend")
+    assert callable(current), f"dspark_test_cpu platform: {ATTN_BACKEND_CLASS}.forward_extend does not exist in this SGLang"
+    if current is _torch_native_forward_extend_cpu_form:
+        return []
+    _STOCK_TORCH_NATIVE_FORWARD_EXTEND = current
+    backend.forward_extend = _torch_native_forward_extend_cpu_form
+    return [f"{ATTN_BACKEND_CLASS}.forward_extend=<TARGET_VERIFY CPU form>"]
 
 
 class DsparkTestCpuPlatform(CpuDeviceMixin, SRTPlatform):
