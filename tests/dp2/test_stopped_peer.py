@@ -41,7 +41,8 @@ def _wait_state(pid: int, want: str, timeout: float = 30.0) -> None:
 def test_stopped_peer_fails_both_ranks_like_a_dead_one():
     s = _session()
     stalls = []
-    ch = _open(s, timeout_ms=300, hard_timeout_ms=0, peer_stop_ms=1500,
+    # (hard limit far above the stop limit: without the stop check this fails as a timeout, never hangs)
+    ch = _open(s, timeout_ms=300, hard_timeout_ms=30000, peer_stop_ms=1500,
                on_stall=lambda msg, waited: stalls.append(msg))
     peer = Peer("exchange-then-late", s, 1, 3, 4.0, timeout_ms=300)
     try:
@@ -57,7 +58,7 @@ def test_stopped_peer_fails_both_ranks_like_a_dead_one():
             ch.exchange([9] * W)
         elapsed = time.monotonic() - t0
         assert info.value.name == "peer_died"
-        assert 1.4 <= elapsed < 20.0, elapsed  # the stop limit, not the (disabled) hard timeout
+        assert 1.4 <= elapsed < 25.0, elapsed  # the stop limit, not the hard timeout
         # every stall period before it named the peer's state
         assert stalls and all("process state T: stopped" in m for m in stalls), stalls
         assert ch.shared_error() == native.lib.DSPARK_DP2_E_PEER_DIED  # published: the peer stops too
@@ -136,7 +137,7 @@ def test_traced_peer_counts_as_stopped():
     libc.ptrace.restype = ctypes.c_long
     libc.ptrace.argtypes = [ctypes.c_long, ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p]
     s = _session()
-    ch = _open(s, timeout_ms=300, hard_timeout_ms=0, peer_stop_ms=1000, on_stall=lambda *a: None)
+    ch = _open(s, timeout_ms=300, hard_timeout_ms=30000, peer_stop_ms=1000, on_stall=lambda *a: None)
     peer = Peer("exchange-then-late", s, 1, 1, 5.0, timeout_ms=300)
     pid = peer.proc.pid
     seized = False
@@ -230,7 +231,7 @@ def test_runtime_publishes_a_stopped_peer_on_the_board_and_clears_it(monkeypatch
     rt = Dp2Runtime()
     s = _session()
     rt.configure(session_id=s, timeout_ms=300, spin_us=50, export=False, rank=0, dp_label="0",
-                 hard_timeout_ms=0, peer_stop_ms=2500)
+                 hard_timeout_ms=30000, peer_stop_ms=2500)
     assert rt.board is board
     ch = rt.open("mlp", width=W, digest=7)
     peer = Peer("exchange-then-late", s, 1, 2, 5.0, timeout_ms=300)
