@@ -316,6 +316,98 @@ def run_mutation(name: str, steps: list) -> dict:
         setattr(D, attr, orig)
 
 
+# -- crafted pairs (test_property.py) -------------------------------------------------------------
+
+
+def crafted_pairs() -> dict:
+    """name -> (step, capture-config overrides, world kwargs)."""
+    from dspark_harden.prefill_graph import trace as T
+
+    def req(**kw):
+        return T.TraceReq(**{"extend": 900, **kw})
+
+    idle = T.RankStep("idle")
+    return {
+        # stock's vote does not evaluate these: one rank runs eager alone (stock splits)
+        "split/capture_hidden_mode": (T.Step((T.RankStep("extend", (req(hidden=True),)), idle)), {}, {}),
+        "split/capture_hidden_mode/both_busy": (
+            T.Step((T.RankStep("extend", (req(hidden=True),)), T.RankStep("extend", (req(extend=700),)))), {}, {}),
+        "split/token_indices_to_pool": (T.Step((T.RankStep("extend", (req(pool=True),)), idle)), {}, {}),
+        "split/token_indices_to_pool/both_busy": (
+            T.Step((T.RankStep("extend", (req(extend=300),)), T.RankStep("extend", (req(pool=True),)))), {}, {}),
+        # the idle rank's dummy extend covers the whole bucket (seq_len 3072 > 3000): it alone fails
+        "split/max_context": (T.Step((T.RankStep("extend", (req(extend=2900),)), idle)), {"max_seq_len": 3000}, {}),
+        "split/backend_hook": (T.Step((idle, T.RankStep("extend", (req(extend=2900),)))), {"backend_seq_limit": 3000}, {}),
+        # stock's vote evaluates these already (min-reduced): both ranks eager under stock too
+        "consistent/request_slots": (
+            T.Step((T.RankStep("extend", tuple(T.TraceReq(extend=2) for _ in range(40))), idle)), {}, {}),
+        "consistent/input_embeds": (T.Step((T.RankStep("extend", (req(embeds=True),)), idle)), {}, {}),
+        "consistent/replace_embeds": (T.Step((T.RankStep("extend", (req(replace=True),)), idle)), {}, {}),
+        "consistent/prefix": (T.Step((T.RankStep("extend", (req(prefix=9000),)), T.RankStep("extend", (req(),)))), {}, {}),
+        "consistent/num_tokens": (T.Step((T.RankStep("extend", (req(extend=16384), req(extend=1))), idle)), {}, {}),
+        "consistent/forward_mode": (T.Step((T.RankStep("extend", (req(),)), T.RankStep("decode", seq=(100, 200)))),
+                                    {}, {}),
+        "consistent/backend_hook/late_tail": (
+            T.Step((T.RankStep("extend", tuple(req(extend=300, logprob=True) for _ in range(30))), idle)),
+            {"max_running_requests": 64}, {}),
+        # padding judged on the shared bucket
+        "padding/one_token_each": (T.Step((T.RankStep("extend", (T.TraceReq(extend=1),)),
+                                           T.RankStep("extend", (T.TraceReq(extend=1),)))), {}, {}),
+        "padding/tiny_next_to_large": (T.Step((T.RankStep("extend", (T.TraceReq(extend=10),)),
+                                               T.RankStep("extend", (T.TraceReq(extend=5000),)))), {}, {}),
+        "padding/sparse_buckets_f2": (T.Step((T.RankStep("extend", (T.TraceReq(extend=1000),)), idle)),
+                                      {"buckets": (64, 4096)}, {"factor": 2.0}),
+        # the breakable backend converts a decoding peer to 1-token extends: both replay
+        "breakable/decoding_peer": (T.Step((T.RankStep("decode", seq=(900, 17, 3000)),
+                                            T.RankStep("extend", (T.TraceReq(extend=600),)))), {},
+                                    {"backend": "breakable"}),
+        "breakable/decoding_peer_hidden": (T.Step((T.RankStep("decode", seq=(900, 17)),
+                                                   T.RankStep("extend", (T.TraceReq(extend=600, hidden=True),)))), {},
+                                           {"backend": "breakable"}),
+        # DSpark: its worker passes FULL on the target prefill and the idle rank; the runner captures FULL
+        "dspark/hidden_request": (T.Step((T.RankStep("extend", (req(hidden=True),)), idle)), {}, {"spec": "dspark"}),
+        "dspark/pool_request": (T.Step((T.RankStep("extend", (req(pool=True),)), idle)), {}, {"spec": "dspark"}),
+    }
+
+
+def run_crafted() -> dict:
+    from dspark_harden.prefill_graph import bench as B
+    from dspark_harden.prefill_graph import world as W
+
+    out = {}
+    worlds: dict = {}
+    for name, (step, over, wkw) in crafted_pairs().items():
+        over = dict(over)
+        limit = over.pop("backend_seq_limit", None)
+        buckets = over.pop("buckets", None)
+        if limit:
+            over["max_seq_len"] = limit
+        key = (tuple(sorted(over.items())), limit, buckets, tuple(sorted(wkw.items())))
+        world = worlds.get(key)
+        if world is None:
+            cfg = B.capture_config(buckets, **over)
+            world = worlds[key] = W.World(cfg, **wkw)
+            if limit:
+                for runner in world.runners.values():
+                    runner.max_seq_len = None  # only the backend hook knows the limit
+        rec = {}
+        for side in ("stock", "harden"):
+            res = world.step(step, side)
+            rec[side] = {
+                "replays": [r.replays for r in res],
+                "raised": [None if r.raised is None else r.raised.check for r in res],
+                "verdict": [r.verdict for r in res],
+                "reasons": [r.local_reason or (r.decision.reason if r.decision is not None else None) for r in res],
+                "decision": [None if r.decision is None else [r.decision.graph, r.decision.bucket, r.decision.reason]
+                             for r in res],
+                "executed": [None if r.fb is None or not r.replays else len(r.fb.input_ids) for r in res],
+            }
+        out[name] = rec
+    for world in worlds.values():
+        world.close()
+    return out
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=300)
@@ -323,7 +415,11 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=2026)
     ap.add_argument("--configs", default=",".join(CONFIGS))
     ap.add_argument("--mutations", default="all")
+    ap.add_argument("--crafted", action="store_true", help="only the crafted pairs")
     args = ap.parse_args(argv)
+    if args.crafted:
+        sys.stdout.write("\n" + json.dumps({"crafted": run_crafted()}) + "\n")
+        return 0
     steps = random_steps(args.steps, args.seed)
     report: dict = {"configs": {}, "mutations": {}}
     for name in args.configs.split(","):

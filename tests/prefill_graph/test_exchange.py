@@ -4,9 +4,12 @@ loopback gloo group AND through the native DP2 exchange (``dspark_harden.dp2``),
 ``_update_gather_batch`` wrapped by the finalisation decides. Both ranks must reach the same
 verdict and bucket on every step, and the native path must gather exactly what gloo gathers.
 
-Stand-ins (see ``dspark_harden.dp2.harness`` and ``prefill_graph.bench``): ``dp_attn.get_parallel``
-exposes only ``tp_group.active_ranks_cpu``; each rank's ScheduleBatch is a TraceBatch; the runner is
-the real class with state from stock's default capture configuration (no GPU).
+Each rank's batch is a real ``ScheduleBatch`` (``prefill_graph.world``: real Reqs, pools and radix
+cache, stock ``prepare_for_extend`` / ``prepare_for_decode`` / ``mix_with_running``); an idle rank
+gets stock's idle batch (``SchedulerDPAttnAdapter.get_idle_batch``). Stand-ins (see
+``dspark_harden.dp2.harness`` and ``prefill_graph.world``): ``dp_attn.get_parallel`` exposes only
+``tp_group.active_ranks_cpu``; the runner is the real class with state from stock's default capture
+configuration (no GPU).
 """
 
 from __future__ import annotations
@@ -22,42 +25,75 @@ STEPS = 1500
 
 def _worker(rank, port, session, steps):
     from dspark_harden.dp2 import harness
+    from dspark_harden.prefill_graph import admission as A
     from dspark_harden.prefill_graph import bench as B
     from dspark_harden.prefill_graph import trace as T
+    from dspark_harden.prefill_graph import world as W
 
+    cfg = B.capture_config()
+    model_config = W.publish_runtime(cfg, backend="full", spec="none")
     w = harness.init_worker(rank, port, session)
-    sim = B.Simulator(B.capture_config())
     dp_attn = w.dp_attn
+    from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode, ForwardMode
+    from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
+
+    eng = W.RankEngine(rank, model_config)
+    runner = B.build_runner(cfg)
+    rt = A.Runtime(dp_rank=rank, bs=list(cfg.buckets), server_mode=CaptureHiddenMode.NULL, attn_tp_size=1,
+                   tolerates_sum_len=lambda: False)
+    vote = A.build_vote(B._stock(dp_attn._local_prefill_cuda_graph_vote), rt)
+    update = A.build_update_gather(B._stock(dp_attn._update_gather_batch), rt)
     stock_all_gather = B._stock(dp_attn.MLPSyncBatchInfo.all_gather)
     trace = T.generate(T.TraceShape(steps=steps, seed=99, p_hidden=0.05, p_pool=0.05, p_peer_decode=0.15))
+    none = SpeculativeAlgorithm.NONE
     out, mismatches = [], []
-    for step in trace:
-        mine = step.ranks[rank]
-        batch = T.schedule_batch(mine)
-        vote = sim.h_vote[rank](**sim._vote_kwargs(batch, T.num_tokens(mine)))
-        info = sim._infos(T.Step((mine, mine)), [batch, batch], [vote, vote])[0]
-        native = copy.copy(info)
-        stock_all_gather(info, "cpu", w.group)
-        w.sync(native, "cpu", w.group)
-        diff = harness.differences(info, native)
-        if diff:
-            mismatches.append(diff)
-        target = batch if batch is not None else _idle_batch()
-        sim.h_update[rank](target, info, True, None, skip_global_metadata=False)
-        dec = sim.rts[rank].last if info.is_extend_in_batch else None
-        out.append((bool(target.can_run_dp_prefill_cuda_graph),
-                    None if dec is None else (dec.graph, dec.bucket, dec.reason)))
-    w.sync.channel.close()
+    try:
+        for step in trace:
+            mine = step.ranks[rank]
+            batch = W.build_batch(eng, mine, none)
+            if batch is None or batch.forward_mode.is_idle():
+                tokens = 0
+            elif batch.forward_mode.is_decode():
+                tokens = batch.batch_size()
+            else:
+                tokens = batch.extend_num_tokens
+            ok = vote(local_batch=batch, num_tokens=tokens, prefill_graph_runner=runner, coordinated_prefill=True,
+                      breakable_prefill=False, spec_algorithm=none, model_config=model_config)
+            mode = ForwardMode.IDLE if batch is None else batch.forward_mode
+            info = dp_attn.MLPSyncBatchInfo(
+                num_dp_ranks=2, tp_size=1, cp_size=1, num_tokens=tokens, num_tokens_for_logprob=tokens,
+                can_run_decode_cuda_graph=mode.is_decode_or_idle(), can_run_draft_cuda_graph=True,
+                can_run_prefill_cuda_graph=ok, is_extend_in_batch=mode.is_extend(), local_can_run_tbo=False,
+                local_forward_mode=mode.value,
+                prefill_cuda_graph_max_prefix_len=max(batch.prefix_lens or [0]) if mode.is_extend() else 0,
+            )
+            native = copy.copy(info)
+            stock_all_gather(info, "cpu", w.group)
+            w.sync(native, "cpu", w.group)
+            diff = harness.differences(info, native)
+            if diff:
+                mismatches.append(diff)
+            target = batch if batch is not None else _idle_batch(eng, model_config)
+            update(target, info, True, None, skip_global_metadata=False)
+            dec = rt.last if info.is_extend_in_batch else None
+            rt.last = None
+            out.append((bool(target.can_run_dp_prefill_cuda_graph),
+                        None if dec is None else (dec.graph, dec.bucket, dec.reason)))
+            eng.release()
+    finally:
+        w.sync.channel.close()
     return {"decisions": out, "mismatches": mismatches[:5], "n_mismatch": len(mismatches)}
 
 
-def _idle_batch():
-    from sglang.srt.model_executor.forward_batch_info import ForwardMode
+def _idle_batch(eng, model_config):
+    """Stock ``SchedulerDPAttnAdapter.get_idle_batch``: an empty ScheduleBatch after prepare_for_idle."""
+    from sglang.srt.managers.schedule_batch import ScheduleBatch
+    from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
 
-    from dspark_harden.prefill_graph import trace as T
-
-    return T.TraceBatch(forward_mode=ForwardMode.IDLE, reqs=[], extend_lens=[], prefix_lens=[],
-                        extend_logprob_start_lens=[], return_logprob=False, seq_lens_cpu=None)
+    idle = ScheduleBatch.init_new([], eng.req_to_token_pool, eng.allocator, eng.tree, model_config, False,
+                                  SpeculativeAlgorithm.NONE)
+    idle.prepare_for_idle()
+    return idle
 
 
 def test_both_ranks_decide_the_same_over_gloo_and_native_exchange():

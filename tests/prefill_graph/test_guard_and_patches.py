@@ -62,6 +62,8 @@ def _forced(name):
 
 CHECKS = ["capture_hidden_mode", "token_indices_to_pool", "input_embeds", "max_context", "request_slots",
           "inactive_dp_rank", "num_tokens", "prefix"]
+#: checks whose inputs are gathered / the same on every rank: eager everywhere, never a divergence
+UNIFORM = ["inactive_dp_rank", "num_tokens"]
 
 
 def test_guard_passes_a_batch_every_check_admits(runner):
@@ -69,7 +71,16 @@ def test_guard_passes_a_batch_every_check_admits(runner):
     assert guard(runner, _fb()) is True
 
 
-@pytest.mark.parametrize("check", CHECKS)
+@pytest.mark.parametrize("check", UNIFORM)
+def test_guard_runs_a_uniform_failure_eager_on_every_rank(runner, check):
+    seen = []
+    rt = A.Runtime(dp_rank=1, on_divergence=seen.append, on_uniform=lambda c, p: seen.append(c))
+    guard = A.build_guard(_stock_can_run(), rt)
+    assert guard(runner, _fb(**_forced(check))) is False  # as stock: eager, and so is every peer
+    assert rt.last_guard == "eager_uniform" and seen == [check]
+
+
+@pytest.mark.parametrize("check", [c for c in CHECKS if c not in UNIFORM])
 def test_guard_raises_naming_the_check_under_a_shared_graph_verdict(runner, check):
     seen = []
     rt = A.Runtime(dp_rank=1, on_divergence=seen.append)
@@ -161,22 +172,26 @@ def test_patches_bind_wrap_and_revert_on_real_sglang():
 
 @pytest.mark.forked
 def test_bound_vote_folds_forward_time_checks_into_the_stock_column():
-    """Through the live module function (as prepare_mlp_sync_batch_raw calls it)."""
+    """Through the live module function (as prepare_mlp_sync_batch_raw calls it), on a real
+    ScheduleBatch (prefill_graph.world: real Req / pools / radix cache, stock prepare_for_extend)."""
     from sglang.srt.managers.scheduler_components import dp_attn
+    from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode
     from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
 
     from dspark_harden.prefill_graph import feature
     from dspark_harden.prefill_graph import trace as T
+    from dspark_harden.prefill_graph import world as W
 
+    cfg = B.capture_config()
+    model_config = W.publish_runtime(cfg, backend="full", spec="none")
     for p in feature.patches():
         p.apply()
-    from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode
-
     A.RUNTIME.server_mode = CaptureHiddenMode.NULL
-    runner = B.build_runner(B.capture_config())
-    rank = T.RankStep("extend", (T.TraceReq(extend=500, hidden=True),))
-    kw = dict(local_batch=T.schedule_batch(rank), num_tokens=500, prefill_graph_runner=runner, coordinated_prefill=True,
-              breakable_prefill=False, spec_algorithm=SpeculativeAlgorithm.NONE, model_config=None)
+    runner = B.build_runner(cfg)
+    eng = W.RankEngine(0, model_config)
+    batch = W.build_batch(eng, T.RankStep("extend", (T.TraceReq(extend=500, hidden=True),)), SpeculativeAlgorithm.NONE)
+    kw = dict(local_batch=batch, num_tokens=500, prefill_graph_runner=runner, coordinated_prefill=True,
+              breakable_prefill=False, spec_algorithm=SpeculativeAlgorithm.NONE, model_config=model_config)
     assert dp_attn._local_prefill_cuda_graph_vote.__wrapped__(**kw) is True  # stock: "graph"
     assert dp_attn._local_prefill_cuda_graph_vote(**kw) is False  # ours: the forward-time check, now
     assert A.RUNTIME.step.local_reason == "capture_hidden_mode"
@@ -186,24 +201,32 @@ def test_bound_vote_folds_forward_time_checks_into_the_stock_column():
                                     can_run_prefill_cuda_graph=dp_attn._local_prefill_cuda_graph_vote(**kw),
                                     is_extend_in_batch=True, local_can_run_tbo=False, local_forward_mode=1)
     assert info._get_local_tensor(device="cpu").tolist()[6] == 0
+    # a speculative algorithm whose worker override is not modelled: the vote refuses to guess
+    with pytest.raises(D.UnmodelledWorker, match="EAGLE"):
+        dp_attn._local_prefill_cuda_graph_vote(**{**kw, "spec_algorithm": SpeculativeAlgorithm.EAGLE})
 
 
-# --- metrics and the exchange column -------------------------------------------------------------
+# --- metrics, uniform failures and the exchange column --------------------------------------------
 
 
 @pytest.mark.forked
-def test_recorder_counts_decisions_tokens_buckets_and_prevented_splits():
+def test_recorder_and_uniform_failures_on_real_forward_batches():
+    """Metrics of the decision, and item 4: a forward-time check failing identically on every rank
+    (gathered inputs) runs the step eager on every rank (outcome eager_uniform), while a failure of
+    one rank alone raises PrefillGraphDivergence. Real ForwardBatches from prefill_graph.world."""
     import prometheus_client
+    from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode
 
     from dspark_harden.core import metrics as M
     from dspark_harden.prefill_graph import metrics as PM
     from dspark_harden.prefill_graph import trace as T
+    from dspark_harden.prefill_graph import world as W
 
     M.reset_for_tests()
     M.use(M.registry(load_extensions=False))
     assert M.precreate_process("scheduler", ["prefill-graph-dp"], "1")
-    sim = B.Simulator(B.capture_config())
-    PM.attach(sim.rts[1], dp_label="1")  # this process is dp_rank 1
+    world = W.World(B.capture_config())
+    PM.attach(world.runtimes[1], dp_label="1")  # this process is dp_rank 1
     idle = T.RankStep("idle")
     steps = [
         T.Step((T.RankStep("extend", (T.TraceReq(extend=900),)), T.RankStep("extend", (T.TraceReq(extend=100),)))),
@@ -211,7 +234,8 @@ def test_recorder_counts_decisions_tokens_buckets_and_prevented_splits():
         T.Step((T.RankStep("extend", (T.TraceReq(extend=50),)), idle)),
     ]
     for s in steps:
-        sim._side(s, harden=True)
+        res = world.step(s, "harden")
+        assert [r.raised for r in res] == [None, None]
 
     def value(name, **labels):
         return prometheus_client.REGISTRY.get_sample_value(name, {"dp_rank": "1", **labels})
@@ -219,11 +243,50 @@ def test_recorder_counts_decisions_tokens_buckets_and_prevented_splits():
     assert value("dspark_harden_prefill_graph_decisions_total", outcome="graph", reason="admitted") == 2
     assert value("dspark_harden_prefill_graph_decisions_total", outcome="eager", reason="capture_hidden_mode") == 1
     assert value("dspark_harden_prefill_graph_decisions_total", outcome="eager", reason="padding") == 0  # pre-created
+    assert value("dspark_harden_prefill_graph_decisions_total", outcome="eager_uniform", reason="inactive_dp_rank") == 0
     assert value("dspark_harden_prefill_graph_splits_prevented_total", check="capture_hidden_mode") == 1
     assert value("dspark_harden_prefill_graph_tokens_total", kind="useful") == 100 + 0  # idle participant: 0 useful
     assert value("dspark_harden_prefill_graph_tokens_total", kind="executed") == 960 + 64
     assert value("dspark_harden_prefill_graph_bucket_tokens_count") == 2
     assert value("dspark_harden_prefill_graph_divergence_total", check="backend_hook") == 0
+
+    # an admitted step; then the guard is asked again about each rank's real, padded ForwardBatch
+    res = world.step(steps[0], "harden")
+    fbs = [r.fb for r in res]
+    assert [r.replays for r in res] == [True, True] and fbs[0].global_num_tokens_cpu == [960, 960]
+    guards = [world.runners["harden", r] for r in (0, 1)]
+    # (a) uniform: the gathered table (identical on every rank) shows an inactive rank
+    for r in (0, 1):
+        fbs[r].global_num_tokens_cpu = [960, 0]
+        world.runtimes[r].pending = ("admitted-step", None, 0)
+        assert guards[r].can_run_graph(fbs[r]) is False  # eager, no raise, on every rank
+        assert world.runtimes[r].last_guard == "eager_uniform" and world.runtimes[r].pending is None
+    assert value("dspark_harden_prefill_graph_decisions_total", outcome="eager_uniform", reason="inactive_dp_rank") == 1
+    # stock, on the same batches: eager on every rank too
+    assert [W.stock_replays(world.adapters["stock", r].model_runner, fbs[r]) for r in (0, 1)] == [False, False]
+    # (b) one rank alone: its capture mode exceeds the captured one -> divergence on that rank only
+    for r in (0, 1):
+        fbs[r].global_num_tokens_cpu = [960, 960]
+    fbs[1].capture_hidden_mode = CaptureHiddenMode.FULL
+    assert guards[0].can_run_graph(fbs[0]) is True
+    with pytest.raises(D.PrefillGraphDivergence) as info:
+        guards[1].can_run_graph(fbs[1])
+    assert info.value.check == "capture_hidden_mode" and world.runtimes[1].last_guard == "divergence"
+    assert value("dspark_harden_prefill_graph_divergence_total", check="capture_hidden_mode") == 1
+    # (c) a rank-local failure next to a uniform one: every rank fails the uniform check -> eager, no raise
+    fbs[1].global_num_tokens_cpu = [960, 0]
+    assert guards[1].can_run_graph(fbs[1]) is False and world.runtimes[1].last_guard == "eager_uniform"
+    world.close()
+
+
+def test_uniform_failures_are_only_the_gathered_or_uniform_checks(runner):
+    fb = _fb(global_num_tokens_cpu=[1024, 1024])
+    assert D.uniform_failures(runner, fb, ["inactive_dp_rank", "capture_hidden_mode"]) == ["inactive_dp_rank"]
+    assert D.uniform_failures(runner, fb, ["num_tokens"]) == ["num_tokens"]  # every rank presents 1024 tokens
+    assert D.uniform_failures(runner, _fb(global_num_tokens_cpu=[1024, 900]), ["num_tokens"]) == []  # SUM_LEN: local
+    for local in ("capture_hidden_mode", "token_indices_to_pool", "max_context", "backend_hook", "prefix",
+                  "request_slots", "input_embeds", "can_run_graph"):
+        assert D.uniform_failures(runner, fb, [local]) == []
 
 
 def test_the_vote_travels_in_the_stock_column_of_both_exchange_paths():

@@ -54,6 +54,10 @@ class Runtime:
     on_decision: Optional[Callable] = None
     #: ``on_divergence(exc)`` before a guard raises
     on_divergence: Optional[Callable] = None
+    #: ``on_uniform(check, pending)`` when every rank runs an admitted step eager (a uniform failure)
+    on_uniform: Optional[Callable] = None
+    #: the admitted decision of this step, recorded when the guard has run: (decision, local reason, tokens)
+    pending: Optional[tuple] = None
     #: ``on_view(view)`` with each schedule-time view the vote evaluated (tests, bench)
     on_view: Optional[Callable] = None
     step: StepState = field(default_factory=StepState)
@@ -183,12 +187,24 @@ def build_update_gather(stock: Callable, runtime: Optional[Runtime] = None) -> C
         batch.can_run_dp_prefill_cuda_graph = dec.graph
         rt.last = dec
         rt.last_local_reason = step.local_reason
-        if rt.on_decision is not None:
+        flush_pending(rt)  # an admitted step whose guard never ran (no prefill forward) counts as admitted
+        if dec.graph:
+            rt.pending = (dec, step.local_reason, step.local_tokens)  # recorded by the guard
+        elif rt.on_decision is not None:
             rt.on_decision(dec, step.local_reason, step.local_tokens)
         return result
 
     _update_gather_batch.__doc__ = stock.__doc__
     return _update_gather_batch
+
+
+def flush_pending(rt: Runtime) -> None:
+    pending, rt.pending = rt.pending, None
+    if pending is not None and rt.on_decision is not None:
+        rt.on_decision(*pending)
+
+
+_UNIFORM_LOGGED: set = set()
 
 
 def build_guard(stock: Callable, runtime: Optional[Runtime] = None) -> Callable:
@@ -198,9 +214,10 @@ def build_guard(stock: Callable, runtime: Optional[Runtime] = None) -> Callable:
         mr = getattr(self, "model_runner", None)
         if getattr(mr, "is_draft_worker", False):
             return stock(self, forward_batch)  # the vote covers the target runner only (docs: draft runners)
-        if not forward_batch.can_run_dp_prefill_cuda_graph:
-            return False  # shared eager: eager on every rank
         rt = runtime or RUNTIME
+        if not forward_batch.can_run_dp_prefill_cuda_graph:
+            rt.last_guard = "eager"
+            return False  # shared eager: eager on every rank
         fails = []
         if self._has_inactive_dp_rank(forward_batch):
             fails.append("inactive_dp_rank")
@@ -208,11 +225,29 @@ def build_guard(stock: Callable, runtime: Optional[Runtime] = None) -> Callable:
         if not fails and not stock(self, forward_batch):
             fails.append("can_run_graph")
         if fails:
+            uniform = D.uniform_failures(self, forward_batch, fails)
+            if uniform:
+                # every rank fails this check identically (gathered / uniform inputs): all run eager, as stock
+                rt.last_guard = "eager_uniform"
+                pending, rt.pending = rt.pending, None
+                if rt.on_uniform is not None:
+                    rt.on_uniform(uniform[0], pending)
+                if uniform[0] not in _UNIFORM_LOGGED:
+                    _UNIFORM_LOGGED.add(uniform[0])
+                    logger.warning(
+                        "dspark-harden prefill-graph-dp (dp_rank %s): an admitted step runs eager on every rank: "
+                        "forward-time check %r failed with inputs that are the same on every rank (%s); logged once "
+                        "per check, counted as outcome=\"eager_uniform\"", rt.dp_rank, uniform[0], D.geometry(forward_batch))
+                return False
+            rt.last_guard = "divergence"
+            rt.pending = None
             exc = D.PrefillGraphDivergence(check=fails[0], failed=fails, dp_rank=rt.dp_rank, geometry=D.geometry(forward_batch))
             if rt.on_divergence is not None:
                 rt.on_divergence(exc)
             logger.critical("%s", exc)
             raise exc
+        rt.last_guard = "graph"
+        flush_pending(rt)
         return True
 
     can_run_graph.__doc__ = stock.__doc__

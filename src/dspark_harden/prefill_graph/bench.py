@@ -1,20 +1,23 @@
 """``dspark-harden bench prefill-admission``: stock's DP2 prefill-graph admission vs ours on a trace.
 
-Both sides run the real stock code: ``dp_attn._local_prefill_cuda_graph_vote``, the real
-``MLPSyncBatchInfo`` row packing (column ``can_run_prefill_cuda_graph``, min-reduced like
-``all_gather`` does after the exchange), the real ``dp_attn._update_gather_batch``, and the real
-``PrefillCudaGraphRunner.can_run_graph`` / ``can_replay_locally`` / ``_has_inactive_dp_rank`` on a
-runner object of the real class whose state comes from a capture configuration (stock's default
-prefill bucket list for ``--chunked-prefill-size 16384``, the full backend's request slots, the
-chunked-prefix variants) and whose attention-backend hooks are the real DeepSeek-V4 backend
-methods bound to a small stand-in (no GPU, no model). The harden side wraps the same functions
-with the feature's own wrappers (:mod:`.admission`).
+Each rank's forward-time batch is a REAL ``ForwardBatch``: the trace step becomes, per rank, a real
+``ScheduleBatch`` of real ``Req``s over real pools and a real ``RadixCache`` (stock
+``prepare_for_extend`` / ``prepare_for_decode`` / ``mix_with_running`` / ``prepare_for_idle``), both
+ranks run stock ``dp_attn.prepare_mlp_sync_batch_raw`` (the vote, the ``MLPSyncBatchInfo`` row,
+stock ``all_gather``, ``_update_gather_batch``), stock ``maybe_convert_decode_to_extend``, stock
+``ForwardBatch.init_new`` with the capture mode the rank's worker passes, stock
+``ModelRunner._prepare_eager_forward_batch`` -> ``ForwardBatch.prepare_mlp_sync_batch``, and
+whether the rank replays is stock ``ModelRunner._forward_raw``'s prefill-graph condition compiled
+from its source, evaluated on that batch. The stock side runs exactly that (stock's own code path:
+its splits are counted there); the harden side runs the same with the feature's three wrappers
+(:mod:`.admission`) in place of the stock vote, finalisation and ``can_run_graph``.
 
-Stand-ins (what cannot exist without a GPU): the ``ScheduleBatch`` of each rank
-(:class:`.trace.TraceBatch`), the cross-rank exchange (the two rows are stacked in-process), and
-the ``ForwardBatch`` after ``ForwardBatch.prepare_mlp_sync_batch`` (:func:`.decision.after_mlp_sync`:
-MAX_LEN to the shared bucket, idle rank -> stock's dummy extend). The result is a count, not a
-timing: deterministic for a given trace and configuration.
+Stand-ins (what needs a GPU, a model or a running engine; see :mod:`.world`): the model runner's
+attributes, the transport between the two ranks (in-process, both ranks in this process), a decode
+row's next token, and the prefill-graph runner's capture state (an object of the real
+``PrefillCudaGraphRunner`` class whose state is what ``__init__`` derives from the capture
+configuration; with the full backend, the real DeepSeek-V4 backend hooks bound to a stand-in
+backend). The result is a count, not a timing: deterministic for a given trace and configuration.
 """
 
 from __future__ import annotations
@@ -27,7 +30,6 @@ from typing import Any, Optional
 
 from . import decision as D
 from . import trace as T
-from .admission import Runtime, build_guard, build_update_gather, build_vote
 
 DEFAULT_CHUNKED_PREFILL = 16384
 
@@ -167,166 +169,101 @@ def _stock(func):
     return func
 
 
-class Simulator:
-    """Runs DP2 steps through stock's admission and ours (the same stock functions underneath)."""
+EAGER_VOTE = "dp_verdict"  # stock side: the shared min-reduced vote said eager
 
-    def __init__(self, cfg: CaptureConfig, *, factor: float = D.DEFAULT_PADDING_FACTOR):
-        from sglang.srt.managers.scheduler_components import dp_attn
-        from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode
-        from sglang.srt.model_executor.model_runner import _prefill_cuda_graph_allows_context_parallel
-        from sglang.srt.model_executor.runner.prefill_cuda_graph_runner import PrefillCudaGraphRunner
-        from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
 
-        self.cfg = cfg
-        self.dp_attn = dp_attn
-        self.server_mode = CaptureHiddenMode.NULL
-        self.runner = build_runner(cfg, server_mode=self.server_mode)
-        self.spec = SpeculativeAlgorithm.NONE
-        self.allows_cp = _prefill_cuda_graph_allows_context_parallel
-        self.stock_vote = _stock(dp_attn._local_prefill_cuda_graph_vote)
-        self.stock_update = _stock(dp_attn._update_gather_batch)
-        self.stock_can_run = _stock(PrefillCudaGraphRunner.__dict__["can_run_graph"])
-        self.rts = [self._runtime(factor, rank) for rank in (0, 1)]
-        self.h_vote = [build_vote(self.stock_vote, rt) for rt in self.rts]
-        self.h_update = [build_update_gather(self.stock_update, rt) for rt in self.rts]
-        self.h_guard = [build_guard(self.stock_can_run, rt) for rt in self.rts]
+def _eager_reason(r, results, side: str, runner) -> str:
+    """Why rank result ``r`` ran eager (``eager_tokens_by_reason``)."""
+    if r.raised is not None:
+        return f"divergence:{r.raised.check}"
+    if side == "harden":
+        if r.guard_outcome == "eager_uniform":
+            return "eager_uniform"
+        dec = r.decision
+        if dec is not None and not dec.graph:
+            own = r.local_reason
+            peers = [p.local_reason for p in results if p is not r and p.local_reason]
+            if dec.reason == "peer_vote":
+                return own or (peers[0] if peers else "peer_vote")
+            return dec.reason
+        if dec is None:
+            return r.local_reason or "stock_vote"
+        return "forward_raw"  # admitted and the guard passed, yet _forward_raw ran eager (would be a split)
+    if not r.verdict:
+        return EAGER_VOTE
+    if r.fb is None or not r.fb.forward_mode.is_extend():
+        return "no_extend_forward"
+    fails = D.local_failures(runner, r.fb, num_tokens=len(r.fb.input_ids), schedule_time=False)
+    if runner._has_inactive_dp_rank(r.fb):
+        fails = ["inactive_dp_rank"] + fails
+    return fails[0] if fails else "can_run_graph"
 
-    def _runtime(self, factor: float, rank: int) -> Runtime:
-        return Runtime(factor=factor, dp_rank=rank, bs=list(self.cfg.buckets), server_mode=self.server_mode,
-                       attn_tp_size=1, tolerates_sum_len=lambda: False)
 
-    # -- one side ----------------------------------------------------------------------------
-    def _vote_kwargs(self, batch, tokens):
-        return dict(local_batch=batch, num_tokens=tokens, prefill_graph_runner=self.runner, coordinated_prefill=True,
-                    breakable_prefill=False, spec_algorithm=self.spec, model_config=None)
-
-    def _infos(self, step, batches, votes):
-        from sglang.srt.model_executor.forward_batch_info import ForwardMode
-
-        infos = []
-        for rank, batch, vote in zip(step.ranks, batches, votes):
-            infos.append(self.dp_attn.MLPSyncBatchInfo(
-                num_dp_ranks=2, tp_size=1, cp_size=1, num_tokens=T.num_tokens(rank),
-                num_tokens_for_logprob=T.num_tokens(rank), can_run_decode_cuda_graph=rank.mode in ("idle", "decode"),
-                can_run_draft_cuda_graph=True, can_run_prefill_cuda_graph=vote,
-                is_extend_in_batch=rank.mode in ("extend", "mixed"), local_can_run_tbo=False,
-                local_forward_mode=(batch.forward_mode if batch is not None else ForwardMode.IDLE).value,
-                prefill_cuda_graph_max_prefix_len=max((q.prefix for q in rank.reqs), default=0),
-            ))
-        return infos
-
-    @staticmethod
-    def _gather(infos):
-        """What ``MLPSyncBatchInfo.all_gather`` derives after the exchange (both rows, stacked)."""
-        import torch
-
-        tp0 = torch.stack([i._get_local_tensor(device="cpu") for i in infos])
-        out = []
-        for info in infos:
-            info.tp0_info_cpu = tp0
-            info.global_num_tokens = tp0[:, 0].tolist()
-            info.global_num_tokens_for_logprob = tp0[:, 1].tolist()
-            info.can_run_decode_cuda_graph = bool(tp0[:, 2].min())
-            info.is_extend_in_batch = bool(tp0[:, 3].max())
-            info.can_run_prefill_cuda_graph = bool(tp0[:, 6].min())
-            info.prefill_cuda_graph_max_prefix_len = int(tp0[:, 7].max())
-            info.can_run_draft_cuda_graph = bool(tp0[:, 8].min())
-            out.append(info)
-        return out
-
-    def _side(self, step, *, harden: bool) -> dict:
-        from sglang.srt.model_executor.forward_batch_info import ForwardMode
-
-        batches = [T.schedule_batch(r) for r in step.ranks]
-        votes = []
-        for i, (rank, batch) in enumerate(zip(step.ranks, batches)):
-            vote = self.h_vote[i] if harden else self.stock_vote
-            votes.append(bool(vote(**self._vote_kwargs(batch, T.num_tokens(rank)))))
-        infos = self._gather(self._infos(step, batches, votes))
-        verdicts, gathered = [], []
-        for i, (batch, info) in enumerate(zip(batches, infos)):
-            target = batch if batch is not None else T.TraceBatch(
-                forward_mode=ForwardMode.IDLE, reqs=[], extend_lens=[], prefix_lens=[], extend_logprob_start_lens=[],
-                return_logprob=False, seq_lens_cpu=None,
-            )
-            update = self.h_update[i] if harden else self.stock_update
-            update(target, info, True, None, skip_global_metadata=False)
-            verdicts.append(bool(target.can_run_dp_prefill_cuda_graph))
-            gathered.append(info.global_num_tokens)
-        assert verdicts[0] == verdicts[1], "the gathered verdict differs between ranks"
-        decisions, raised, executed, useful = [], [], 0, 0
-        is_extend = infos[0].is_extend_in_batch
-        for i, (rank, batch) in enumerate(zip(step.ranks, batches)):
-            view = None
-            if batch is not None and batch.forward_mode in (ForwardMode.EXTEND, ForwardMode.MIXED):
-                view = D.schedule_view(batch, server_mode=self.server_mode)
-            fb = D.after_mlp_sync(view, num_tokens=T.num_tokens(rank), global_num_tokens=gathered[i],
-                                  verdict=verdicts[i], is_extend_in_batch=is_extend, bs=self.cfg.buckets,
-                                  server_mode=self.server_mode)
-            graph = False
-            if fb is not None and fb.forward_mode.is_extend():
-                if harden:
-                    try:
-                        graph = self.h_guard[i](self.runner, fb)
-                    except D.PrefillGraphDivergence as exc:
-                        raised.append(exc.check)
-                        graph = False
-                else:
-                    graph = bool(self.stock_can_run(self.runner, fb)) and fb.token_indices_to_pool is None \
-                        and self.allows_cp(self.runner, fb)
-            decisions.append(bool(graph))
-            if graph:
-                executed += len(fb.input_ids)
-                useful += rank.extend_tokens
-        return {"decisions": decisions, "verdict": verdicts[0], "raised": raised, "executed": executed, "useful": useful,
-                "bucket": max(gathered[0]) if decisions[0] or decisions[1] else None}
-
-    def run(self, steps) -> dict:
-        report = {"batches": 0}
-        for side in ("stock", "harden"):
-            tot = cov = splits = executed = useful = raised = 0
-            for step in steps:
-                r = self._side(step, harden=side == "harden")
-                tokens = [rank.extend_tokens for rank in step.ranks]
-                tot += sum(tokens)
-                cov += sum(t for t, d in zip(tokens, r["decisions"]) if d)
-                splits += r["decisions"][0] != r["decisions"][1]
-                executed += r["executed"]
-                useful += r["useful"]
-                raised += len(r["raised"])
-            report[side] = {
-                "graph_token_coverage": round(cov / tot, 6) if tot else 0.0,
-                "splits": int(splits),
-                "padding_overhead": round((executed - useful) / useful, 6) if useful else 0.0,
-            }
-            if side == "harden":
-                report[side]["guard_raised"] = int(raised)
-        report["batches"] = sum(1 for s in steps if any(r.mode in ("extend", "mixed") for r in s.ranks))
-        return report
+def run(world, steps, *, progress=None) -> dict:
+    """Replay ``steps`` through ``world`` (a :class:`.world.World`) on both sides."""
+    report: dict = {"batches": sum(1 for s in steps if any(r.mode in ("extend", "mixed") for r in s.ranks))}
+    raised_total = 0
+    for side in ("stock", "harden"):
+        tot = cov = splits = executed = useful = 0
+        eager: dict = {}
+        for i, step in enumerate(steps):
+            results = world.step(step, side)
+            tokens = [rs.extend_tokens for rs in step.ranks]
+            tot += sum(tokens)
+            for r, t in zip(results, tokens):
+                if r.replays:
+                    cov += t
+                    useful += t
+                    executed += len(r.fb.input_ids)
+                elif t:
+                    why = _eager_reason(r, results, side, world.runners[side, r.rank])
+                    eager[why] = eager.get(why, 0) + t
+                raised_total += side == "harden" and r.raised is not None
+            splits += results[0].replays != results[1].replays
+            if progress is not None:
+                progress(side, i)
+        report[side] = {
+            "graph_token_coverage": round(cov / tot, 6) if tot else 0.0,
+            "splits": int(splits),
+            "padding_overhead": round((executed - useful) / useful, 6) if useful else 0.0,
+            "eager_tokens_by_reason": dict(sorted(eager.items(), key=lambda kv: (-kv[1], kv[0]))),
+        }
+    report["harden"]["guard_raised"] = int(raised_total)
+    return report
 
 
 def main(args) -> int:
+    from . import world as W
+
     try:
-        steps = T.read_jsonl(args.trace) if args.trace else T.generate(T.TraceShape())
+        steps = T.read_jsonl(args.trace) if args.trace else T.generate(
+            T.TraceShape(**({"steps": args.steps} if args.steps else {})))
         cfg = capture_config(args.buckets)
     except (T.TraceError, ValueError, OSError) as exc:
         print(f"bench prefill-admission: {exc}", file=sys.stderr)
         return 2
-    sim = Simulator(cfg, factor=args.factor)
-    full = sim.run(steps)
+    world = W.World(cfg, backend=args.backend, spec=args.spec, factor=args.factor)
+    try:
+        full = run(world, steps)
+    finally:
+        world.close()
     raised = full["harden"].pop("guard_raised")
     if args.json:
         print(json.dumps(full))
     else:
-        source = args.trace or f"built-in generator {asdict(T.TraceShape())}"
+        source = args.trace or f"built-in generator {asdict(T.TraceShape(**({'steps': args.steps} if args.steps else {})))}"
         print(f"prefill-admission: {full['batches']} DP2 steps with prefill; trace: {source}")
-        print(f"  capture: full backend, {len(cfg.buckets)} buckets {cfg.buckets[0]}..{cfg.buckets[-1]}"
-              f"{'' if args.buckets else ' (stock default for --chunked-prefill-size 16384)'}, {cfg.slots} request slots; "
+        print(f"  capture: {args.backend} backend, {len(cfg.buckets)} buckets {cfg.buckets[0]}..{cfg.buckets[-1]}"
+              f"{'' if args.buckets else ' (stock default for a 16384-token per-rank chunk)'}, "
+              f"{cfg.slots if args.backend == 'full' else 'no fixed'} request slots; speculative: {args.spec}; "
               f"padding factor {args.factor:g} (stock {D.STOCK_PADDING_FACTOR})")
         for side in ("stock", "harden"):
             r = full[side]
             print(f"  {side:6s}: graph-token coverage {r['graph_token_coverage']:.4f}  splits {r['splits']}  "
                   f"padding overhead {r['padding_overhead']:.4f}")
+            total = sum(r["eager_tokens_by_reason"].values())
+            for why, n in r["eager_tokens_by_reason"].items():
+                print(f"          eager {why:28s} {n:>10d} tokens ({n / total:.1%} of eager)")
     if raised:
         print(f"bench prefill-admission: the harden guard raised {raised} time(s): a forward-time check was not "
               f"folded into the vote (a bug; report it with the trace)", file=sys.stderr)

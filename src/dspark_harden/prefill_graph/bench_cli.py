@@ -18,6 +18,16 @@ def _buckets(raw: str) -> list:
     return values
 
 
+def _positive(raw: str) -> int:
+    try:
+        value = int(raw)
+    except ValueError:
+        value = 0
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {raw!r}")
+    return value
+
+
 def _factor(raw: str) -> float:
     from .settings import padding_factor
 
@@ -39,6 +49,13 @@ def add_bench_parser(bench_subparsers) -> None:
                    help="captured token buckets (default: stock's list for --chunked-prefill-size 16384)")
     p.add_argument("--factor", type=_factor, default=DEFAULT_PADDING_FACTOR,
                    help=f"harden padding factor, 1 < f <= 8 (default {DEFAULT_PADDING_FACTOR:g})")
+    p.add_argument("--backend", choices=("full", "breakable"), default="full",
+                   help="prefill CUDA-graph backend (full: DeepSeek-V4 target with its backend hooks, request slots "
+                        "and chunked-prefix variants; breakable: decoding peers are converted to 1-token extends)")
+    p.add_argument("--spec", choices=("none", "dspark"), default="none",
+                   help="speculative algorithm of the target (dspark: its worker passes capture mode FULL)")
+    p.add_argument("--steps", type=_positive, default=None,
+                   help="length of the built-in trace (default 4000; ignored with --trace)")
 
     def run(args):
         from .bench import main

@@ -97,8 +97,8 @@ class PredictedForwardBatch:
     """The fields of a ``ForwardBatch`` that the prefill-graph checks read.
 
     Built at schedule time from a ``ScheduleBatch`` (:func:`schedule_view`) or for an idle rank's
-    materialised dummy extend (:func:`dummy_extend_view`); the bench also uses it, after
-    :func:`after_mlp_sync`, in place of the GPU ForwardBatch it cannot build on CPU.
+    materialised dummy extend (:func:`dummy_extend_view`): the decision's prediction of the real
+    ForwardBatch, compared field for field with it in tests/prefill_graph/test_real_forward_batch.py.
     ``input_ids`` is only ever measured (``len``); ``None`` at schedule time.
     """
 
@@ -379,6 +379,26 @@ def local_failures(runner: Any, fb: Any, *, num_tokens: Optional[int], schedule_
     return fails
 
 
+def uniform_failures(runner: Any, fb: Any, fails: Sequence[str]) -> list:
+    """The failing checks whose inputs are gathered or process-uniform, so every rank of the step
+    fails them identically: ``inactive_dp_rank`` (the gathered token table), ``num_tokens`` when
+    this rank's token count is the one every rank presents (MAX_LEN: the whole table equals it),
+    ``context_parallel`` when it is decided by the CP configuration alone. A failure among these is
+    not a divergence: every rank runs eager, as stock would."""
+    n = None if getattr(fb, "input_ids", None) is None else len(fb.input_ids)
+    table = getattr(fb, "global_num_tokens_cpu", None)
+    same_tokens = n is not None and table is not None and len(table) > 0 and all(int(x) == n for x in table)
+    out = []
+    for check in fails:
+        if check == "inactive_dp_rank":
+            out.append(check)
+        elif check == "num_tokens" and same_tokens:
+            out.append(check)
+        elif check == "context_parallel" and not getattr(runner, "enable_cp_bcg_capture", False):
+            out.append(check)
+    return out
+
+
 # -- shared finalisation ------------------------------------------------------------------------
 
 
@@ -492,43 +512,6 @@ def finalize(
         if fails:
             return SharedDecision(False, None, "idle_participant", n_max, f"dummy extend fails {fails}")
     return SharedDecision(True, bucket, "admitted", n_max)
-
-
-def after_mlp_sync(
-    view: Optional[PredictedForwardBatch],
-    *,
-    num_tokens: int,
-    global_num_tokens: Sequence[int],
-    verdict: bool,
-    is_extend_in_batch: bool,
-    bs: Sequence[int],
-    server_mode: Any,
-    tolerates_sum_len: bool = False,
-) -> Optional[PredictedForwardBatch]:
-    """A rank's ForwardBatch after stock ``ForwardBatch.prepare_mlp_sync_batch`` (bench model of
-    the padding step: MAX_LEN to the shared bucket when the verdict is graph, idle rank ->
-    dummy extend; otherwise SUM_LEN with the rank's own count). ``None``: the rank runs no
-    extend (idle / decode forward)."""
-    n_max = max(global_num_tokens)
-    max_len = stock_forces_max_len(verdict=verdict, is_extend_in_batch=is_extend_in_batch, bs=bs,
-                                   global_num_tokens=global_num_tokens, tolerates_sum_len=tolerates_sum_len)
-    if max_len:
-        bucket = stock_bucket(bs, n_max)
-        padded = [bucket] * len(global_num_tokens)
-        if view is None:
-            out = dummy_extend_view(bucket, server_mode=server_mode)
-        else:
-            out = PredictedForwardBatch(**{**view.__dict__, "extra": dict(view.extra)})
-            out.input_ids = range(bucket)
-    else:
-        if view is None:
-            return None
-        out = PredictedForwardBatch(**{**view.__dict__, "extra": dict(view.extra)})
-        out.input_ids = range(num_tokens)
-        padded = list(global_num_tokens)
-    out.global_num_tokens_cpu = padded
-    out.can_run_dp_prefill_cuda_graph = bool(verdict)
-    return out
 
 
 def geometry(fb: Any) -> dict:

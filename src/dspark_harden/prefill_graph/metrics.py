@@ -9,7 +9,9 @@ from ..core.metrics import DP_RANK, Family, MetricGroup
 from .decision import FORWARD_CHECKS, REASONS
 from .settings import FEATURE
 
-OUTCOMES = ("graph", "eager")
+OUTCOMES = ("graph", "eager", "eager_uniform")
+#: checks that can fail identically on every rank after an admission (decision.uniform_failures)
+UNIFORM_CHECKS = ("inactive_dp_rank", "num_tokens", "context_parallel")
 TOKEN_KINDS = ("useful", "executed")
 #: reasons that are a forward-time check folded into the vote, or the idle-participant rule:
 #: an eager verdict for one of these is a split stock could have produced
@@ -21,13 +23,16 @@ GROUP = MetricGroup(
     (
         Family(
             "dspark_harden_prefill_graph_decisions_total", "counter",
-            "Shared DP prefill-graph decisions of steps with an extend on any rank, by outcome (graph / "
-            "eager) and reason: `admitted`, a shared reason (`peer_vote`, `padding`, `too_many_tokens`, "
-            "`bucket_not_captured`, `idle_participant`, `no_tokens`), `stock_vote`, or the forward-time "
-            "check that sent this rank's vote eager (see docs/prefill_graph.md).",
+            "Shared DP prefill-graph decisions of steps with an extend on any rank, by outcome and reason: "
+            "`graph` / `admitted` (counted once the forward-time guard passed); `eager` with a shared reason "
+            "(`peer_vote`, `padding`, `too_many_tokens`, `bucket_not_captured`, `idle_participant`, `no_tokens`), "
+            "`stock_vote`, or the forward-time check that sent this rank's vote eager; `eager_uniform` with the "
+            "forward-time check that failed identically on every rank after an admission (gathered or uniform "
+            "inputs: every rank ran the step eager, as stock; see docs/prefill_graph.md).",
             labels=("dp_rank", "outcome", "reason"), feature=FEATURE, roles=("scheduler",),
             precreate=((DP_RANK, "graph", "admitted"),)
-            + tuple((DP_RANK, "eager", r) for r in REASONS if r != "admitted"),
+            + tuple((DP_RANK, "eager", r) for r in REASONS if r != "admitted")
+            + tuple((DP_RANK, "eager_uniform", c) for c in UNIFORM_CHECKS),
             aggregation="Per rank: both ranks count every step, and their `outcome` series are identical by "
                         "construction; `reason` differs (the rank that vetoed names the check, its peer says "
                         "`peer_vote`). Graph share: `sum(rate(x{outcome=\"graph\"})) / sum(rate(x))` on one rank.",
@@ -105,6 +110,9 @@ class Recorder:
         if reason in PREVENTED:
             self._c("dspark_harden_prefill_graph_splits_prevented_total", reason).inc()
 
+    def uniform(self, check: str, pending) -> None:
+        self._c("dspark_harden_prefill_graph_decisions_total", "eager_uniform", check).inc()
+
     def divergence(self, exc) -> None:
         self._c("dspark_harden_prefill_graph_divergence_total", exc.check).inc()
 
@@ -113,4 +121,5 @@ def attach(runtime: Any, *, dp_label: str) -> Recorder:
     rec = Recorder(dp_label)
     runtime.on_decision = rec.decision
     runtime.on_divergence = rec.divergence
+    runtime.on_uniform = rec.uniform
     return rec

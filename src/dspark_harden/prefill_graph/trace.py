@@ -1,5 +1,5 @@
-"""DP2 prefill traces: the JSONL format (docs/prefill_graph.md#trace-format), a seeded
-production-shaped generator, and the ``ScheduleBatch``-shaped view of one rank's step.
+"""DP2 prefill traces: the JSONL format (docs/prefill_graph.md#trace-format) and a seeded
+production-shaped generator (:mod:`.world` turns a step into real ScheduleBatches).
 
 One JSON object per line, one line per scheduler step::
 
@@ -13,16 +13,18 @@ One JSON object per line, one line per scheduler step::
 (each ``extend`` >= 1 new tokens, optional ``prefix`` cached tokens, flags ``logprob``,
 ``hidden`` (return_hidden_states), ``pool`` (multi-position pooling readout, e.g. scoring: a batch
 whose requests all carry it is a prefill-only readout batch),
-``embeds`` (input embeddings instead of ids)). ``decode`` needs ``seq``: the sequence length of
-each running request. Exactly two ranks per step (DP2).
+``embeds`` (input embeddings instead of ids), ``mm`` (multimodal inputs), ``replace``
+(positional embedding overrides; never a prefix hit)). ``decode`` needs ``seq``: the sequence
+length of each running request; ``mixed`` may give ``seq`` for the running requests it mixes in
+(default: one of 512 tokens). Exactly two ranks per step (DP2).
 """
 
 from __future__ import annotations
 
 import json
 import random
-from dataclasses import dataclass, field
-from typing import Any, Iterable, Optional
+from dataclasses import dataclass
+from typing import Any, Iterable
 
 MODES = ("extend", "mixed", "decode", "idle")
 REQ_FLAGS = ("logprob", "hidden", "pool", "embeds", "mm", "replace")
@@ -199,7 +201,10 @@ def _prefill_rank(rng: random.Random, shape: TraceShape) -> RankStep:
         reqs = tuple(TraceReq(extend=rng.randint(1, 24)) for _ in range(n))
         return RankStep("extend", reqs)
     reqs = []
-    budget = shape.chunk
+    mode = rng.choice(("extend",) * 9 + ("mixed",))
+    # a mixed step carries running requests' decode rows inside the same token budget
+    seq = tuple(_loguniform(rng, 16384) + 1 for _ in range(rng.randint(1, 4))) if mode == "mixed" else ()
+    budget = shape.chunk - len(seq)
     for _ in range(rng.choice((1, 1, 1, 2, 2, 3, 4, 6, 8))):
         if budget <= 0:
             break
@@ -216,7 +221,7 @@ def _prefill_rank(rng: random.Random, shape: TraceShape) -> RankStep:
             pool=rng.random() < shape.p_pool, embeds=rng.random() < shape.p_embeds,
             mm=shape.p_mm > 0 and rng.random() < shape.p_mm, replace=replace,
         ))
-    return RankStep(rng.choice(("extend",) * 9 + ("mixed",)), tuple(reqs))
+    return RankStep(mode, tuple(reqs), seq)
 
 
 def _decode_rank(rng: random.Random) -> RankStep:
@@ -243,85 +248,10 @@ def generate(shape: TraceShape = TraceShape()) -> list:
     return steps
 
 
-# -- a rank's step as the scheduler's ScheduleBatch ---------------------------------------------
-
-
-@dataclass
-class _Req:
-    return_hidden_states_mode: Any
-    token_indices_to_pool: Any = None
-    beam_group: Any = None
-
-
-@dataclass
-class TraceBatch:
-    """The ``ScheduleBatch`` fields the stock vote and our schedule-time view read (stand-in: a
-    real ScheduleBatch needs request pools and a tree cache)."""
-
-    forward_mode: Any
-    reqs: list
-    extend_lens: list
-    prefix_lens: list
-    extend_logprob_start_lens: list
-    return_logprob: bool
-    seq_lens_cpu: Any
-    input_embeds: Any = None
-    replace_embeds: Any = None
-    multimodal_inputs: Any = None
-    has_grammar: bool = False
-    spec_info: Any = None
-    return_hidden_states_mode: Any = None
-    extend_num_tokens: int = 0
-    is_extend_in_batch: bool = False
-    is_prefill_only: bool = False
-    extra: dict = field(default_factory=dict)
-
-    def batch_size(self) -> int:
-        return len(self.reqs)
-
-
-def schedule_batch(rank: RankStep) -> Optional[TraceBatch]:
-    """``None`` for an idle rank (the scheduler has no batch)."""
-    import torch
-
-    from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode, ForwardMode
-
-    if rank.mode == "idle":
-        return None
-    if rank.mode == "decode":
-        reqs = [_Req(CaptureHiddenMode.NULL) for _ in rank.seq]
-        return TraceBatch(
-            forward_mode=ForwardMode.DECODE, reqs=reqs, extend_lens=[], prefix_lens=[], extend_logprob_start_lens=[],
-            return_logprob=False, seq_lens_cpu=torch.tensor(rank.seq, dtype=torch.int64),
-            return_hidden_states_mode=CaptureHiddenMode.NULL,
-        )
-    reqs = [
-        _Req(CaptureHiddenMode.FULL if q.hidden else CaptureHiddenMode.NULL,
-             token_indices_to_pool=[q.extend - 1] if q.pool else None)
-        for q in rank.reqs
-    ]
-    return_logprob = any(q.logprob for q in rank.reqs)
-    total = sum(q.extend for q in rank.reqs)
-    return TraceBatch(
-        forward_mode=ForwardMode.MIXED if rank.mode == "mixed" else ForwardMode.EXTEND,
-        reqs=reqs,
-        extend_lens=[q.extend for q in rank.reqs],
-        prefix_lens=[q.prefix for q in rank.reqs],
-        extend_logprob_start_lens=[0 if q.logprob else q.extend - 1 for q in rank.reqs],
-        return_logprob=return_logprob,
-        seq_lens_cpu=torch.tensor([q.prefix + q.extend for q in rank.reqs], dtype=torch.int64),
-        input_embeds=object() if any(q.embeds for q in rank.reqs) else None,
-        return_hidden_states_mode=max((r.return_hidden_states_mode for r in reqs), default=CaptureHiddenMode.NULL),
-        extend_num_tokens=total,
-        is_extend_in_batch=True,
-        is_prefill_only=all(q.pool for q in rank.reqs),  # scoring batches are prefill-only and homogeneous
-    )
-
-
 def num_tokens(rank: RankStep) -> int:
-    """``prepare_mlp_sync_batch_raw``'s local token count: 0 idle, batch size decode, extend tokens."""
+    """The trace's local token count: 0 idle, one per row decode, new tokens (plus mixed decode rows)."""
     if rank.mode == "idle":
         return 0
     if rank.mode == "decode":
         return len(rank.seq)
-    return rank.extend_tokens
+    return rank.extend_tokens + (len(rank.seq or (1,)) if rank.mode == "mixed" else 0)

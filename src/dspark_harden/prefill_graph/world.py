@@ -323,16 +323,17 @@ class RankEngine:
         return prefill
 
     def release(self) -> None:
-        import torch
-
+        """Free the step's request slots; reset the allocator to its post-setup state with stock
+        ``clear`` + ``alloc`` (it hands the cached sequence its same slots 1..BASE_LEN again, so the
+        tree stays valid; freeing each step's slots one by one is a concatenation of the whole free
+        list per call)."""
         for req in self.live:
             if req.kv.holds_kv:
                 self.req_to_token_pool.free(req)
         self.live.clear()
-        locs = [t for t in self.locs if t is not None and t.numel()]
         self.locs.clear()
-        if locs:
-            self.allocator.free(torch.unique(torch.cat(locs)))
+        self.allocator.clear()
+        self.allocator.alloc(BASE_LEN)
 
 
 # -- the cross-rank exchange --------------------------------------------------------------------
@@ -477,6 +478,22 @@ class _FutureMapStandIn:
         self.spec_algo = spec_algorithm
 
 
+def build_batch(eng: RankEngine, rs: T.RankStep, spec_algorithm):
+    """One rank's trace step as the real ScheduleBatch the scheduler hands to the MLP sync
+    (``None``: an idle rank, which gets stock's idle batch there)."""
+    if rs.mode == "idle":
+        return None
+    if rs.mode == "decode":
+        return eng.decode_batch(rs.seq, spec_algorithm)
+    reqs = [eng.new_req(prefix=q.prefix, extend=q.extend, logprob=q.logprob, hidden=q.hidden, pool=q.pool,
+                        embeds=q.embeds, mm=q.mm, replace=q.replace) for q in rs.reqs]
+    batch = eng.extend_batch(reqs, spec_algorithm)
+    if rs.mode == "mixed" and spec_algorithm.is_none():  # speculative_hook disables mixed chunks
+        running = eng.decode_batch(rs.seq or (_DEFAULT_DECODE_SEQ,), spec_algorithm)
+        batch.mix_with_running(running)
+    return batch
+
+
 SIDES = ("stock", "harden")
 #: "probe": the harden vote records its view, then the verdict is forced to "graph" wherever stock can
 #: pad to a shared bucket, and the runner records every forward-time check of the real, padded
@@ -489,7 +506,7 @@ class World:
     """Both DP ranks of one deployment (real objects; see the module docstring)."""
 
     def __init__(self, cfg, *, backend: str = "full", spec: str = "none", server_hidden: str = "null",
-                 factor: Optional[float] = None, runtime_hook=None) -> None:
+                 factor: Optional[float] = None, runtime_hook=None, coordination_applied: bool = False) -> None:
         from sglang.srt.managers.scheduler_components import dp_attn
         from sglang.srt.model_executor.forward_batch_info import get_server_return_hidden_states_mode
         from sglang.srt.model_executor.runner.prefill_cuda_graph_runner import PrefillCudaGraphRunner
@@ -505,6 +522,9 @@ class World:
         self.cfg, self.backend, self.spec = cfg, backend, spec
         self.factor = D.DEFAULT_PADDING_FACTOR if factor is None else factor
         self.server_hidden = server_hidden
+        # stand-in for DSpark's DPSpecPrefillCoordinationPlan.apply, which marks every batch of a coordinated
+        # step (stock prepare_mlp_sync_batch then keeps SUM_LEN padding whatever the verdict)
+        self.coordination_applied = coordination_applied
         self.model_config = publish_runtime(cfg, backend=backend, spec=spec, server_hidden=server_hidden)
         self.spec_algorithm = SpeculativeAlgorithm.NONE if spec == "none" else SpeculativeAlgorithm.from_string(spec.upper())
         self.server_mode = get_server_return_hidden_states_mode()
@@ -598,18 +618,7 @@ class World:
 
     # -- building each rank's ScheduleBatch ----------------------------------------------------
     def build(self, rank: int, rs: T.RankStep):
-        eng = self.engines[rank]
-        if rs.mode == "idle":
-            return None
-        if rs.mode == "decode":
-            return eng.decode_batch(rs.seq, self.spec_algorithm)
-        reqs = [eng.new_req(prefix=q.prefix, extend=q.extend, logprob=q.logprob, hidden=q.hidden, pool=q.pool,
-                            embeds=q.embeds, mm=q.mm, replace=q.replace) for q in rs.reqs]
-        batch = eng.extend_batch(reqs, self.spec_algorithm)
-        if rs.mode == "mixed" and self.spec_algorithm.is_none():  # speculative_hook disables mixed chunks
-            running = eng.decode_batch(rs.seq or (_DEFAULT_DECODE_SEQ,), self.spec_algorithm)
-            batch.mix_with_running(running)
-        return batch
+        return build_batch(self.engines[rank], rs, self.spec_algorithm)
 
     # -- the worker's capture mode (what it passes to ForwardBatch.init_new) ----------------------
     def worker_capture_mode(self, batch):
@@ -668,6 +677,8 @@ class World:
                 batch = self.adapters[side, r].maybe_convert_decode_to_extend(batch)
                 res.batch = batch
                 res.verdict = bool(batch.can_run_dp_prefill_cuda_graph)
+                if self.coordination_applied:
+                    batch.dp_spec_prefill_coordination_applied = True
                 if not self.spec_algorithm.is_none() and batch.forward_mode.is_decode():
                     continue  # a speculative decode step: no prefill-graph forward (see decode_batch)
                 resolve_forward_inputs(batch, self.future_map)
