@@ -14,12 +14,26 @@ from __future__ import annotations
 
 from typing import Optional
 
+from dspark_harden.devtools.tiny_models import dspark_draft_dir
+
 from .server import DP2_CONFIG, SGLangServer, ServerConfig, ServerError
+
+DSPARK_DP2_CONFIG = ServerConfig(
+    arch="qwen3", dp_size=2, tp_size=2, dp_attention=True, name="dspark_dp2",
+    extra_args=("--speculative-algorithm", "DSPARK", "--speculative-draft-model-path", dspark_draft_dir(),
+                "--enable-dp-lm-head"),
+    env=(("DSPARK_HARDEN_DSPARK_MASKS", "1"),),
+)
 
 #: fixture name -> configuration. Later issues may add entries (e.g. a stock server to compare).
 SHARED_CONFIGS: dict[str, ServerConfig] = {
     # DeepseekV3 tiny (MLA + MoE), --dp-size 2 --tp-size 2 --enable-dp-attention, plugin active
     "dp2_server": DP2_CONFIG,
+    # Qwen3 tiny + tiny DSpark draft, --speculative-algorithm DSPARK, the same DP2 geometry (stock
+    # requires --enable-dp-lm-head for DSpark under DP attention), plugin active with
+    # DSPARK_HARDEN_DSPARK_MASKS=1. The draft is built by ensure_dspark_draft() (tests using this
+    # server request it first: tests/dspark_masks/test_dspark_server.py).
+    "dspark_dp2_server": DSPARK_DP2_CONFIG,
 }
 
 _running: dict[str, SGLangServer] = {}

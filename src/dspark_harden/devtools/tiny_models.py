@@ -360,10 +360,19 @@ def _build_dspark_draft(out: Path) -> None:
             shutil.copy(f, out / f.name)
 
 
+DSPARK_DRAFT_NAME = f"tiny-dspark-draft-qwen3-r{RECIPE_VERSION}"
+
+
 def ensure_dspark_draft() -> str:
     """Directory of a tiny random-weight DSpark draft (``Qwen3DSparkModel``) for ``ensure_model("qwen3")``
     (``--speculative-algorithm DSPARK --speculative-draft-model-path <dir>``), built once, cached."""
-    return _build_once(f"tiny-dspark-draft-qwen3-r{RECIPE_VERSION}", _build_dspark_draft)
+    return _build_once(DSPARK_DRAFT_NAME, _build_dspark_draft)
+
+
+def dspark_draft_dir() -> str:
+    """Where :func:`ensure_dspark_draft` builds the draft, without building it (for a server
+    configuration declared at import; call ``ensure_dspark_draft()`` before starting the server)."""
+    return str(cache_dir() / DSPARK_DRAFT_NAME)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,0 +1,83 @@
+"""A real DSpark server with the plugin (issue 23): ``python -m sglang.launch_server
+--speculative-algorithm DSPARK`` on the CPU test platform, tiny Qwen3 target + tiny random DSpark
+draft (``ensure_dspark_draft``), ``--dp-size 2 --tp-size 2 --enable-dp-attention --enable-dp-lm-head``,
+``DSPARK_HARDEN_DSPARK_MASKS=1`` (shared fixture ``dspark_dp2_server``, one start per run).
+
+Every decode step runs the real ``DSparkWorkerV2`` (draft block forward, target verify) and every
+grammar verify step builds its draft mask through the plugin's native traversal; the CPU platform
+provides the CPU forms of the CUDA-only pieces (docs/testing.md, "DSpark on the CPU platform").
+The draft's weights are random, so almost no draft token is accepted: the test checks that the
+masked path runs and that constrained outputs are valid, not acceptance. Not compared with the
+feature disabled here (a second server start); the masks' bit-identity to stock is covered by
+tests/dspark_masks/test_traversal_differential.py and test_integration.py.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+import jsonschema
+import pytest
+
+from dspark_harden.devtools.tiny_models import ensure_dspark_draft
+
+SCHEMA = {
+    "type": "object",
+    "properties": {"ok": {"type": "boolean"}, "color": {"enum": ["red", "green", "blue"]},
+                   "size": {"enum": [1, 2, 3]}},
+    "required": ["ok", "color", "size"],
+    "additionalProperties": False,
+}
+REGEX = r"(yes|no|maybe)"
+STEPS = re.compile(r'^dspark_harden_dspark_mask_steps_total\{dp_rank="(\d)",outcome="(\w+)"\} ([0-9.e+]+)$', re.M)
+ENGINE = re.compile(r'^dspark_harden_dspark_mask_engine\{dp_rank="(\d)",engine="(\w+)"\} ([0-9.e+]+)$', re.M)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _draft_built():
+    ensure_dspark_draft()  # the shared config names its directory; build it before the server starts
+
+
+def _steps(server) -> dict:
+    return {(rank, outcome): float(v) for rank, outcome, v in STEPS.findall(server.metrics_text())}
+
+
+def test_plugin_active_and_native_engine_on_both_ranks(dspark_dp2_server):
+    log = dspark_dp2_server.log_text()
+    roles = dspark_dp2_server.plugin_roles()
+    assert roles.count("scheduler") == 2, (roles, dspark_dp2_server.log_tail(4000))
+    engines = {(r, e): float(v) for r, e, v in ENGINE.findall(dspark_dp2_server.metrics_text())}
+    assert engines.get(("0", "native")) == 1.0 and engines.get(("1", "native")) == 1.0, engines
+    # with the feature on, the stock-path warning of the disabled feature is not logged
+    assert "traverse_tree" not in log
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_constrained_requests_validate_and_every_verify_step_is_masked_natively(dspark_dp2_server, rank):
+    r = str(rank)
+    before = _steps(dspark_dp2_server)
+    plain = dspark_dp2_server.generate("def main():", max_new_tokens=8, routed_dp_rank=rank)
+    assert plain["meta_info"]["spec_verify_ct"] > 0, plain["meta_info"]  # the DSpark decode ran
+    after_plain = _steps(dspark_dp2_server)
+    assert after_plain.get((r, "masked")) == before.get((r, "masked")), "an unconstrained request counted mask steps"
+
+    out_re = dspark_dp2_server.generate("Answer:", max_new_tokens=16, routed_dp_rank=rank,
+                                        sampling_params={"regex": REGEX})
+    assert re.fullmatch(REGEX, out_re["text"]), out_re["text"]
+    out_js = dspark_dp2_server.generate("Answer in JSON:", max_new_tokens=64, routed_dp_rank=rank,
+                                        sampling_params={"json_schema": json.dumps(SCHEMA)})
+    assert out_js["meta_info"]["finish_reason"]["type"] == "stop", out_js["meta_info"]["finish_reason"]
+    jsonschema.validate(json.loads(out_js["text"]), SCHEMA)
+    for out in (out_re, out_js):
+        assert out["meta_info"]["dp_rank"] == rank, out["meta_info"]
+
+    after = _steps(dspark_dp2_server)
+    masked = after[(r, "masked")] - after_plain.get((r, "masked"), 0.0)
+    verify_steps = sum(o["meta_info"]["spec_verify_ct"] for o in (out_re, out_js))
+    # each committed verify step of a grammar request went through the plugin's masked path (an
+    # overlapped step still in flight when a request finishes is masked but not committed)
+    assert verify_steps > 0 and masked >= verify_steps, (masked, verify_steps, after)
+    other = str(1 - rank)
+    assert after.get((other, "masked")) == after_plain.get((other, "masked")), "steps counted on the other rank"
+    assert after[(r, "thinking_only")] == after_plain.get((r, "thinking_only"))
