@@ -153,15 +153,36 @@ def _traffic(server) -> dict:
                                          "sampling_params": {"max_new_tokens": 3, "temperature": 0.0}})
         assert resp.status_code == 200, resp.text[:2000]
         sent["batch"] += 1
-    for r in (0, 1, 0):
+    for i, r in enumerate((0, 1, 0)):
         out = server.generate("Answer in JSON:", max_new_tokens=48, routed_dp_rank=r,
                               sampling_params={"json_schema": json.dumps(SCHEMA)})
         json.loads(out["text"])  # the constrained output parses
         sent["json"] += 1
+        if i == 0 and "grammar-service" in _FEATURES:
+            _wait_for_publication(server)
     for _ in range(2):
         resp = server.get("/health_scheduler", timeout=30)
         sent["health"] += resp.status_code in (200, 503)
     return sent
+
+
+def _published(server) -> float:
+    """Entries (grammars or compile-locally markers) rank 0's persistence helper published, from the
+    server's own /metrics (the counter the helper's parent increments after the rename landed)."""
+    fam = lint.parse_scrape(server.metrics_text()).get("dspark_harden_grammar_disk_stored_total")
+    return sum(v for name, _, v in fam.samples if name.endswith("_total")) if fam is not None else 0.0
+
+
+def _wait_for_publication(server, timeout: float = 300.0) -> None:
+    """The other rank's lookup must come after rank 0's publication: publication is asynchronous (a
+    helper process compiles, serializes and renames the entry in), so on a loaded host the next
+    request could arrive first and compile again (a clean-clone CI run at load ~3 saw exactly that).
+    Wait for the publication itself, never for a fixed time; no publication at all is a failure."""
+    deadline = time.monotonic() + timeout
+    while _published(server) <= 0:
+        assert time.monotonic() < deadline, (
+            f"rank 0's compiled grammar was not published to the disk cache within {timeout:g} s")
+        time.sleep(0.5)
 
 
 @pytest.fixture(scope="module")
