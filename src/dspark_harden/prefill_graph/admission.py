@@ -33,6 +33,7 @@ class StepState:
 
     runner: Any = None
     worker_mode: Any = None  # the capture mode this rank's worker passes to ForwardBatch.init_new
+    idle_relabel: bool = False  # decision.idle_relabels_to_target_verify
     local_ok: bool = True
     local_reason: Optional[str] = None
     local_tokens: int = 0
@@ -63,8 +64,12 @@ class Runtime:
     step: StepState = field(default_factory=StepState)
     last: Optional[D.SharedDecision] = None
     last_local_reason: Optional[str] = None
-    #: the guard's last outcome: "graph", "eager" (shared eager), "eager_uniform", "divergence", "stock"
+    #: the guard's last outcome: "graph", "eager" (shared eager), "eager_uniform", "divergence", "draft"
     last_guard: Optional[str] = None
+    #: decision.idle_relabels_to_target_verify, from the first vote's model config and algorithm
+    idle_relabel: Optional[bool] = None
+    #: ``config_check(runner)``: run once on the first vote (config_digest.check in the server)
+    config_check: Optional[Callable] = None
 
     def get_bs(self) -> list:
         if self.bs is not None:
@@ -117,10 +122,16 @@ def build_vote(stock: Callable, runtime: Optional[Runtime] = None) -> Callable:
         )
         runner = prefill_graph_runner
         worker_mode = D.worker_capture_mode(spec_algorithm)
+        if rt.idle_relabel is None:
+            rt.idle_relabel = D.idle_relabels_to_target_verify(model_config, spec_algorithm)
+        if rt.config_check is not None:
+            check, rt.config_check = rt.config_check, None
+            check(runner)  # once, on the first vote (both ranks vote in lockstep): item "ranks configured alike"
         if local_batch is None or local_batch.forward_mode.is_idle() or not _is_runner(runner):
             ok = stock(**kwargs)
             rt.step = StepState(runner=runner if _is_runner(runner) else None, worker_mode=worker_mode,
-                                local_ok=bool(ok), local_reason=None if ok else "stock_vote", local_tokens=0)
+                                idle_relabel=rt.idle_relabel, local_ok=bool(ok),
+                                local_reason=None if ok else "stock_vote", local_tokens=0)
             return ok
         local = int(num_tokens)
         if 0 < local <= runner.max_num_tokens:
@@ -142,8 +153,8 @@ def build_vote(stock: Callable, runtime: Optional[Runtime] = None) -> Callable:
                     fails.append("request_slots")
             if fails:
                 ok, reason = False, fails[0]
-        rt.step = StepState(runner=runner, worker_mode=worker_mode, local_ok=ok, local_reason=reason,
-                            local_tokens=local)
+        rt.step = StepState(runner=runner, worker_mode=worker_mode, idle_relabel=rt.idle_relabel, local_ok=ok,
+                            local_reason=reason, local_tokens=local)
         return ok
 
     _local_prefill_cuda_graph_vote.__doc__ = stock.__doc__
@@ -182,7 +193,7 @@ def build_update_gather(stock: Callable, runtime: Optional[Runtime] = None) -> C
         dec = D.finalize(
             gathered, vote=bool(batch.can_run_dp_prefill_cuda_graph), runner=step.runner, bs=rt.get_bs(),
             factor=rt.factor, server_mode=rt.get_server_mode(), attn_tp_size=rt.get_attn_tp(),
-            worker_mode=step.worker_mode,
+            worker_mode=step.worker_mode, idle_relabel=step.idle_relabel,
         )
         batch.can_run_dp_prefill_cuda_graph = dec.graph
         rt.last = dec
@@ -211,10 +222,15 @@ def build_guard(stock: Callable, runtime: Optional[Runtime] = None) -> Callable:
     def can_run_graph(self, forward_batch):
         if forward_batch.global_num_tokens_cpu is None:
             return stock(self, forward_batch)  # not DP-synced: a rank-local decision cannot split a group
+        rt = runtime or RUNTIME
         mr = getattr(self, "model_runner", None)
         if getattr(mr, "is_draft_worker", False):
-            return stock(self, forward_batch)  # the vote covers the target runner only (docs: draft runners)
-        rt = runtime or RUNTIME
+            # the decision covers the target runner; a worker that captures draft prefill graphs is refused
+            # at startup (feature.speculative_refusal). Should a draft runner still get here under a DP
+            # table, it runs eager, on every rank alike (its batch would inherit the target's verdict
+            # for a bucket no admission checked)
+            rt.last_guard = "draft"
+            return False
         if not forward_batch.can_run_dp_prefill_cuda_graph:
             rt.last_guard = "eager"
             return False  # shared eager: eager on every rank

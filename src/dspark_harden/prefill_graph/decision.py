@@ -399,6 +399,19 @@ def uniform_failures(runner: Any, fb: Any, fails: Sequence[str]) -> list:
     return out
 
 
+def idle_relabels_to_target_verify(model_config: Any, spec_algorithm: Any) -> bool:
+    """Whether stock ``prepare_mlp_sync_batch`` may turn an idle rank's batch into a TARGET_VERIFY
+    batch (not the dummy extend): a hybrid-SSM model (``mambaish_config``) whose idle batch carries a
+    speculative, non-draft input. No prefill graph replays TARGET_VERIFY, so such an idle rank
+    cannot participate; the decision does not predict the idle batch's speculative input, so it
+    keeps every idle rank of such a deployment out (both ranks eager: ``idle_participant``)."""
+    if spec_algorithm is None or getattr(spec_algorithm, "is_none", lambda: True)() or model_config is None:
+        return False
+    from sglang.srt.configs.hybrid_arch import mambaish_config
+
+    return mambaish_config(model_config) is not None
+
+
 # -- shared finalisation ------------------------------------------------------------------------
 
 
@@ -485,6 +498,7 @@ def finalize(
     server_mode: Any,
     attn_tp_size: int = 1,
     worker_mode: Any = None,
+    idle_relabel: bool = False,
 ) -> SharedDecision:
     """The verdict and bucket, from gathered values and process-uniform configuration only.
 
@@ -505,6 +519,9 @@ def finalize(
     if bucket > factor * n_max:
         return SharedDecision(False, None, "padding", n_max, f"bucket {bucket} > {factor} x {n_max}")
     if len(aligned) > 1 and any(int(n) == 0 for n in global_num_tokens):
+        if idle_relabel:
+            return SharedDecision(False, None, "idle_participant", n_max,
+                                  "hybrid-SSM speculative: stock relabels the idle batch IDLE -> TARGET_VERIFY")
         fails = local_failures(
             runner, dummy_extend_view(bucket, server_mode=server_mode, worker_mode=worker_mode), num_tokens=bucket,
             schedule_time=True

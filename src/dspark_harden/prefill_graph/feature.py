@@ -27,29 +27,77 @@ GATHER_TARGET = "sglang.srt.managers.scheduler_components.dp_attn:_update_gather
 GATHER_FINGERPRINT = "5037741d20e87480"
 GUARD_TARGET = "sglang.srt.model_executor.runner.prefill_cuda_graph_runner:PrefillCudaGraphRunner.can_run_graph"
 GUARD_FINGERPRINT = "17b6d0a2d992c430"
-# read-only: the guard and the schedule-time views reproduce logic of these stock sources (the two
-# ``_forward_raw`` conditions, the MAX_LEN bucket / dummy extend of ``prepare_mlp_sync_batch``, the
-# argument list of ``can_replay_locally``); a change to any of them is drift (probe below).
+# read-only: the guard and the schedule-time views reproduce logic of these stock sources; a change to
+# any of them is drift (probe below). Each entry says what the decision mirrors from it.
 MIRRORED = {
+    # the two extra prefill-graph conditions (token_indices_to_pool, CP) and the eager fallback
     "sglang.srt.model_executor.model_runner:ModelRunner._forward_raw": "1281a6b06f680b78",
+    # MAX_LEN + shared bucket, the idle rank's dummy extend, the decode relabel, and the hybrid-SSM
+    # IDLE -> TARGET_VERIFY relabel (modelled: finalize keeps such idle ranks out, decision.finalize)
     "sglang.srt.model_executor.forward_batch_info:ForwardBatch.prepare_mlp_sync_batch": "ec41c6440f6cdec8",
+    # the capture mode a batch gets (worker override, else request/server mode, draft NULL)
+    "sglang.srt.model_executor.forward_batch_info:ForwardBatch.init_new": "a8507017588bae5b",
+    # token_indices_to_pool only for prefill-only batches in which every request carries it
+    "sglang.srt.model_executor.forward_batch_info:ForwardBatch._maybe_init_non_generation_fields": "a7736e6c97b1feb5",
+    # the breakable decode -> extend conversion the decode view predicts (and when it happens)
+    "sglang.srt.managers.schedule_batch:ScheduleBatch.convert_decode_to_extend": "b0acf2ad64192053",
+    "sglang.srt.managers.scheduler_components.dp_attn:SchedulerDPAttnAdapter.maybe_convert_decode_to_extend": "2a530b1ae1d139fd",
     "sglang.srt.model_executor.runner.prefill_cuda_graph_runner:PrefillCudaGraphRunner.can_replay_locally": "05e05454a5bc1cd5",
     "sglang.srt.model_executor.runner.prefill_cuda_graph_runner:PrefillCudaGraphRunner._has_inactive_dp_rank": "a754ed52a0911d49",
+    # which runners get prefill graphs: a draft runner only when its worker forces it (item: draft runners)
+    "sglang.srt.model_executor.model_runner_components.cuda_graph_setup:capture_prefill_graph": "8216b95b70a93038",
+}
+# the speculative workers' capture_hidden_mode overrides (decision.WORKER_CAPTURE), and the one worker
+# that forces draft prefill graphs (refused under this feature); read from the source text (no import)
+MIRRORED_TEXT = {
+    "sglang.srt.speculative.dspark_components.dspark_worker_v2:DSparkWorkerV2.forward_batch_generation": "82d94dc48a0a67a3",
+    "sglang.srt.speculative.dspark_components.dspark_worker_v2:DSparkWorkerV2._forward_prefill": "e6ae0c518dee24fc",
+    "sglang.srt.speculative.eagle_worker_v2:EagleDraftWorker.init_cuda_graphs": "2e9c46c198c4f202",
 }
 
 
 def probe_mirrored_sources() -> tuple:
-    from ..core.patch import fingerprint_source, raw_attr, resolve_owner
+    from ..core.patch import PatchError, fingerprint_source, raw_attr, resolve_owner, source_text_fingerprint
 
     drifted = []
-    for target, expected in MIRRORED.items():
-        owner, attr = resolve_owner(target)
-        found = fingerprint_source(raw_attr(owner, attr))
+    for target, expected in list(MIRRORED.items()) + list(MIRRORED_TEXT.items()):
+        try:
+            if target in MIRRORED_TEXT:
+                found = source_text_fingerprint(target)
+            else:
+                owner, attr = resolve_owner(target)
+                found = fingerprint_source(raw_attr(owner, attr))
+        except PatchError as exc:
+            found = f"unreadable: {exc}"
         if found != expected:
             drifted.append(f"{target} (expected {expected}, found {found})")
     if drifted:
         return False, "stock sources the prefill-graph decision reproduces changed: " + "; ".join(drifted)
-    return True, f"{len(MIRRORED)} mirrored stock sources match their fingerprints"
+    return True, f"{len(MIRRORED) + len(MIRRORED_TEXT)} mirrored stock sources match their fingerprints"
+
+
+def speculative_algorithm_name(server_args: Any) -> str:
+    raw = getattr(server_args, "speculative_algorithm", None)
+    if raw is None:
+        return "NONE"
+    return str(getattr(raw, "name", raw)).upper()
+
+
+def speculative_refusal(server_args: Any) -> Optional[str]:
+    """Why this speculative configuration is refused under the feature (``None``: modelled)."""
+    from .decision import WORKER_CAPTURE
+
+    name = speculative_algorithm_name(server_args)
+    if name in WORKER_CAPTURE:
+        return None
+    return (
+        f"speculative algorithm {name} with prefill CUDA graphs under DP attention is refused: the one DP "
+        f"prefill-graph decision models the capture_hidden_mode a speculative worker passes to "
+        f"ForwardBatch.init_new only for {', '.join(WORKER_CAPTURE)}, and covers the target runner only, while "
+        f"EAGLE-family workers also capture draft prefill graphs (EagleDraftWorker.init_cuda_graphs with the "
+        f"breakable backend) whose batches would inherit the target's verdict for buckets no admission "
+        f"checked. Use DSPARK_HARDEN_PREFILL_GRAPH=0 (stock admission) or --cuda-graph-backend-prefill disabled"
+    )
 
 
 def _resolved(server_args: Any) -> Any:
@@ -246,15 +294,17 @@ def dspark_process_bound(role, settings, report):
         return
     from . import tbo
 
-    message = tbo.refusal(_resolved(ctx.server_args) or ctx.server_args)
+    view = _resolved(ctx.server_args) or ctx.server_args
+    message = tbo.refusal(view) or speculative_refusal(view)
     if message:
         raise BindError(f"dspark-harden refuses to start ({role.value}): [{FEATURE}] {message}", report)
     from .admission import RUNTIME
-    from . import metrics
+    from . import config_digest, metrics
 
     RUNTIME.factor = factor
     RUNTIME.dp_rank = ctx.dp_rank
     metrics.attach(RUNTIME, dp_label=ctx.dp_label)
+    RUNTIME.config_check = lambda runner: config_digest.check(runner, factor)
 
 
 @hookimpl

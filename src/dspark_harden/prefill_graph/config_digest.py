@@ -1,0 +1,157 @@
+"""Both DP ranks configured alike: each rank's prefill-graph runner configuration, compared once.
+
+The decision assumes the two ranks capture the same graphs: the shared bucket is picked from
+gathered token counts, and the checks a peer's vote stands for are evaluated against *its* runner.
+A rank that captured a different bucket list, request-slot count, chunked-prefix variant set,
+padding factor or backend would turn one shared verdict into two different forward-time answers.
+
+:func:`payload` encodes a runner's configuration as a fixed row of int64; :func:`check` exchanges
+the two rows once, on the scheduler's first MLP-sync vote (the first loop iteration after the
+graphs were captured, before any request is served; both ranks vote in lockstep), over a dedicated
+channel of the native DP2 exchange (``dspark_harden.dp2.native.Channel``, session and rank from
+``dp2.channels.RUNTIME``) when that exchange is configured in this process, else over the TP CPU
+(gloo) group with ``torch.distributed.all_gather``. A mismatch raises
+:class:`PrefillGraphConfigMismatch` on both ranks naming each differing field and both values.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from typing import Any, Callable, Optional, Sequence
+
+logger = logging.getLogger("dspark_harden.prefill_graph")
+
+MAGIC = int.from_bytes(b"DSPKPGCF", "little") & 0x7FFFFFFFFFFFFFFF
+FORMAT = 1
+CHANNEL = "prefill_graph_config"
+BACKENDS = {"none": 0, "breakable": 1, "full": 2}
+#: row layout: (field, how a value is shown); index = position in the row
+FIELDS = (
+    "magic", "format", "backend", "request_slots", "num_buckets", "buckets_digest", "min_bucket", "max_bucket",
+    "chunked_prefix_variants", "prefix_chunk_len", "padding_factor_millionths", "max_seq_len", "max_context_size",
+    "captured_hidden_mode",
+)
+WIDTH = len(FIELDS)
+
+
+class PrefillGraphConfigMismatch(RuntimeError):
+    """The two DP ranks' prefill-graph configurations differ (refused before any request)."""
+
+
+def _digest(values: Sequence[int]) -> int:
+    doc = ",".join(str(int(v)) for v in values).encode()
+    return int.from_bytes(hashlib.sha256(doc).digest()[:8], "little") & 0x7FFFFFFFFFFFFFFF
+
+
+def payload(runner: Any, factor: float) -> list:
+    """The row of ``runner`` (a PrefillCudaGraphRunner, or None / another runner: no prefill graph)."""
+    from sglang.srt.model_executor.runner.prefill_cuda_graph_runner import PrefillCudaGraphRunner
+
+    if not isinstance(runner, PrefillCudaGraphRunner):
+        return [MAGIC, FORMAT, BACKENDS["none"]] + [0] * (WIDTH - 4) + [-1]
+    name = str(getattr(runner, "prefill_backend_name", "")).lower()
+    buckets = [int(b) for b in runner.capture_num_tokens]
+    full = bool(runner._is_full_backend)
+    variants = sum(1 << int(n) for n in (runner._prefix_capture_variants or ()))
+    mode = getattr(runner, "capture_hidden_mode", None)
+    return [
+        MAGIC, FORMAT, BACKENDS.get(name, 3), int(runner._capture_req_slots) if full else 0, len(buckets),
+        _digest(buckets), min(buckets, default=0), max(buckets, default=0), variants,
+        int(getattr(runner, "_prefix_chunk_len", 0) or 0), int(round(float(factor) * 1_000_000)),
+        -1 if runner.max_seq_len is None else int(runner.max_seq_len),
+        -1 if runner.max_context_size is None else int(runner.max_context_size),
+        -1 if mode is None else int(mode),
+    ]
+
+
+def _show(field: str, value: int, row: Sequence[int]) -> str:
+    if field == "backend":
+        return next((k for k, v in BACKENDS.items() if v == value), f"other({value})")
+    if field == "buckets_digest":
+        return f"{row[4]} buckets {row[6]}..{row[7]} (digest {value:016x})"
+    if field == "chunked_prefix_variants":
+        return "(" + ",".join(str(n) for n in range(63) if value >> n & 1) + ")"
+    if field == "padding_factor_millionths":
+        return f"{value / 1_000_000:g}"
+    if field in ("max_seq_len", "max_context_size", "captured_hidden_mode") and value == -1:
+        return "none"
+    return str(value)
+
+
+def compare(rows: Sequence[Sequence[int]]) -> Optional[str]:
+    """``None`` when the ranks' rows agree, else the message naming each field and both values."""
+    a, b = list(rows[0]), list(rows[1])
+    for r, row in enumerate((a, b)):
+        if len(row) != WIDTH or row[0] != MAGIC or row[1] != FORMAT:
+            return f"rank {r} sent a row that is not a prefill-graph configuration of format {FORMAT}: {row[:3]}"
+    diffs = []
+    for i, field in enumerate(FIELDS):
+        if field in ("num_buckets", "min_bucket", "max_bucket"):
+            continue  # shown with buckets_digest
+        if a[i] != b[i]:
+            diffs.append(f"{field}: dp_rank 0 = {_show(field, a[i], a)}, dp_rank 1 = {_show(field, b[i], b)}")
+    if not diffs:
+        return None
+    return ("[prefill-graph-dp] the two DP ranks' prefill CUDA-graph configurations differ (" + "; ".join(diffs)
+            + "): one shared graph/eager verdict cannot hold for both. Start both ranks with the same "
+              "cuda_graph_config[prefill] and DSPARK_HARDEN_PREFILL_GRAPH_PADDING.")
+
+
+def exchange_native(row: Sequence[int]) -> list:
+    """Both rows over a dedicated native DP2 channel (session / rank / timeout of dp2's RUNTIME)."""
+    from ..dp2.channels import RUNTIME, config_digest
+    from ..dp2.native import Channel
+
+    ch = Channel(RUNTIME.session_id, CHANNEL, rank=RUNTIME.rank, width=WIDTH, timeout_ms=RUNTIME.timeout_ms,
+                 spin_ns=RUNTIME.spin_ns, config_digest=config_digest(CHANNEL, WIDTH, FIELDS, (2, 1, 1)),
+                 hard_timeout_ms=RUNTIME.hard_timeout_ms)
+    try:
+        flat = ch.exchange(list(row))
+    finally:
+        ch.close()
+    return [flat[:WIDTH], flat[WIDTH:]]
+
+
+def exchange_gloo(row: Sequence[int], group: Any) -> list:
+    """Both rows over the TP CPU (gloo) group: DP2 with attention-TP1 has exactly the two ranks."""
+    import torch
+    import torch.distributed as dist
+
+    size = dist.get_world_size(group)
+    if size != 2:
+        raise PrefillGraphConfigMismatch(f"[prefill-graph-dp] configuration check expects 2 ranks in the TP CPU group, "
+                                         f"found {size}")
+    local = torch.tensor(list(row), dtype=torch.int64)
+    out = [torch.empty_like(local) for _ in range(size)]
+    dist.all_gather(out, local, group=group)
+    return [t.tolist() for t in out]
+
+
+def _native_configured() -> bool:
+    try:
+        from ..dp2.channels import RUNTIME
+    except Exception:  # noqa: BLE001 - dp2 not importable (native module not built): gloo
+        return False
+    return RUNTIME.session_id is not None and RUNTIME.rank is not None
+
+
+def check(runner: Any, factor: float, *, exchange: Optional[Callable] = None, group: Any = None) -> None:
+    """Exchange this rank's row with its peer's and refuse a mismatch (on both ranks)."""
+    row = payload(runner, factor)
+    if exchange is None:
+        if _native_configured():
+            exchange = exchange_native
+        else:
+            if group is None:
+                from sglang.srt.runtime_context import get_parallel
+
+                group = get_parallel().tp_group.cpu_group
+            exchange = lambda r: exchange_gloo(r, group)  # noqa: E731
+    rows = exchange(row)
+    message = compare(rows)
+    if message:
+        logger.critical("%s", message)
+        raise PrefillGraphConfigMismatch(message)
+    logger.info("dspark-harden prefill-graph-dp: both DP ranks' prefill-graph configurations agree (%s)",
+                _show("buckets_digest", row[5], row))
