@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 import re
 import signal
+import sys
 import time
 
 import pytest
@@ -97,6 +98,9 @@ def test_stopped_rank_1_is_named_by_health_then_fails_both_ranks():
         assert time.monotonic() - t0 >= STOP_MS / 1000 - 1.0
         assert "Dp2Error" in log
         assert rc == 3, (rc, server.log_tail())
+        # what each rank said (shown with -s): rank 0 the named error, rank 1 'poisoned' if it ran before teardown
+        sys.stderr.write("".join(line + "\n" for line in log.splitlines()
+                                 if re.search(r"peer died|channel poisoned|exiting with code|exit code", line)))
     finally:
         if pid1 is not None:
             try:
