@@ -49,6 +49,10 @@ def main():
             say(event="exiting", n=n)
             os._exit(0)  # no close: the slot still names this pid, which becomes a zombie
         elif mode == "exchange-then-skip":
+            go = os.environ.get("PEER_GO_FILE")
+            deadline = time.monotonic() + 60
+            while go and not os.path.exists(go) and time.monotonic() < deadline:
+                time.sleep(0.005)  # the local end has finished reading the last row: skipping now cannot race it
             ch.debug_skip_sequence(int(args[1]), args[2] == "1")
             say(event="skipped")
             ch.exchange([0] * width)

@@ -213,15 +213,19 @@ def test_pid_reuse_is_detected_through_process_start_time():
 
 
 @pytest.mark.parametrize("publish", [True, False])
-def test_sequence_divergence_stops_both_ranks(publish):
+def test_sequence_divergence_stops_both_ranks(publish, tmp_path):
     s = _session()
     ch = _open(s)
-    # publish: the peer jumps 3 ahead (legal lead is 1); else only its local count diverges
-    peer = Peer("exchange-then-skip", s, 1, 5, 3 if publish else 1, "1" if publish else "0")
+    go = tmp_path / "go"
+    # publish: the peer jumps 3 ahead (legal lead is 1); else only its local count diverges. It skips only
+    # once we have read its last row (go file): jumping while we still copy that row is a different error
+    peer = Peer("exchange-then-skip", s, 1, 5, 3 if publish else 1, "1" if publish else "0",
+                env={"PEER_GO_FILE": str(go)})
     try:
         peer.event()
         for i in range(5):
             ch.exchange([i] * W)
+        go.touch()
         assert peer.event()["event"] == "skipped"
         with pytest.raises(Dp2Error) as info:
             ch.exchange([0] * W)
