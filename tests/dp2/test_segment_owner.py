@@ -14,7 +14,7 @@ import os
 import pytest
 
 from dspark_harden.dp2.native import Dp2Error, shm_name_for
-from tests.dp2.test_faults import W, _open, _session, no_shm_leftovers  # noqa: F401 - autouse fixture
+from tests.dp2.test_faults import _open, _session, no_shm_leftovers  # noqa: F401 - autouse fixture
 
 NOBODY = 65534
 

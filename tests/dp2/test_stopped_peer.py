@@ -15,6 +15,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -171,7 +172,7 @@ sys.stdin.readline()  # stay alive (a record of a dead writer is not current)
 """
 
 
-def test_board_reached_through_proc_and_refused_when_not_ours(monkeypatch):
+def test_board_reached_through_proc_and_refused_when_not_ours():
     board = B.Board.create()
     try:
         child = subprocess.Popen([sys.executable, "-c", BOARD_WRITER, board.spec], stdout=subprocess.PIPE,
@@ -243,8 +244,6 @@ def test_runtime_publishes_a_stopped_peer_on_the_board_and_clears_it(monkeypatch
         assert peer.event()["event"] == "ready"
         os.kill(peer.proc.pid, signal.SIGSTOP)
         _wait_state(peer.proc.pid, "T")
-        import threading
-
         def watch():
             deadline = time.monotonic() + 60
             while time.monotonic() < deadline and not ch.closed:
