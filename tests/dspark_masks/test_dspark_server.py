@@ -22,6 +22,8 @@ import pytest
 
 from dspark_harden.devtools.tiny_models import ensure_dspark_draft
 
+pytestmark = [pytest.mark.server, pytest.mark.timeout(1200)]
+
 SCHEMA = {
     "type": "object",
     "properties": {"ok": {"type": "boolean"}, "color": {"enum": ["red", "green", "blue"]},
