@@ -1,8 +1,8 @@
 """The CPU test platform's forms of the stock pieces the DSpark path needs (issue 23, item 1),
-each against the contract of the stock op it replaces. Work in progress: with these forms a real
-``python -m sglang.launch_server --speculative-algorithm DSPARK`` server on the CPU platform starts,
-runs the target prefill and the draft KV injection through the real ``DSparkWorkerV2``, and fails
-in the first draft forward (see docs/testing.md, "DSpark on the CPU platform").
+each against the contract of the stock op it replaces. With these forms a real
+``python -m sglang.launch_server --speculative-algorithm DSPARK`` server on the CPU platform serves,
+single rank and DP2 (tests/dspark_masks/test_dspark_server.py; docs/testing.md, "DSpark on the CPU
+platform").
 """
 
 from __future__ import annotations
