@@ -459,6 +459,7 @@ class Persister:
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)
         self._pending = 0  # jobs queued, waiting for a retry, or running
+        self._busy = 0  # 1 while the thread runs a job
         self._thread: Optional[threading.Thread] = None
         self._stop = threading.Event()
         self.outcomes: dict[str, dict] = {}  # key digest -> last result (tests, bench)
@@ -473,7 +474,7 @@ class Persister:
                 self.skipped["queued"] += 1
                 gm.inc_publish_skipped("queued")
                 return False
-            if self._pending >= self.settings.queue_max:
+            if self._pending - self._busy >= self.settings.queue_max:  # waiting or retrying, not running
                 self.skipped["queue_full"] += 1
                 gm.inc_publish_skipped("queue_full")
                 return False
@@ -484,7 +485,7 @@ class Persister:
                                 "causes": []})
             self._queued.add(key_hex)
             self._pending += 1
-            gm.set_publish_queue(self._pending)
+            gm.set_publish_queue(self._pending - self._busy)
             return True
 
     def flush(self, timeout: Optional[float] = None) -> bool:
@@ -507,16 +508,17 @@ class Persister:
             self._idle.notify_all()
 
     def _next_job(self) -> Optional[dict]:
+        """A retry that is due (first: new jobs cannot starve it), else the next queued job."""
         while not self._stop.is_set():
             with self._lock:
+                if self._retry and self._retry[0][0] <= time.monotonic():
+                    return heapq.heappop(self._retry)[2]
                 due = self._retry[0][0] if self._retry else None
             timeout = None if due is None else max(0.0, due - time.monotonic())
             try:
                 return self._q.get(timeout=timeout)
             except queue.Empty:
-                with self._lock:
-                    if self._retry and self._retry[0][0] <= time.monotonic():
-                        return heapq.heappop(self._retry)[2]
+                continue
         return None
 
     def _run(self) -> None:
@@ -525,6 +527,8 @@ class Persister:
             if job is None:
                 return
             final = True
+            with self._lock:
+                self._busy = 1
             try:
                 self.slots.wait_for_helper_slot(self._stop)
                 if not self._stop.is_set():
@@ -537,11 +541,12 @@ class Persister:
                     logger.exception("dspark-harden: grammar cache persistence failed")
             finally:
                 with self._lock:
+                    self._busy = 0
                     if final:
                         self._queued.discard(job["key_hex"])
                         self._pending -= 1
                         self._idle.notify_all()
-                    gm.set_publish_queue(self._pending)
+                    gm.set_publish_queue(self._pending - self._busy)
 
     # -- one job ----------------------------------------------------------------------------
     def _one(self, job: dict) -> bool:
