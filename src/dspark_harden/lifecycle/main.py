@@ -34,6 +34,7 @@ daemon thread with a time limit) and a hard deadline exits with the documented c
 from __future__ import annotations
 
 import asyncio
+from http import HTTPStatus
 import json
 import logging
 import os
@@ -418,8 +419,13 @@ class MainLifecycle:
 
         return [rid for rid in list(tm.rid_to_state) if not str(rid).startswith(HEALTH_CHECK_RID_PREFIX)]
 
-    def answer_all(self, tm: Any, message: str, status_code: int = 503) -> int:
-        """Finish every open request with an error response (stock ``_handle_abort_req``); event loop thread."""
+    def answer_all(self, tm: Any, message: str, status_code: int = HTTPStatus.SERVICE_UNAVAILABLE) -> int:
+        """Finish every open request with an error response (stock ``_handle_abort_req``); event loop thread.
+
+        The status is an ``HTTPStatus``, not the int 503: stock's OpenAI streaming handlers
+        (``serving_chat`` / ``serving_completions``) write the in-band ``{"error": ...}`` chunk only
+        when ``finish_reason["status_code"]`` is an ``HTTPStatus``; with an int the stream ends with
+        ``finish_reason: abort`` and no message."""
         from sglang.srt.managers.io_struct import AbortReq
 
         n = 0
@@ -490,7 +496,8 @@ class MainLifecycle:
             try:
                 tm._dispatch_to_scheduler(AbortReq(
                     rid="", abort_all=True, abort_message=msg,
-                    finished_reason={"type": "abort", "message": msg, "status_code": 503}))
+                    finished_reason={"type": "abort", "message": msg,
+                                     "status_code": HTTPStatus.SERVICE_UNAVAILABLE}))
             except Exception:  # noqa: BLE001
                 logger.debug("abort_all to the schedulers failed", exc_info=True)
             abort_deadline = time.monotonic() + ABORT_ANSWER_TIMEOUT_S
