@@ -10,7 +10,11 @@
   idle-participant validity from the gathered token counts, identically on every rank.
 * :func:`build_guard` wraps ``PrefillCudaGraphRunner.can_run_graph``: a shared "eager" verdict is
   eager; under a shared "graph" verdict every check (including the two ``_forward_raw`` adds)
-  must pass on this rank, else :class:`.decision.PrefillGraphDivergence` (never eager alone).
+  must pass on this rank. A failing check whose inputs are gathered or uniform
+  (:func:`.decision.uniform_failures`) fails on every rank alike: eager everywhere, as stock
+  (``eager_uniform``); any other failure raises :class:`.decision.PrefillGraphDivergence` (never
+  eager alone). A draft runner under a DP table runs eager (draft prefill graphs are refused at
+  startup, see feature.speculative_refusal).
 
 The bench builds the same wrappers around the same stock functions with its own
 :class:`Runtime`, so the numbers it reports come from the code the server runs.

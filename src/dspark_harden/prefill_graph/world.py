@@ -59,13 +59,13 @@ _DEFAULT_DECODE_SEQ = 512  # a mixed rank without "seq" mixes in one running req
 
 def _config_dir() -> str:
     """A config-only DeepSeek-V3 checkpoint (ModelConfig reads config.json; nothing loads weights)."""
-    path = os.path.join(tempfile.gettempdir(), f"dspark-harden-prefill-world-{os.getuid()}")
+    path = os.path.join(tempfile.gettempdir(), f"dspark-harden-prefill-world-{os.getuid()}-v2")
     cfg_path = os.path.join(path, "config.json")
     if os.path.exists(cfg_path):
         return path
     os.makedirs(path, exist_ok=True)
     yarn = {"beta_fast": 32, "beta_slow": 1, "factor": 4.0, "mscale": 1.0, "mscale_all_dim": 1.0,
-            "original_max_position_embeddings": 512, "rope_type": "yarn", "type": "yarn"}
+            "original_max_position_embeddings": 1 << 15, "rope_type": "yarn", "type": "yarn"}
     cfg = {
         "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "vocab_size": 2048,
         "hidden_size": 128, "intermediate_size": 256, "moe_intermediate_size": 64, "num_hidden_layers": 2,
@@ -431,7 +431,6 @@ class RankResult:
     replays: bool = False  # this rank ran the prefill graph
     raised: Optional[Any] = None  # PrefillGraphDivergence
     verdict: bool = False
-    local_tokens: int = 0
     useful: int = 0
     decision: Any = None  # decision.SharedDecision (harden side)
     local_reason: Optional[str] = None
@@ -630,8 +629,6 @@ class World:
 
     # -- one step ------------------------------------------------------------------------------
     def step(self, step: T.Step, side: str) -> list:
-        import torch
-
         from sglang.srt.managers.overlap_utils import resolve_forward_inputs
         from sglang.srt.model_executor.forward_batch_info import ForwardBatch
         from sglang.srt.model_executor.model_runner import ModelRunner
@@ -703,7 +700,6 @@ class World:
         finally:
             for eng in self.engines:
                 eng.release()
-            torch.set_grad_enabled(True)
 
 
 # -- the differential check: view vs the real ForwardBatch --------------------------------------
