@@ -5,7 +5,7 @@ Layout (one *namespace* per compatibility scope)::
     <root>/<scope-digest>/
         scope.json            the scope document (human-readable; checked on open)
         entries/<key>.xgc     one entry per grammar key (0600)
-        locks/<key>.lock      per-entry file lock (filelock)
+        locks/<key>.lock      per-entry file lock (flock, bounded waits)
         ledger                byte ledger: sum of the sizes of every file in entries/
         ledger.lock           serialises ledger updates and pruning
         ledger.intent         present while a ledger holder renames an entry in: a later holder that
