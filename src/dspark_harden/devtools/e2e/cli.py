@@ -44,6 +44,13 @@ def register(bench_subparsers) -> None:
                    help="requests of the sequential correctness gate, each capped at 16 output tokens (default %(default)s)")
     b.add_argument("--ablate", action="store_true", help="also run the plugin once with each feature off in turn")
     b.add_argument("--ablate-features", metavar="A,B", help="ablate only these features (implies --ablate)")
+    b.add_argument("--speculative", choices=["dspark"],
+                   help="compare stock and plugin with this speculative algorithm (DSpark: Qwen3 tiny + the tiny DSpark "
+                        "draft, trace weighted towards constrained requests, DSPARK_HARDEN_DSPARK_MASKS ablated; "
+                        "--ablate is not combined with it)")
+    b.add_argument("--corpus", type=_positive_int, metavar="N",
+                   help="add N json_schema requests drawn from the JSON Schema Test Suite (the schemas xgrammar "
+                        "compiles; each output validated with its schema's draft) to the trace")
     b.add_argument("--no-warmup", action="store_true", help="skip the uncounted warm-up pass per server")
     b.add_argument("--write-trace", metavar="FILE", help="also write the replayed trace as JSONL")
     b.add_argument("--details", metavar="DIR", help="write every request's result (outputs included) per round as JSONL")

@@ -28,6 +28,8 @@ class Result:
     #: one item per request (a batch has several)
     outputs: list = field(default_factory=list)  # [(output_ids tuple, text, finish_reason type)]
     completion_tokens: int = 0
+    #: speculative verify steps (``meta_info.spec_verify_ct``; 0 without speculative decoding)
+    spec_verify_ct: int = 0
     invalid: list = field(default_factory=list)  # reasons, one per failed constrained output
     truncated: int = 0
 
@@ -45,6 +47,7 @@ def _absorb(res: Result, entry: dict, answers: list) -> None:
     for a in answers:
         meta = a.get("meta_info", {})
         res.completion_tokens += int(meta.get("completion_tokens", 0))
+        res.spec_verify_ct += int(meta.get("spec_verify_ct", 0) or 0)
         finish = _finish(meta)
         res.outputs.append((tuple(a.get("output_ids") or ()), a.get("text", ""), finish))
         if entry.get("check"):
@@ -169,6 +172,12 @@ def summarize(results: list, wall_s: float, entries: list[dict]) -> dict:
         "constrained_invalid": len(invalid),
         "constrained_truncated": sum(r.truncated for r in results),
     }
+    verify = sum(r.spec_verify_ct for r in results if r.ok)
+    if verify:
+        # tokens per verify step over every answered request (includes the bonus token): as stock's
+        # meta_info.spec_accept_length, pooled
+        out["spec_verify_ct"] = verify
+        out["accept_length_mean"] = round(sum(r.completion_tokens for r in results if r.ok) / verify, 4)
     for name, series in (("e2e", e2e), ("ttft", ttft)):
         for q, label in ((0.5, "p50"), (0.95, "p95"), (0.99, "p99")):
             v = pct(series, q)

@@ -16,6 +16,7 @@ both starts from the same cache state and replays the same trace.
 from __future__ import annotations
 
 import json
+import re
 import statistics
 import sys
 import tempfile
@@ -50,7 +51,8 @@ NOT_EXERCISED = {
 }
 
 SUMMARY_KEYS = ("output_tok_s", "req_s", "e2e_p50_s", "e2e_p95_s", "e2e_p99_s", "ttft_p50_s", "ttft_p95_s",
-                "ttft_p99_s", "wall_s", "errors", "constrained_invalid", "constrained_truncated")
+                "ttft_p99_s", "wall_s", "errors", "constrained_invalid", "constrained_truncated",
+                "accept_length_mean")
 
 
 def log(msg: str) -> None:
@@ -58,15 +60,57 @@ def log(msg: str) -> None:
     sys.stderr.flush()
 
 
-def stock_config() -> _server.ServerConfig:
+#: ``--speculative``: algorithm -> what the servers add to the DP2 geometry. DSpark: Qwen3 tiny +
+#: the tiny random-weight DSpark draft (devtools/tiny_models.ensure_dspark_draft), DP-attention needs
+#: --enable-dp-lm-head (docs/testing.md); the plugin servers turn the DSpark mask feature on.
+SPECULATIVE = {
+    "dspark": {
+        "algorithm": "DSPARK",
+        "arch": "qwen3",
+        "plugin_env": {"DSPARK_HARDEN_DSPARK_MASKS": "1"},
+        #: the mask feature's ablation (reported beside the comparison)
+        "ablation": ("dspark-masks", {"DSPARK_HARDEN_DSPARK_MASKS": "0"}),
+    },
+}
+
+
+def base_config(speculative: Optional[str] = None) -> _server.ServerConfig:
     c = _server.DP2_CONFIG
+    if not speculative:
+        return c
+    spec = SPECULATIVE[speculative]
+    from .. import tiny_models
+
+    extra = ("--speculative-algorithm", spec["algorithm"], "--speculative-draft-model-path",
+             tiny_models.dspark_draft_dir(), "--enable-dp-lm-head")
+    return _server.ServerConfig(**{**c.__dict__, "arch": spec["arch"], "extra_args": tuple(c.extra_args) + extra})
+
+
+def stock_config(speculative: Optional[str] = None) -> _server.ServerConfig:
+    c = base_config(speculative)
     return _server.ServerConfig(**{**c.__dict__, "plugins": None, "name": "e2e-stock"})
 
 
-def plugin_config(grammar_dir: str, off: Optional[dict] = None, name: str = "e2e-plugin") -> _server.ServerConfig:
-    env = {**PLUGIN_ENV, "DSPARK_HARDEN_GRAMMAR_DISK_DIR": grammar_dir, **(off or {})}
-    c = _server.DP2_CONFIG.with_env(**env)
+def plugin_config(grammar_dir: str, off: Optional[dict] = None, name: str = "e2e-plugin",
+                  speculative: Optional[str] = None) -> _server.ServerConfig:
+    spec_env = SPECULATIVE[speculative]["plugin_env"] if speculative else {}
+    env = {**PLUGIN_ENV, **spec_env, "DSPARK_HARDEN_GRAMMAR_DISK_DIR": grammar_dir, **(off or {})}
+    c = base_config(speculative).with_env(**env)
     return _server.ServerConfig(**{**c.__dict__, "name": name})
+
+
+_MASK_STEPS = re.compile(r'^dspark_harden_dspark_mask_steps_total\{dp_rank="(\d+)",outcome="(\w+)"\} ([0-9.e+]+)$', re.M)
+_MASK_ENGINE = re.compile(r'^dspark_harden_dspark_mask_engine\{dp_rank="(\d+)",engine="(\w+)"\} ([0-9.e+]+)$', re.M)
+
+
+def mask_state(metrics_text: str) -> dict:
+    """The DSpark mask feature's engine per DP rank (gauge 1) and its step counters by outcome,
+    summed over ranks, from one /metrics scrape."""
+    engines = {rank: eng for rank, eng, v in _MASK_ENGINE.findall(metrics_text) if float(v) == 1.0}
+    steps: dict = {}
+    for _rank, outcome, v in _MASK_STEPS.findall(metrics_text):
+        steps[outcome] = steps.get(outcome, 0) + int(float(v))
+    return {"engine_by_rank": dict(sorted(engines.items())), "steps": steps}
 
 
 class Pausable:
@@ -210,33 +254,48 @@ def compare_sequential(stock_out: dict, plugin_out: dict, entries: list[dict]) -
 
 
 def run(entries: list[dict], *, rounds: int = 3, seq_requests: int = 18, ablate: bool = False,
-        ablate_only: Optional[list] = None, details: Optional[str] = None, warmup: bool = True) -> dict:
+        ablate_only: Optional[list] = None, details: Optional[str] = None, warmup: bool = True,
+        speculative: Optional[str] = None) -> dict:
     if rounds < 1:
         raise ValueError("--rounds must be >= 1")
     seq = _trace.sequential_subset(entries, seq_requests)
     workdir = Path(tempfile.mkdtemp(prefix="dsh-bench-serve-", dir="/tmp"))
     report: dict = {"rounds": rounds, "trace": _trace.describe(entries), "method": {
-        "servers": "DP2 (--dp-size 2 --tp-size 2 --enable-dp-attention), tiny DeepseekV3, same flags",
+        "servers": ("DP2 (--dp-size 2 --tp-size 2 --enable-dp-attention), tiny DeepseekV3, same flags" if not speculative
+                    else f"DP2 (--dp-size 2 --tp-size 2 --enable-dp-attention --enable-dp-lm-head), tiny Qwen3 + tiny "
+                         f"random-weight {SPECULATIVE[speculative]['algorithm']} draft, same flags"),
         "alternation": "stock, plugin, stock, plugin, ...; the idle server's process group is SIGSTOPped",
         "cache_state": "POST /flush_cache before every pass (radix cache, KV pools, grammar memory cache); "
                        "the plugin's persistent grammar disk cache lives in a fresh directory of this run",
         "ratio": "output_tok_s/req_s: plugin/stock; p50_s/p95_s/p99_s (end-to-end) and ttft_*: stock/plugin",
         "warmup": "one uncounted pass per server before the gate (and per ablated server)" if warmup else "none",
     }}
+    if speculative:
+        from .. import tiny_models
+
+        tiny_models.ensure_dspark_draft()
     _server._lock.acquire()  # one lock for the whole run (re-entrant: both servers run under it)
     servers: dict[str, Pausable] = {}
     try:
-        servers["stock"] = start(stock_config())
+        servers["stock"] = start(stock_config(speculative))
         report["stock_ready_s"] = round(servers["stock"].server.ready_seconds, 1)
         servers["stock"].pause()
-        servers["plugin"] = start(plugin_config(str(workdir / "grammar")))
+        servers["plugin"] = start(plugin_config(str(workdir / "grammar"), speculative=speculative))
         report["plugin_ready_s"] = round(servers["plugin"].server.ready_seconds, 1)
         servers["plugin"].pause()
         compare(servers["stock"], servers["plugin"], entries, seq, rounds, report, details, warmup)
+        if speculative:
+            report["speculative"] = speculative_report(speculative, report, servers["plugin"])
+            feature, env = SPECULATIVE[speculative]["ablation"]
+            servers.pop("plugin").stop()
+            report["speculative"]["ablation"] = _ablate_one(
+                entries, servers["stock"], plugin_config(str(workdir / f"grammar-{feature}"), env,
+                                                         name=f"e2e-no-{feature}", speculative=speculative),
+                feature, env, report["plugin"]["median"], rounds)
         if details:
             Path(details, "report-before-ablation.json").write_text(json.dumps(report, indent=2))
         # ablation: the plugin with one feature off, each followed by a stock round for reference
-        if ablate:
+        if ablate and not speculative:
             servers.pop("plugin").stop()
             report["ablation"] = _ablate(entries, servers["stock"], workdir, report, ablate_only)
     finally:
@@ -329,6 +388,57 @@ def _ablate(entries: list[dict], stock: Pausable, workdir: Path, report: dict, o
     return out
 
 
+def speculative_report(speculative: str, report: dict, plugin: Pausable) -> dict:
+    """The ``speculative`` object of the JSON: algorithm, accept length (tokens per verify step,
+    median over rounds) of each server, the plugin's mask engine and mask steps (its /metrics,
+    cumulative over the whole run)."""
+    plugin.resume()
+    try:
+        masks = mask_state(plugin.server.metrics_text())
+    finally:
+        plugin.pause()
+    engines = set(masks["engine_by_rank"].values())
+    return {
+        "algorithm": SPECULATIVE[speculative]["algorithm"],
+        "accept_length_mean": {n: report[n]["median"].get("accept_length_mean") for n in ("stock", "plugin")},
+        "accept_length_spread": {n: report[n]["spread"].get("accept_length_mean") for n in ("stock", "plugin")},
+        "mask_engine": engines.pop() if len(engines) == 1 else (sorted(engines) or None),
+        "mask_engine_by_rank": masks["engine_by_rank"],
+        "mask_steps": masks["steps"],
+    }
+
+
+def _ablate_one(entries: list[dict], stock: Pausable, cfg: _server.ServerConfig, feature: str, env: dict,
+                full: dict, rounds: int) -> dict:
+    """The plugin with ``feature`` off, ``rounds`` rounds alternating with stock reference rounds."""
+    p = start(cfg)
+    p.pause()
+    mine, ref = [], []
+    try:
+        log(f"ablation: warm-up pass without {feature} (not counted)")
+        one_pass(p, entries)
+        for i in range(rounds):
+            log(f"ablation round {i + 1}/{rounds}: plugin without {feature}, then stock")
+            mine.append(one_pass(p, entries)["summary"])
+            ref.append(one_pass(stock, entries)["summary"])
+            log(f"  without {feature}: {mine[-1]['output_tok_s']} tok/s; stock {ref[-1]['output_tok_s']} tok/s")
+    finally:
+        p.stop()
+    a, s = aggregate(mine), aggregate(ref)
+    return {
+        "feature": feature, "env": env, "rounds": rounds,
+        "output_tok_s": a["output_tok_s"], "output_tok_s_spread": a["spread"].get("output_tok_s"),
+        "e2e_p99_s": a["e2e_p99_s"], "errors": a["errors"], "constrained_invalid": a["constrained_invalid"],
+        "accept_length_mean": a["median"].get("accept_length_mean"),
+        "stock_reference": {"output_tok_s": s["output_tok_s"], "output_tok_s_spread": s["spread"].get("output_tok_s"),
+                            "errors": s["errors"]},
+        "vs_stock_same_time": {"output_tok_s": _ratio(a["output_tok_s"], s["output_tok_s"]),
+                               "p99_s": _ratio(s["e2e_p99_s"], a["e2e_p99_s"])},
+        "vs_full_plugin_median": {"output_tok_s": _ratio(a["output_tok_s"], full["output_tok_s"]),
+                                  "p99_s": _ratio(full["e2e_p99_s"], a["e2e_p99_s"])},
+    }
+
+
 def _median_of(vals: list) -> Optional[float]:
     vals = [v for v in vals if v is not None]
     return round(statistics.median(vals), 4) if vals else None
@@ -350,6 +460,9 @@ def ok(report: dict) -> bool:
             good = good and report[name]["errors"] == 0 and report[name]["constrained_invalid"] == 0
     for a in report.get("ablation", {}).get("features", {}).values():
         good = good and a["errors"] == 0
+    spec_abl = report.get("speculative", {}).get("ablation")
+    if spec_abl:
+        good = good and spec_abl["errors"] == 0 and spec_abl["constrained_invalid"] == 0
     return good
 
 
@@ -365,7 +478,13 @@ def main(args) -> int:
         if args.trace:
             entries = _trace.load(args.trace)
         else:
-            entries = _trace.generate(seed=args.seed, requests=args.requests, rate=args.rate)
+            speculative = getattr(args, "speculative", None)
+            entries = _trace.generate(seed=args.seed, requests=args.requests, rate=args.rate,
+                                      mix=_trace.CONSTRAINED_MIX if speculative else None)
+        corpus_info = None
+        if getattr(args, "corpus", None):
+            extra, corpus_info = _trace.corpus_entries(args.corpus, entries, seed=args.seed)
+            entries = sorted(entries + extra, key=lambda e: e["t"])
     except (_trace.TraceError, ValueError, OSError) as exc:
         print(f"bench serve: {exc}", file=sys.stderr)
         return 2
@@ -382,7 +501,10 @@ def main(args) -> int:
             print(f"bench serve: --ablate-features: unknown {unknown}; known: {[f for f, _ in ABLATIONS]}", file=sys.stderr)
             return 2
     report = run(entries, rounds=args.rounds, seq_requests=args.seq_requests, ablate=args.ablate or bool(only),
-                 ablate_only=only, details=args.details, warmup=not args.no_warmup)
+                 ablate_only=only, details=args.details, warmup=not args.no_warmup,
+                 speculative=getattr(args, "speculative", None))
+    if corpus_info:
+        report["corpus"] = corpus_info
     if args.json:
         print(json.dumps(report, indent=2))
     else:
@@ -402,5 +524,12 @@ def human(r: dict) -> str:
     lines.append(f"concurrent identical: {json.dumps(r['identical_concurrent'])}")
     for f, a in r.get("ablation", {}).get("features", {}).items():
         lines.append(f"without {f}: {json.dumps(a['vs_stock_same_time'])} vs stock, {json.dumps(a['vs_full_plugin_median'])} vs full plugin")
+    if "speculative" in r:
+        sp = r["speculative"]
+        lines.append(f"speculative: {sp['algorithm']}, accept length {json.dumps(sp['accept_length_mean'])}, "
+                     f"mask engine {sp['mask_engine']}, mask steps {json.dumps(sp['mask_steps'])}")
+        if sp.get("ablation"):
+            ab = sp["ablation"]
+            lines.append(f"without {ab['feature']}: {ab['output_tok_s']} tok/s, {json.dumps(ab['vs_stock_same_time'])} vs stock")
     lines.append("ok" if r["ok"] else "NOT OK")
     return "\n".join(lines)

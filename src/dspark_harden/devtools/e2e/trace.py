@@ -148,9 +148,30 @@ def _sp(max_new_tokens: int, **extra: Any) -> dict:
     return {"max_new_tokens": max_new_tokens, "temperature": 0.0, **extra}
 
 
+#: the default trace's kinds of single entries (fractions; the rest is plain)
+DEFAULT_MIX = {"json": 0.38, "regex": 0.08, "ebnf": 0.05, "routed": 0.10}
+#: ``bench serve --speculative``: weighted towards grammar-constrained requests (80 % constrained)
+CONSTRAINED_MIX = {"json": 0.45, "regex": 0.20, "ebnf": 0.15, "routed": 0.10}
+
+
+def _cuts(mix: dict) -> tuple:
+    unknown = set(mix) - set(DEFAULT_MIX)
+    if unknown or any(v < 0 for v in mix.values()) or sum(mix.values()) > 1.0 + 1e-9:
+        raise ValueError(f"trace mix {mix}: kinds {sorted(DEFAULT_MIX)}, fractions >= 0 summing to <= 1")
+    out, acc = [], 0.0
+    for kind in ("json", "regex", "ebnf", "routed"):
+        acc = round(acc + mix.get(kind, 0.0), 10)
+        out.append(acc)
+    return tuple(out)
+
+
 def generate(seed: int = 0, requests: int = 120, rate: float = 4.0, *, batches: int = 2,
-             burst: int = 12, schemas: int = 30, stream_fraction: float = 0.3) -> list[dict]:
-    """The default production-shaped trace (see the module docstring), ``requests`` entries, sorted by ``t``."""
+             burst: int = 12, schemas: int = 30, stream_fraction: float = 0.3,
+             mix: Optional[dict] = None) -> list[dict]:
+    """The default production-shaped trace (see the module docstring), ``requests`` entries, sorted by ``t``.
+    ``mix``: fractions of the single entries by kind (json, regex, ebnf, routed; the rest plain),
+    default :data:`DEFAULT_MIX`; :data:`CONSTRAINED_MIX` weights the trace towards grammar requests."""
+    cut = _cuts(mix or DEFAULT_MIX)
     if requests < 1 or rate <= 0:
         raise ValueError("requests must be >= 1 and rate > 0")
     rng = random.Random(seed)
@@ -182,19 +203,19 @@ def generate(seed: int = 0, requests: int = 120, rate: float = 4.0, *, batches: 
             t += rng.expovariate(rate)
         r = rng.random()
         stream = rng.random() < stream_fraction
-        if r < 0.38:
+        if r < cut[0]:
             schema = rng.choices(pool, weights)[0]
             entries.append({"kind": "json", "t": t, "stream": stream, "check": {"type": "json_schema", "schema": schema},
                             "body": {"text": prompts.prompt() + "\nJSON:", "sampling_params": _sp(JSON_MAX_NEW_TOKENS, json_schema=schema_variant(schema, rng))}})
-        elif r < 0.46:
+        elif r < cut[1]:
             pattern = rng.choice(REGEXES)
             entries.append({"kind": "regex", "t": t, "stream": stream, "check": {"type": "regex", "pattern": pattern},
                             "body": {"text": prompts.prompt(), "sampling_params": _sp(32, regex=pattern)}})
-        elif r < 0.51:
+        elif r < cut[2]:
             grammar, pattern = rng.choice(EBNFS)
             entries.append({"kind": "ebnf", "t": t, "stream": stream, "check": {"type": "regex", "pattern": pattern},
                             "body": {"text": prompts.prompt(), "sampling_params": _sp(32, ebnf=grammar)}})
-        elif r < 0.61:
+        elif r < cut[3]:
             entries.append({"kind": "routed", "t": t, "stream": stream, "check": None,
                             "body": {"text": prompts.prompt(), "routed_dp_rank": rng.randrange(2),
                                      "sampling_params": _sp(rng.choice([8, 16, 32]), ignore_eos=True)}})
@@ -318,7 +339,75 @@ def check_output(check: Optional[dict], text: str) -> Optional[str]:
     import jsonschema
 
     try:
-        jsonschema.validate(value, check["schema"])
+        # corpus schemas name their draft (the JSON Schema Test Suite's draft3/draft4 have no $schema)
+        validator = {"draft3": jsonschema.Draft3Validator, "draft4": jsonschema.Draft4Validator}.get(check.get("draft"))
+        if validator is not None:
+            validator(check["schema"]).validate(value)
+        else:
+            jsonschema.validate(value, check["schema"])
     except jsonschema.ValidationError as exc:
         return f"schema violation: {exc.message}"
     return None
+
+
+#: the JSON Schema Test Suite (npm package, installed by scripts/install.sh; tests/grammar/corpus.py)
+CORPUS_PACKAGE = "json-schema-test-suite"
+CORPUS_DRAFTS = ("draft4", "draft3")
+
+
+def corpus_dir() -> Path:
+    import os
+
+    prefix = os.environ.get("DSPARK_HARDEN_NPM_PREFIX", os.path.join("~", ".cache", "dspark-harden", "npm"))
+    return Path(os.path.expanduser(prefix)).resolve() / "node_modules" / CORPUS_PACKAGE / "tests"
+
+
+def load_corpus(drafts=CORPUS_DRAFTS) -> list[tuple[str, str, dict]]:
+    """[(name, draft, schema)]: every distinct object schema of the suite's test groups, stable order
+    (as tests/grammar/corpus.py). Raises :class:`TraceError` naming the set-up step when missing."""
+    root = corpus_dir()
+    if not all((root / d).is_dir() for d in drafts):
+        raise TraceError(f"--corpus: the JSON Schema Test Suite is missing at {root}: run scripts/install.sh "
+                         f"(npm package {CORPUS_PACKAGE})")
+    seen: dict[str, tuple] = {}
+    for draft in drafts:
+        for path in sorted((root / draft).rglob("*.json")):
+            for i, group in enumerate(json.loads(path.read_text(encoding="utf-8"))):
+                schema = group.get("schema")
+                if isinstance(schema, dict):
+                    seen.setdefault(json.dumps(schema, sort_keys=True),
+                                    (f"{path.relative_to(root).with_suffix('')}#{i}", draft, schema))
+    return list(seen.values())
+
+
+def _compiles(schema: dict) -> bool:
+    """Whether xgrammar turns ``schema`` into a grammar (what the server's backend would do)."""
+    try:
+        import xgrammar as xgr
+
+        xgr.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False)
+        return True
+    except Exception:  # noqa: BLE001 - unsupported keywords, remote refs, invalid schemas
+        return False
+
+
+def corpus_entries(n: int, entries: list[dict], *, seed: int = 0, max_new_tokens: int = JSON_MAX_NEW_TOKENS,
+                   compiles=_compiles) -> tuple[list[dict], dict]:
+    """``n`` json_schema entries drawn (seeded, spread over the whole corpus) from the schemas of the
+    JSON Schema Test Suite that xgrammar compiles, at arrival times spread over ``entries``'
+    duration; the check validates each output with the schema's own draft. Returns the entries and
+    what was drawn from (corpus size, compiled, skipped)."""
+    corpus = load_corpus()
+    usable = [c for c in corpus if compiles(c[2])]
+    rng = random.Random(seed + 7919)
+    chosen = rng.sample(usable, min(n, len(usable)))
+    span = max((e["t"] for e in entries), default=1.0) or 1.0
+    prompts = Prompts(rng)
+    out = []
+    for i, (name, draft, schema) in enumerate(chosen):
+        out.append({"id": f"c{i:05d}", "kind": "corpus", "t": round(rng.uniform(0, span), 4), "stream": False,
+                    "corpus": name, "check": {"type": "json_schema", "schema": schema, "draft": draft},
+                    "body": {"text": prompts.prompt() + "\nJSON:",
+                             "sampling_params": _sp(max_new_tokens, json_schema=json.dumps(schema))}})
+    info = {"corpus_schemas": len(corpus), "compiled_by_xgrammar": len(usable), "drawn": len(out)}
+    return out, info

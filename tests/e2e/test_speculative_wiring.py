@@ -1,0 +1,127 @@
+"""``bench serve --speculative dspark`` and ``--corpus N`` wiring, without a server (issue 23 items
+2 and 3): the option parses, the servers' configurations, the constrained-weighted trace, the
+corpus entries and their draft-aware check, the accept-length summary, the mask-metrics parsing and
+the report's gates."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+
+from dspark_harden.devtools.e2e import client, serve, trace
+
+
+def test_cli_parses_speculative_and_corpus():
+    from dspark_harden.cli import build_parser
+
+    args = build_parser().parse_args(["bench", "serve", "--speculative", "dspark", "--corpus", "12", "--json"])
+    assert args.speculative == "dspark" and args.corpus == 12
+    assert build_parser().parse_args(["bench", "serve"]).speculative is None
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["bench", "serve", "--speculative", "eagle"])
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["bench", "serve", "--corpus", "0"])
+
+
+def test_dspark_server_configs():
+    stock = serve.stock_config("dspark")
+    plugin = serve.plugin_config("/tmp/g", speculative="dspark")
+    off_feature, off_env = serve.SPECULATIVE["dspark"]["ablation"]
+    ablated = serve.plugin_config("/tmp/g2", off_env, speculative="dspark")
+    for c in (stock, plugin, ablated):
+        assert c.arch == "qwen3" and c.dp_size == 2 and c.tp_size == 2 and c.dp_attention
+        args = list(c.extra_args)
+        assert args[args.index("--speculative-algorithm") + 1] == "DSPARK"
+        assert "--speculative-draft-model-path" in args and "--enable-dp-lm-head" in args
+    assert stock.plugins is None
+    assert dict(plugin.env)["DSPARK_HARDEN_DSPARK_MASKS"] == "1"
+    assert off_feature == "dspark-masks" and dict(ablated.env)["DSPARK_HARDEN_DSPARK_MASKS"] == "0"
+    # without --speculative: the DeepseekV3 DP2 servers of the plain bench, no draft
+    assert serve.stock_config().arch == "deepseek_v3" and "--speculative-algorithm" not in serve.stock_config().extra_args
+
+
+def test_constrained_mix_and_default_trace_unchanged():
+    assert trace.generate(seed=3, requests=60) == trace.generate(seed=3, requests=60, mix=trace.DEFAULT_MIX)
+    kinds = trace.describe(trace.generate(seed=0, requests=200, batches=0, burst=0, mix=trace.CONSTRAINED_MIX))["by_kind"]
+    constrained = kinds.get("json", 0) + kinds.get("regex", 0) + kinds.get("ebnf", 0)
+    assert constrained >= 0.7 * sum(kinds.values()), kinds
+    with pytest.raises(ValueError):
+        trace.generate(mix={"json": 0.9, "regex": 0.3})
+
+
+def test_corpus_entries_and_draft_checks(monkeypatch, tmp_path):
+    d4 = tmp_path / "node_modules" / trace.CORPUS_PACKAGE / "tests"
+    (d4 / "draft4").mkdir(parents=True)
+    (d4 / "draft3").mkdir(parents=True)
+    (d4 / "draft4" / "maximum.json").write_text(
+        '[{"schema": {"maximum": 3, "exclusiveMaximum": true}}, {"schema": {"type": "boolean"}}, {"schema": true}]')
+    (d4 / "draft3" / "required.json").write_text(
+        '[{"schema": {"properties": {"a": {"required": true}}}}, {"schema": {"type": "boolean"}}]')
+    monkeypatch.setenv("DSPARK_HARDEN_NPM_PREFIX", str(tmp_path))
+    base = trace.generate(seed=0, requests=10)
+    entries, info = trace.corpus_entries(10, base, compiles=lambda s: "maximum" not in s)
+    assert info == {"corpus_schemas": 3, "compiled_by_xgrammar": 2, "drawn": 2}
+    assert {e["kind"] for e in entries} == {"corpus"} and len({e["id"] for e in entries}) == 2
+    assert all(0 <= e["t"] <= max(b["t"] for b in base) for e in entries)
+    by = {e["corpus"]: e for e in entries}
+    assert by["draft3/required#0"]["check"]["draft"] == "draft3"
+    # draft semantics: draft3 'required: true' inside properties, draft4 boolean exclusiveMaximum
+    assert trace.check_output(by["draft3/required#0"]["check"], "{}")
+    assert trace.check_output(by["draft3/required#0"]["check"], '{"a": 1}') is None
+    assert trace.check_output({"type": "json_schema", "schema": {"maximum": 3, "exclusiveMaximum": True},
+                               "draft": "draft4"}, "3")
+    monkeypatch.setenv("DSPARK_HARDEN_NPM_PREFIX", str(tmp_path / "nowhere"))
+    with pytest.raises(trace.TraceError, match="install.sh"):
+        trace.corpus_entries(1, base)
+
+
+def test_accept_length_in_the_summary():
+    entries = [{"id": "a", "kind": "json", "check": None, "body": {"text": "x"}}, {"id": "b", "kind": "plain", "check": None, "body": {"text": "y"}}]
+    ra, rb = client.Result(id="a", kind="json", status=200), client.Result(id="b", kind="plain", status=200)
+    client._absorb(ra, entries[0], [{"meta_info": {"completion_tokens": 12, "spec_verify_ct": 6}, "output_ids": [1]}])
+    client._absorb(rb, entries[1], [{"meta_info": {"completion_tokens": 4, "spec_verify_ct": 4}, "output_ids": [2]}])
+    s = client.summarize([ra, rb], 1.0, entries)
+    assert s["spec_verify_ct"] == 10 and s["accept_length_mean"] == 1.6
+    assert "accept_length_mean" not in client.summarize([client.Result(id="a", kind="json", status=200)], 1.0, entries[:1])
+
+
+METRICS = """\
+dspark_harden_dspark_mask_engine{dp_rank="0",engine="native"} 1.0
+dspark_harden_dspark_mask_engine{dp_rank="0",engine="python"} 0.0
+dspark_harden_dspark_mask_engine{dp_rank="1",engine="native"} 1.0
+dspark_harden_dspark_mask_steps_total{dp_rank="0",outcome="masked"} 7.0
+dspark_harden_dspark_mask_steps_total{dp_rank="1",outcome="masked"} 5.0
+dspark_harden_dspark_mask_steps_total{dp_rank="1",outcome="no_grammar"} 2.0
+"""
+
+
+def test_mask_state_and_speculative_report():
+    assert serve.mask_state(METRICS) == {"engine_by_rank": {"0": "native", "1": "native"},
+                                         "steps": {"masked": 12, "no_grammar": 2}}
+
+    class _Srv:
+        def metrics_text(self):
+            return METRICS
+
+    calls = []
+    plugin = types.SimpleNamespace(server=_Srv(), resume=lambda: calls.append("resume"), pause=lambda: calls.append("pause"))
+    report = {n: {"median": {"accept_length_mean": v}, "spread": {"accept_length_mean": [v, v]}}
+              for n, v in (("stock", 1.1), ("plugin", 1.2))}
+    sp = serve.speculative_report("dspark", report, plugin)
+    assert sp["algorithm"] == "DSPARK" and sp["accept_length_mean"] == {"stock": 1.1, "plugin": 1.2}
+    assert sp["mask_engine"] == "native" and sp["mask_steps"] == {"masked": 12, "no_grammar": 2}
+    assert calls == ["resume", "pause"]
+
+
+def test_ok_gates_the_mask_ablation():
+    seq = {"checked": 2, "identical": 2, "failed_requests": []}
+    side = {"errors": 0, "constrained_invalid": 0}
+    r = {"identical_sequential": seq, "stock": side, "plugin": side,
+         "speculative": {"ablation": {"errors": 0, "constrained_invalid": 0}}}
+    assert serve.ok(r)
+    r["speculative"]["ablation"]["constrained_invalid"] = 1
+    assert not serve.ok(r)
+    r["speculative"]["ablation"]["constrained_invalid"] = 0
+    r["identical_sequential"] = {**seq, "identical": 1}
+    assert not serve.ok(r)
