@@ -125,3 +125,54 @@ def test_ok_gates_the_mask_ablation():
     r["speculative"]["ablation"]["constrained_invalid"] = 0
     r["identical_sequential"] = {**seq, "identical": 1}
     assert not serve.ok(r)
+
+
+def test_run_speculative_flow_with_fake_servers(monkeypatch):
+    """serve.run(speculative="dspark") end to end over fake servers: which configurations start, in
+    which order, and the report's shape (the real servers are exercised by the bench itself)."""
+    started, passes = [], []
+
+    class _Fake:
+        def __init__(self, cfg):
+            self.server = types.SimpleNamespace(config=cfg, ready_seconds=1.0, metrics_text=lambda: METRICS)
+            self.name = cfg.name
+
+        def pause(self):
+            pass
+
+        def resume(self):
+            pass
+
+        def stop(self):
+            started.append(f"stop {self.name}")
+
+    def fake_start(cfg):
+        started.append(f"start {cfg.name} masks={dict(cfg.env).get('DSPARK_HARDEN_DSPARK_MASKS')}")
+        return _Fake(cfg)
+
+    def fake_pass(p, entries, *, sequential=False):
+        passes.append((p.name, sequential))
+        s = {k: 1.0 for k in serve.SUMMARY_KEYS}
+        s.update(errors=0, constrained_invalid=0, constrained_truncated=0, cpu_s_by_role={"scheduler": 1.0},
+                 cpu_s_total=1.0, accept_length_mean=1.05 if "stock" in p.name else 1.1)
+        return {"summary": s, "outputs": {e["id"]: ((1, 2),) for e in entries}, "results": []}
+
+    monkeypatch.setattr(serve, "start", fake_start)
+    monkeypatch.setattr(serve, "one_pass", fake_pass)
+    monkeypatch.setattr(serve._server._lock, "acquire", lambda: None)
+    monkeypatch.setattr(serve._server._lock, "release", lambda: None)
+    import dspark_harden.devtools.tiny_models as tm
+
+    monkeypatch.setattr(tm, "ensure_dspark_draft", lambda: "/tmp/draft")
+    entries = trace.generate(seed=0, requests=12, mix=trace.CONSTRAINED_MIX)
+    r = serve.run(entries, rounds=2, seq_requests=4, speculative="dspark")
+    assert started[:2] == ["start e2e-stock masks=None", "start e2e-plugin masks=1"]
+    assert "stop e2e-plugin" in started and "start e2e-no-dspark-masks masks=0" in started
+    sp = r["speculative"]
+    assert sp["accept_length_mean"] == {"stock": 1.05, "plugin": 1.1} and sp["mask_engine"] == "native"
+    assert sp["ablation"]["feature"] == "dspark-masks" and sp["ablation"]["rounds"] == 2
+    assert sp["ablation"]["accept_length_mean"] == 1.1
+    assert r["ok"] and "DSpark" not in r["method"]["servers"] and "DSPARK draft" in r["method"]["servers"]
+    # ablation: warm-up + (plugin-without, stock) per round
+    assert [n for n, _ in passes[-5:]] == ["e2e-no-dspark-masks"] + ["e2e-no-dspark-masks", "e2e-stock"] * 2
+    assert serve.human(r).count("speculative: DSPARK") == 1
