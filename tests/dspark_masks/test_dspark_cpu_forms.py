@@ -15,6 +15,12 @@ import torch
 
 from dspark_testsupport import cpu_platform as C
 
+#: forked: these install CPU forms over stock SGLang / torch attributes, and the attention forms run
+#: torch ops large enough to start torch's OpenMP pool; in the pytest parent that pool makes every
+#: later forked test that runs a parallel torch op deadlock in the child (seen: a suite run hung in
+#: test_integration.py's ``logits.clone()`` for 7 minutes).
+pytestmark = pytest.mark.forked
+
 
 def test_kv_copy_cpu_form_moves_rows_of_every_layer_reading_sources_first():
     layers = [torch.arange(6 * 4, dtype=torch.int32).view(6, 4).clone() for _ in range(2)]
