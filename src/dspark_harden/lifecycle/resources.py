@@ -118,7 +118,8 @@ def mapped_shm_inodes(pid: int) -> set[int]:
 
 def fd_holdings(pid: int, devs: set) -> tuple[set[Key], set[int]]:
     """(identities of open files on a device in ``devs``, socket inodes) of ``pid``'s fds; raises
-    OSError when its fd table cannot be read. Never touches the process's memory."""
+    OSError when its fd table cannot be read. Never touches the process's memory, and stats only
+    targets under /dev/shm (a stat through another fd could block on a hung filesystem)."""
     files: set[Key] = set()
     socks: set[int] = set()
     base = f"/proc/{pid}/fd/"
@@ -132,7 +133,7 @@ def fd_holdings(pid: int, devs: set) -> tuple[set[Key], set[int]]:
                 socks.add(int(target[8:-1]))
             except ValueError:
                 pass
-        elif target.startswith("/"):
+        elif target.startswith(SHM_DIR):
             try:
                 st = os.stat(base + fd)
             except OSError:
