@@ -143,8 +143,11 @@ def _remove_as_server(owner_pid: int) -> dict:
     os.kill(owner_pid, signal.SIGKILL)  # our own process (same uid)
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
-        st = resources.proctree.stat(owner_pid)
-        if st is None or st.state == "Z":
+        try:
+            with open(f"/proc/{owner_pid}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] == "Z":
+                    break
+        except OSError:
             break
         time.sleep(0.05)
     result = resources.remove_leftovers(tracker)
