@@ -60,8 +60,10 @@ def _owner(conn, path: str, mode: int):
 def _holder(conn, path: str, how: str):
     """An unrelated process: ``create`` (a new file under that name, held open by fd), ``fd``
     (opens the existing file, holds the fd, no mapping) or ``map`` (maps it read-only, fd closed)."""
-    if how == "create":
+    if how in ("create", "create_closed"):
         fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        if how == "create_closed":
+            os.close(fd)
     else:
         fd = os.open(path, os.O_RDONLY)
         if how == "map":
@@ -88,7 +90,10 @@ def cleanup_paths():
                 os.unlink(q)
 
 
-def test_a_name_recreated_by_another_user_is_not_the_servers(cleanup_paths):
+@pytest.mark.parametrize("how", ["create", "create_closed"])
+def test_a_name_recreated_by_another_user_is_not_the_servers(cleanup_paths, how):
+    """``create``: the other user holds it open by fd (the reproduced case); ``create_closed``: nobody
+    holds it any more, so only its identity tells it is not the server's."""
     need_root()
     path = _name("recreated")
     cleanup_paths.append(path)
@@ -101,7 +106,7 @@ def test_a_name_recreated_by_another_user_is_not_the_servers(cleanup_paths):
         assert path in tracker.shm
         owner.tell("unlink")
         assert owner.expect() == "done"
-        holder = Proc(_holder, path, "create", uid=OTHER_UID)
+        holder = Proc(_holder, path, how, uid=OTHER_UID)
         assert holder.expect() == "ready"
         theirs = os.stat(path)
         assert theirs.st_uid == OTHER_UID
