@@ -476,6 +476,9 @@ class MainLifecycle:
                         "health check failed" if status == "UnHealthy" else "SGL_FORCE_SHUTDOWN is set")
         logger.info("dspark-harden lifecycle: draining %d in-flight request(s) for up to %g s "
                     "(DSPARK_HARDEN_SHUTDOWN_DRAIN_S); new requests get HTTP 503", open_at_start, drain_s)
+        # the drain and the abort are bounded too (a ZMQ send to a wedged scheduler is not)
+        self.hard_exit.arm(drain_s + ABORT_ANSWER_TIMEOUT_S + 1 + self._teardown_budget(), EXIT_CODES["other"],
+                           "draining and aborting the in-flight requests")
         deadline = t0 + drain_s
         while self._open_rids(tm) and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
