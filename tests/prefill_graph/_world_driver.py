@@ -77,12 +77,12 @@ def _features(world, res, feat: collections.Counter) -> None:
 
 
 def run_config(name: str, steps: list, *, sides=("probe", "harden", "stock"), max_examples: int = 5) -> dict:
-    from dspark_harden.prefill_graph import bench as B
+    from dspark_harden.prefill_graph import runner as R
     from dspark_harden.prefill_graph import world as W
 
     world = WORLDS.get(name)
     if world is None:
-        world = WORLDS[name] = W.World(B.capture_config(), **CONFIGS[name])
+        world = WORLDS[name] = W.World(R.capture_config(), **CONFIGS[name])
     out: dict = {"steps": len(steps)}
     t0 = time.perf_counter()
     if "probe" in sides:
@@ -371,7 +371,7 @@ def crafted_pairs() -> dict:
 
 
 def run_crafted() -> dict:
-    from dspark_harden.prefill_graph import bench as B
+    from dspark_harden.prefill_graph import runner as R
     from dspark_harden.prefill_graph import world as W
 
     out = {}
@@ -385,7 +385,7 @@ def run_crafted() -> dict:
         key = (tuple(sorted(over.items())), limit, buckets, tuple(sorted(wkw.items())))
         world = worlds.get(key)
         if world is None:
-            cfg = B.capture_config(buckets, **over)
+            cfg = R.capture_config(buckets, **over)
             world = worlds[key] = W.World(cfg, **wkw)
             if limit:
                 for runner in world.runners.values():

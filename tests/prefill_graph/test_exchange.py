@@ -26,11 +26,11 @@ STEPS = 1500
 def _worker(rank, port, session, steps):
     from dspark_harden.dp2 import harness
     from dspark_harden.prefill_graph import admission as A
-    from dspark_harden.prefill_graph import bench as B
+    from dspark_harden.prefill_graph import runner as R
     from dspark_harden.prefill_graph import trace as T
     from dspark_harden.prefill_graph import world as W
 
-    cfg = B.capture_config()
+    cfg = R.capture_config()
     model_config = W.publish_runtime(cfg, backend="full", spec="none")
     w = harness.init_worker(rank, port, session)
     dp_attn = w.dp_attn
@@ -38,12 +38,12 @@ def _worker(rank, port, session, steps):
     from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
 
     eng = W.RankEngine(rank, model_config)
-    runner = B.build_runner(cfg)
+    runner = R.build_runner(cfg)
     rt = A.Runtime(dp_rank=rank, bs=list(cfg.buckets), server_mode=CaptureHiddenMode.NULL, attn_tp_size=1,
                    tolerates_sum_len=lambda: False)
-    vote = A.build_vote(B._stock(dp_attn._local_prefill_cuda_graph_vote), rt)
-    update = A.build_update_gather(B._stock(dp_attn._update_gather_batch), rt)
-    stock_all_gather = B._stock(dp_attn.MLPSyncBatchInfo.all_gather)
+    vote = A.build_vote(R.stock(dp_attn._local_prefill_cuda_graph_vote), rt)
+    update = A.build_update_gather(R.stock(dp_attn._update_gather_batch), rt)
+    stock_all_gather = R.stock(dp_attn.MLPSyncBatchInfo.all_gather)
     trace = T.generate(T.TraceShape(steps=steps, seed=99, p_hidden=0.05, p_pool=0.05, p_peer_decode=0.15))
     none = SpeculativeAlgorithm.NONE
     out, mismatches = [], []

@@ -1,7 +1,7 @@
 """The forward-time guard, and the feature's patches bound on the real sglang 0.5.23 classes.
 
 The guard is exercised on a ``PrefillCudaGraphRunner`` of the real class (state from stock's
-default capture configuration, see ``dspark_harden.prefill_graph.bench.build_runner``) with a
+default capture configuration, see ``dspark_harden.prefill_graph.runner.build_runner``) with a
 ``PredictedForwardBatch`` standing in for the GPU ``ForwardBatch``. Prefill CUDA graphs cannot
 capture or replay on CPU: these tests prove the decision, not a replay. Tests that bind the
 patches onto SGLang's classes run forked.
@@ -15,13 +15,13 @@ import pytest
 import torch
 
 from dspark_harden.prefill_graph import admission as A
-from dspark_harden.prefill_graph import bench as B
+from dspark_harden.prefill_graph import runner as R
 from dspark_harden.prefill_graph import decision as D
 
 
 @pytest.fixture()
 def runner():
-    return B.build_runner(B.capture_config(max_seq_len=8192))
+    return R.build_runner(R.capture_config(max_seq_len=8192))
 
 
 def _fb(bucket=1024, **over):
@@ -40,7 +40,7 @@ def _fb(bucket=1024, **over):
 def _stock_can_run():
     from sglang.srt.model_executor.runner.prefill_cuda_graph_runner import PrefillCudaGraphRunner
 
-    return B._stock(PrefillCudaGraphRunner.__dict__["can_run_graph"])
+    return R.stock(PrefillCudaGraphRunner.__dict__["can_run_graph"])
 
 
 def _forced(name):
@@ -121,7 +121,7 @@ def test_guard_skips_draft_runners(runner):
 def test_finalize_is_a_function_of_gathered_values_only(runner):
     from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode
 
-    bs = list(B.capture_config().buckets)
+    bs = list(R.capture_config().buckets)
     kw = dict(runner=runner, bs=bs, factor=4.0, server_mode=CaptureHiddenMode.NULL)
     a = D.finalize([900, 0], vote=True, **kw)
     b = D.finalize([900, 0], vote=True, **kw)
@@ -129,7 +129,7 @@ def test_finalize_is_a_function_of_gathered_values_only(runner):
     assert D.finalize([900, 0], vote=False, **kw).reason == "peer_vote"
     assert D.finalize([0, 0], vote=True, **kw).reason == "no_tokens"
     assert D.finalize([20000, 5], vote=True, **kw).reason == "too_many_tokens"
-    short = B.build_runner(B.capture_config(max_seq_len=930))  # the dummy extend has seq_len 960
+    short = R.build_runner(R.capture_config(max_seq_len=930))  # the dummy extend has seq_len 960
     assert D.finalize([900, 0], vote=True, **{**kw, "runner": short}).reason == "idle_participant"
     assert D.finalize([900, 5], vote=True, **{**kw, "runner": short}).graph  # both busy: no dummy extend
 
@@ -156,7 +156,7 @@ def test_patches_bind_wrap_and_revert_on_real_sglang():
     assert dp_attn._update_gather_batch.__wrapped__ is stock[1]
     assert PrefillCudaGraphRunner.can_run_graph.__wrapped__ is stock[2]
     # the live class method now raises where stock ran eager alone
-    runner = B.build_runner(B.capture_config())
+    runner = R.build_runner(R.capture_config())
     fb = _fb(**_forced("capture_hidden_mode"))
     with pytest.raises(D.PrefillGraphDivergence):
         runner.can_run_graph(fb)
@@ -182,12 +182,12 @@ def test_bound_vote_folds_forward_time_checks_into_the_stock_column():
     from dspark_harden.prefill_graph import trace as T
     from dspark_harden.prefill_graph import world as W
 
-    cfg = B.capture_config()
+    cfg = R.capture_config()
     model_config = W.publish_runtime(cfg, backend="full", spec="none")
     for p in feature.patches():
         p.apply()
     A.RUNTIME.server_mode = CaptureHiddenMode.NULL
-    runner = B.build_runner(cfg)
+    runner = R.build_runner(cfg)
     eng = W.RankEngine(0, model_config)
     batch = W.build_batch(eng, T.RankStep("extend", (T.TraceReq(extend=500, hidden=True),)), SpeculativeAlgorithm.NONE)
     kw = dict(local_batch=batch, num_tokens=500, prefill_graph_runner=runner, coordinated_prefill=True,
@@ -225,7 +225,7 @@ def test_recorder_and_uniform_failures_on_real_forward_batches():
     M.reset_for_tests()
     M.use(M.registry(load_extensions=False))
     assert M.precreate_process("scheduler", ["prefill-graph-dp"], "1")
-    world = W.World(B.capture_config())
+    world = W.World(R.capture_config())
     PM.attach(world.runtimes[1], dp_label="1")  # this process is dp_rank 1
     idle = T.RankStep("idle")
     steps = [
@@ -311,7 +311,7 @@ def test_bucket_choice_is_stocks_own_expression():
 
     code = D._stock_padding_code()
     assert code["bucket"].co_filename == "<stock prepare_mlp_sync_batch>"
-    bs = list(B.capture_config().buckets)
+    bs = list(R.capture_config().buckets)
     rng = _r.Random(1)
     for _ in range(2000):
         n = rng.randint(1, 16384)

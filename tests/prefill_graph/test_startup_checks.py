@@ -20,7 +20,7 @@ import types
 
 import pytest
 
-from dspark_harden.prefill_graph import bench as B
+from dspark_harden.prefill_graph import runner as R
 from dspark_harden.prefill_graph import config_digest as C
 from dspark_harden.prefill_graph import decision as D
 from dspark_harden.prefill_graph import feature
@@ -69,7 +69,7 @@ def test_a_draft_runner_under_a_dp_table_runs_eager():
 
     from tests.prefill_graph.test_guard_and_patches import _fb, _stock_can_run
 
-    runner = B.build_runner(B.capture_config())
+    runner = R.build_runner(R.capture_config())
     runner.model_runner = types.SimpleNamespace(is_draft_worker=True, lora_manager=None)
     rt = A.Runtime()
     guard = A.build_guard(_stock_can_run(), rt)
@@ -105,8 +105,8 @@ def test_hybrid_ssm_speculative_idle_ranks_stay_out_of_the_graph():
     which no prefill graph replays: finalize sends both ranks eager instead of admitting the idle rank."""
     from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode
 
-    runner = B.build_runner(B.capture_config())
-    kw = dict(vote=True, runner=runner, bs=list(B.capture_config().buckets), factor=4.0, server_mode=CaptureHiddenMode.NULL)
+    runner = R.build_runner(R.capture_config())
+    kw = dict(vote=True, runner=runner, bs=list(R.capture_config().buckets), factor=4.0, server_mode=CaptureHiddenMode.NULL)
     assert D.finalize([900, 0], **kw).graph
     dec = D.finalize([900, 0], idle_relabel=True, **kw)
     assert not dec.graph and dec.reason == "idle_participant" and "TARGET_VERIFY" in dec.detail
@@ -118,16 +118,16 @@ def test_hybrid_ssm_speculative_idle_ranks_stay_out_of_the_graph():
 
 
 def test_payload_and_comparison_name_both_values():
-    a = B.build_runner(B.capture_config())
-    b = B.build_runner(B.capture_config(slots=16))
+    a = R.build_runner(R.capture_config())
+    b = R.build_runner(R.capture_config(slots=16))
     assert C.compare([C.payload(a, 4.0), C.payload(a, 4.0)]) is None
     msg = C.compare([C.payload(a, 4.0), C.payload(b, 2.5)])
     assert "request_slots: dp_rank 0 = 32, dp_rank 1 = 16" in msg
     assert "padding_factor_millionths: dp_rank 0 = 4, dp_rank 1 = 2.5" in msg
-    c = B.build_runner(B.capture_config([64, 4096]))
+    c = R.build_runner(R.capture_config([64, 4096]))
     msg = C.compare([C.payload(a, 4.0), C.payload(c, 4.0)])
     assert "buckets_digest: dp_rank 0 = 74 buckets 4..16384" in msg and "dp_rank 1 = 2 buckets 64..4096" in msg
-    brk = B.build_runner(B.capture_config(), backend="breakable")
+    brk = R.build_runner(R.capture_config(), backend="breakable")
     msg = C.compare([C.payload(a, 4.0), C.payload(brk, 4.0)])
     assert "backend: dp_rank 0 = full, dp_rank 1 = breakable" in msg
     assert "none" in C.compare([C.payload(None, 4.0), C.payload(a, 4.0)])  # a rank without a prefill graph
@@ -138,7 +138,7 @@ def _config_worker(rank, port, session, slots_by_rank, transport):
     from dspark_harden.dp2.channels import RUNTIME
 
     w = harness.init_worker(rank, port, session)
-    runner = B.build_runner(B.capture_config(slots=slots_by_rank[rank]))
+    runner = R.build_runner(R.capture_config(slots=slots_by_rank[rank]))
     try:
         if transport == "native":
             RUNTIME.configure(session_id=session, timeout_ms=10000, spin_us=50, export=False, rank=rank,

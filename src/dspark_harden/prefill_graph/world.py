@@ -25,7 +25,7 @@ Stand-ins, each because the real object needs a GPU, a model or a running engine
   of its globals, to an in-process two-party rendezvous that fills the gathered table like gloo
   ``all_gather_single``; ``get_parallel().tp_group`` is an object with ``active_ranks_cpu`` only.
 * decode rows' next input token (stock reads it from the overlap ``FutureMap``): a fixed token.
-* the prefill-graph runner is the bench's real-class runner (:func:`.bench.build_runner`) whose
+* the prefill-graph runner is the bench's real-class runner (:func:`.runner.build_runner`) whose
   DeepSeek-V4 hooks are the real backend methods bound to a stand-in backend.
 
 Runtime configuration is a real ``ServerArgs`` resolved by stock for ``--dp-size 2 --tp-size 2
@@ -47,7 +47,9 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from . import runner as R
 from . import trace as T
+from .runner import with_globals
 
 BASE_LEN = 40000  # the one cached sequence: longest prefix a request can hit
 KV_TOKENS = 1 << 17  # per rank
@@ -358,11 +360,6 @@ class _Rendezvous:
         return exchange_sync_rows
 
 
-def _with_globals(func, **names):
-    return types.FunctionType(func.__code__, {**func.__globals__, **names}, func.__name__, func.__defaults__,
-                              func.__closure__)
-
-
 _FORWARD_RAW_CONDITION: dict = {}
 
 
@@ -402,7 +399,7 @@ def _prepare_mlp_sync_batch_on_cpu():
     if "f" not in _CPU_PREPARE:
         from sglang.srt.model_executor.forward_batch_info import ForwardBatch
 
-        _CPU_PREPARE["f"] = _with_globals(ForwardBatch.prepare_mlp_sync_batch, _is_cpu=True)
+        _CPU_PREPARE["f"] = with_globals(ForwardBatch.prepare_mlp_sync_batch, _is_cpu=True)
     return _CPU_PREPARE["f"]
 
 
@@ -513,7 +510,6 @@ class World:
         from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
 
         from . import admission as A
-        from . import bench as B
         from . import decision as D
 
         if backend not in ("full", "breakable"):
@@ -534,11 +530,11 @@ class World:
         self.engines = [RankEngine(r, self.model_config) for r in (0, 1)]
         self.rendezvous = _Rendezvous()
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dspark-prefill-world-rank1")
-        stock_vote = B._stock(dp_attn._local_prefill_cuda_graph_vote)
-        stock_update = B._stock(dp_attn._update_gather_batch)
-        self.stock_can_run = B._stock(PrefillCudaGraphRunner.__dict__["can_run_graph"])
-        stock_raw = B._stock(dp_attn.prepare_mlp_sync_batch_raw)
-        stock_prepare = B._stock(dp_attn.SchedulerDPAttnAdapter.prepare_mlp_sync_batch)
+        stock_vote = R.stock(dp_attn._local_prefill_cuda_graph_vote)
+        stock_update = R.stock(dp_attn._update_gather_batch)
+        self.stock_can_run = R.stock(PrefillCudaGraphRunner.__dict__["can_run_graph"])
+        stock_raw = R.stock(dp_attn.prepare_mlp_sync_batch_raw)
+        stock_prepare = R.stock(dp_attn.SchedulerDPAttnAdapter.prepare_mlp_sync_batch)
         self.runtimes = [A.Runtime(factor=self.factor, dp_rank=r, bs=list(cfg.buckets), server_mode=self.server_mode,
                                    attn_tp_size=1, tolerates_sum_len=lambda: False) for r in (0, 1)]
         if runtime_hook is not None:
@@ -552,7 +548,7 @@ class World:
         self.adapters: dict = {}
         for side in ALL_SIDES:
             for r in (0, 1):
-                runner = B.build_runner(cfg, server_mode=self.server_mode, backend=backend, spec=spec)
+                runner = R.build_runner(cfg, server_mode=self.server_mode, backend=backend, spec=spec)
                 if side == "harden":
                     runner.can_run_graph = types.MethodType(A.build_guard(self.stock_can_run, self.runtimes[r]), runner)
                     vote = A.build_vote(stock_vote, self.runtimes[r])
@@ -564,12 +560,12 @@ class World:
                 else:
                     vote, update = stock_vote, stock_update
                 info_cls = type("MLPSyncBatchInfo", (dp_attn.MLPSyncBatchInfo,), {
-                    "all_gather": _with_globals(B._stock(dp_attn.MLPSyncBatchInfo.all_gather),
+                    "all_gather": with_globals(R.stock(dp_attn.MLPSyncBatchInfo.all_gather),
                                                 exchange_sync_rows=self.rendezvous.exchange_for(r)),
                 })
-                raw = _with_globals(stock_raw, _local_prefill_cuda_graph_vote=vote, _update_gather_batch=update,
+                raw = with_globals(stock_raw, _local_prefill_cuda_graph_vote=vote, _update_gather_batch=update,
                                     MLPSyncBatchInfo=info_cls)
-                self.prepare[side, r] = _with_globals(stock_prepare, prepare_mlp_sync_batch_raw=raw)
+                self.prepare[side, r] = with_globals(stock_prepare, prepare_mlp_sync_batch_raw=raw)
                 mr = ModelRunnerStandIn(model_config=self.model_config, spec_algorithm=self.spec_algorithm,
                                         is_draft_worker=False, prefill_runner=runner)
                 eng = self.engines[r]
