@@ -20,6 +20,15 @@ from tests.harness.server import SGLangServer, ServerConfig
 def pytest_configure(config):
     config.addinivalue_line("markers", "server: starts a real SGLang server on CPU (slow)")
     config.addinivalue_line("markers", "gpu: needs CUDA (run on the device machine)")
+    # The pytest process forks (pytest-forked) after earlier tests ran torch ops in it. Once a
+    # multi-threaded op has started torch's OpenMP pool in this process, a forked child deadlocks in
+    # its first parallel op (libgomp is not fork-safe): seen twice in one suite run, in
+    # test_integration's logits.clone() and in a forked prefill-graph test's ReqToTokenPool
+    # (torch.zeros). One intra-op thread in this process means the pool is never started here.
+    # Servers and helper processes are spawned fresh and keep torch's default.
+    import torch
+
+    torch.set_num_threads(1)
 
 
 def _shared_names(item) -> list[str]:
