@@ -285,12 +285,14 @@ def test_protocol_error_restarts_the_helper(cache_dir, tmp_path, mode):
     p = Persister(ns, {}, PersistSettings(retry_delay_s=0.05, start_timeout_s=60), CompileSlots(1),
                   helper_argv=[sys.executable, FAKE_HELPER, str(tmp_path / "state"), mode])
     key = "ab" * 32
-    assert p.submit(key, ["regex", "x"], 0.01)
-    assert p.flush(timeout=120)
-    assert p.outcomes[key]["status"] == "published" and p.outcomes[key]["key_hex"] == key, p.outcomes
-    assert p.helper.starts == 2 and p.transient["protocol"] == 1
-    assert _counter("dspark_harden_grammar_disk_errors_total", "protocol") == before + 1
-    p.close()
+    try:
+        assert p.submit(key, ["regex", "x"], 0.01)
+        assert p.flush(timeout=120)
+        assert p.outcomes[key]["status"] == "published" and p.outcomes[key]["key_hex"] == key, p.outcomes
+        assert p.helper.starts == 2 and p.transient["protocol"] == 1
+        assert _counter("dspark_harden_grammar_disk_errors_total", "protocol") == before + 1
+    finally:
+        p.close()  # the fake helper has no PR_SET_PDEATHSIG: a failed assertion must not leave it running
 
 
 # ---------------------------------------------------------------------------------------------
