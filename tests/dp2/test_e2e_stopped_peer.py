@@ -38,22 +38,6 @@ def _health(server):
     return r.status_code, r.json()
 
 
-def _scheduler_pid(server, dp_rank: int) -> int:
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/cmdline", "rb") as f:
-                cmd = f.read().decode(errors="replace")
-            with open(f"/proc/{entry}/stat") as f:
-                rest = f.read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if rest[2] == str(server.pid) and re.match(rf"sglang::scheduler_DP{dp_rank}_", cmd):
-            return int(entry)
-    raise AssertionError(f"no scheduler process for DP rank {dp_rank}")
-
-
 @pytest.mark.timeout(1500)
 def test_stopped_rank_1_is_named_by_health_then_fails_both_ranks():
     server = SGLangServer(CONFIG)
@@ -64,7 +48,7 @@ def test_stopped_rank_1_is_named_by_health_then_fails_both_ranks():
         while _health(server)[0] != 200:
             assert time.monotonic() < deadline, _health(server)
             time.sleep(0.5)
-        pid1 = _scheduler_pid(server, 1)
+        pid1 = server.process_titled("sglang::scheduler_DP1_")
         os.kill(pid1, signal.SIGSTOP)
         t0 = time.monotonic()
         # one stall period after rank 0 starts waiting (it exchanges on every idle step), plus slack for

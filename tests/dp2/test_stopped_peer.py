@@ -20,6 +20,7 @@ import time
 
 import pytest
 
+from dspark_harden.core import procfs
 from dspark_harden.dp2 import board as B
 from dspark_harden.dp2 import native
 from dspark_harden.dp2.channels import Dp2Runtime
@@ -28,8 +29,7 @@ from tests.dp2.test_faults import W, Peer, _open, _session, no_shm_leftovers  # 
 
 
 def _state(pid: int) -> str:
-    with open(f"/proc/{pid}/stat") as f:
-        return f.read().rsplit(")", 1)[1].split()[0]
+    return procfs.stat(pid).state
 
 
 def _wait_state(pid: int, want: str, timeout: float = 30.0) -> None:

@@ -16,6 +16,7 @@ import textwrap
 import time
 from typing import Any, Callable, Optional
 
+from dspark_harden.core import procfs
 from dspark_harden.grammar.persist import CompileSlots, PersistSettings
 
 SECOND_UID = 65534  # "nobody": any uid other than ours will do; it needs no passwd entry
@@ -54,19 +55,13 @@ def persist_settings(**kw: Any) -> PersistSettings:
 
 def proc_state(pid: int) -> Optional[str]:
     """The process state letter (R, S, T, Z, ...) or None when no such process exists."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as fh:
-            return fh.read().rsplit(b")", 1)[1].split()[0].decode()
-    except (FileNotFoundError, ProcessLookupError, IndexError):
-        return None
+    p = procfs.stat(pid)
+    return None if p is None else p.state
 
 
 def proc_ppid(pid: int) -> Optional[int]:
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as fh:
-            return int(fh.read().rsplit(b")", 1)[1].split()[1])
-    except (FileNotFoundError, IndexError, ValueError):
-        return None
+    p = procfs.stat(pid)
+    return None if p is None else p.ppid
 
 
 def alive(pid: int) -> bool:

@@ -77,7 +77,8 @@ def test_blowup_schema_becomes_a_memory_limit_marker_and_the_scheduler_stays_sma
             found.append(entry.marker.reason)
     assert "memory_limit" in found
     # every other grammar was persisted as a serialized entry
-    assert sum(1 for r in out["outcomes"].values() if r.get("stored") == "serialized") >= 12
+    assert sum(1 for r in out["outcomes"].values() if r.get("stored") == "serialized") >= 12, {
+        k[:12]: (r.get("status"), r.get("stored"), r.get("reason"), r.get("error")) for k, r in out["outcomes"].items()}
     assert out["lock_fds"] == []  # no lock-file descriptor held by the serving process
 
 

@@ -10,7 +10,6 @@ plugin runs on defaults.
 from __future__ import annotations
 
 import os
-import re
 import signal
 import time
 
@@ -68,23 +67,6 @@ def _metric(text: str, name: str, **labels) -> float:
         if all(f'{k}="{v}"' in line for k, v in labels.items()):
             total += float(line.rsplit(" ", 1)[1])
     return total
-
-
-def _scheduler_pid(server, dp_rank: int) -> int:
-    pgid = server.pid
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/cmdline", "rb") as f:
-                cmd = f.read().decode(errors="replace")
-            with open(f"/proc/{entry}/stat") as f:
-                rest = f.read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if rest[2] == str(pgid) and re.match(rf"sglang::scheduler_DP{dp_rank}_", cmd):
-            return int(entry)
-    raise AssertionError(f"no scheduler process for DP rank {dp_rank} in process group {pgid}")
 
 
 def test_health_scheduler_503_while_starting_then_200(server):
@@ -170,7 +152,7 @@ def test_batch_routed_to_rank_7_is_a_clear_error_and_server_keeps_serving(server
 
 def test_sigstopped_scheduler_turns_health_scheduler_503_naming_it(server):
     assert _health(server)[0] == 200
-    pid = _scheduler_pid(server, 1)
+    pid = server.process_titled("sglang::scheduler_DP1_")
     os.kill(pid, signal.SIGSTOP)
     try:
         t0 = time.monotonic()

@@ -21,6 +21,8 @@ from typing import Optional
 
 import requests
 
+from dspark_harden.core import procfs
+
 from tests.harness.server import DP2_CONFIG, SGLangServer
 
 LOGGING_JSON = str(Path(__file__).with_name("logging.json"))
@@ -64,31 +66,6 @@ def mapped_anywhere(names: set) -> set:
                 if len(parts) >= 6 and parts[4].isdigit() and int(parts[4]) in by_ino:
                     out.add(by_ino[int(parts[4])])
     return out
-
-
-def group_pids(pgid: int) -> list:
-    out = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            rest = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[-1].split()
-        except OSError:
-            continue
-        if len(rest) >= 3 and rest[2] == str(pgid) and rest[0] != "Z":
-            out.append(int(entry))
-    return out
-
-
-def find_process(server: SGLangServer, title_prefix: str) -> int:
-    for pid in group_pids(server.pid):
-        try:
-            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-        except OSError:
-            continue
-        if cmd.startswith(title_prefix):
-            return pid
-    raise AssertionError(f"no process titled {title_prefix!r} in the server's group")
 
 
 @dataclass
@@ -208,7 +185,7 @@ def finish(drill: Drill, server: SGLangServer, *, shm_before: set, log_offset: i
     if load is not None:
         drill.results = load.join(60)
     time.sleep(1.0)  # children exit right after the main process
-    drill.leftover_pids = group_pids(server.pid) if rc is not None else ["still running"]
+    drill.leftover_pids = procfs.group_pids(server.pid) if rc is not None else ["still running"]
     if rc is None:
         server.stop()
     new = shm_entries() - shm_before
@@ -230,7 +207,7 @@ def signal_drill(server: SGLangServer, name: str, *, target: str, sig: int, leng
     load = Load(server, lengths).start()
     wait_in_flight(server, wait_for)
     log_offset = len(server.log_text())
-    pid = server.pid if target == "main" else find_process(server, target)
+    pid = server.pid if target == "main" else server.process_titled(target)
     drill = Drill(name)
     t_event = time.monotonic()
     os.kill(pid, sig)

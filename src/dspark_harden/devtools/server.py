@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator, Optional
 
+from ..core import procfs
 from . import lock as _lock
 
 PLATFORM_ENV = {"DSPARK_TEST_CPU_PLATFORM": "1", "SGLANG_PLATFORM": "dspark_test_cpu"}
@@ -265,6 +266,15 @@ class SGLangServer:
     @property
     def pid(self) -> Optional[int]:
         return self.proc.pid if self.proc else None
+
+    def process_titled(self, prefix: str) -> int:
+        """The pid of the server's process (its process group: the harness starts each server in its
+        own session) whose title starts with ``prefix``, e.g. ``sglang::scheduler_DP1_``."""
+        for pid in procfs.group_pids(self.pid):
+            cmd = procfs.cmdline(pid)
+            if cmd is not None and cmd.startswith(prefix):
+                return pid
+        raise ServerError(f"no process titled {prefix!r} in process group {self.pid}")
 
     def log_text(self) -> str:
         try:
@@ -534,19 +544,7 @@ def _group_alive(pgid: int) -> bool:
 
 
 def _group_has_live_members(pgid: int) -> bool:
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                stat = f.read()
-        except OSError:
-            continue
-        # fields after the ")" of comm: state ppid pgrp ...
-        rest = stat.rsplit(")", 1)[-1].split()
-        if len(rest) >= 3 and rest[2] == str(pgid) and rest[0] != "Z":
-            return True
-    return False
+    return bool(procfs.group_pids(pgid))
 
 
 def start_server(config: ServerConfig, timeout: Optional[float] = None) -> SGLangServer:

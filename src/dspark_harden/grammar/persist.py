@@ -50,6 +50,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Optional
 
+from ..core.procfs import cpu_seconds
 from . import disk
 from . import metrics as gm
 
@@ -188,16 +189,6 @@ class HelperError(RuntimeError):
 
 class HelperProtocolError(HelperError):
     pass
-
-
-def cpu_seconds(pid: int) -> Optional[float]:
-    """User + system CPU seconds of process ``pid`` (None when unreadable)."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as fh:
-            fields = fh.read().rsplit(b")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-    except (OSError, IndexError, ValueError):
-        return None
 
 
 class Helper:

@@ -28,6 +28,7 @@ import tempfile
 import time
 from typing import Optional
 
+from ..core import procfs
 from .harness import Endpoints, Peer, build_controller, make_request
 
 
@@ -49,10 +50,10 @@ def _controller_main(endpoints: Endpoints, dp_size: int, variant: str, poll_ms: 
 
 
 def _cpu_seconds(pid: int) -> float:
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    ticks = os.sysconf("SC_CLK_TCK")
-    return (int(fields[11]) + int(fields[12])) / ticks  # utime + stime
+    cpu = procfs.cpu_seconds(pid)
+    if cpu is None:
+        raise RuntimeError(f"controller process {pid} exited during the bench")
+    return cpu
 
 
 def _latencies(peer: "Peer", variant: str, tag: str, n: int, dp_size: int) -> list:

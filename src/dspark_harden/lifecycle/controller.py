@@ -29,6 +29,7 @@ import threading
 import time
 from multiprocessing.connection import wait
 
+from ..core import procfs
 from . import proctree, records
 
 logger = logging.getLogger("dspark_harden.lifecycle")
@@ -87,22 +88,12 @@ def monitor(procs: list, run_dir, exit_fn=os._exit) -> None:
     exit_fn(0)
 
 
-def _gone(pid: int) -> bool:
-    """Exited (a zombie waiting for its parent counts as exited)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            state = f.read().rsplit(")", 1)[-1].split()[0]
-    except (OSError, IndexError):
-        return True
-    return state in ("Z", "X")
-
-
 def monitor_pids(pids: list, run_dir, exit_fn=os._exit, interval_s: float = 0.25) -> None:
     """Prelaunched schedulers (children of the main process): exit 0 once all left after
     ShutdownReq; a death is the main process's to handle."""
     pids = list(pids)
     while True:
-        if all(_gone(p) for p in pids):
+        if all(procfs.gone(p) for p in pids):
             shut = records.read(run_dir, "shutdown")
             if all(p in shut for p in pids):
                 logger.info("dspark-harden lifecycle: all %d scheduler(s) left after ShutdownReq; DP controller "

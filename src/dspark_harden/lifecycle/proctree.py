@@ -33,37 +33,14 @@ import time
 from dataclasses import dataclass, field
 from typing import Iterable, Optional
 
+from ..core.procfs import ProcStat, stat
+
 logger = logging.getLogger("dspark_harden.lifecycle")
 
 PR_SET_CHILD_SUBREAPER = 36
 #: a walk that keeps finding new processes after this many rounds is given up (each round stops
 #: what it found, so only a fork storm faster than SIGSTOP could get here)
 MAX_STOP_ROUNDS = 50
-
-
-@dataclass(frozen=True)
-class Proc:
-    pid: int
-    ppid: int
-    start: int  # clock ticks after boot: (pid, start) identifies the process
-    state: str
-    name: str  # comm (15 characters; setproctitle sets it: "sglang::schedul")
-
-
-def stat(pid: int) -> Optional[Proc]:
-    """``/proc/<pid>/stat`` (never blocks on the process's memory), or None when it is gone."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            raw = f.read().decode("utf-8", "replace")
-    except (OSError, ValueError):
-        return None
-    try:
-        lp, rp = raw.index("("), raw.rindex(")")  # comm may contain spaces and parentheses
-        fields = raw[rp + 2:].split()
-        return Proc(pid=int(raw[:lp]), ppid=int(fields[1]), start=int(fields[19]), state=fields[0],
-                    name=raw[lp + 1:rp])
-    except (IndexError, ValueError):
-        return None
 
 
 def thread_states(pid: int) -> str:
@@ -123,11 +100,11 @@ def _children_by_ppid() -> dict[int, list[int]]:
     return out
 
 
-def descendants(root: int, skip: Iterable[int] = ()) -> list[Proc]:
+def descendants(root: int, skip: Iterable[int] = ()) -> list[ProcStat]:
     """Live descendants of ``root`` (not ``root``); the subtree of a pid in ``skip`` is left out."""
     skip = set(skip)
     by_ppid = None if _has_children_files() else _children_by_ppid()
-    out: list[Proc] = []
+    out: list[ProcStat] = []
     seen = {root}
     todo = [root]
     while todo:
@@ -145,7 +122,7 @@ def descendants(root: int, skip: Iterable[int] = ()) -> list[Proc]:
     return out
 
 
-def tree(root: int) -> list[Proc]:
+def tree(root: int) -> list[ProcStat]:
     """``root`` (if alive) and its live descendants."""
     me = stat(root)
     return ([me] if me is not None else []) + descendants(root)
@@ -187,7 +164,7 @@ class Handle:
             self.fd = -1
 
 
-def open_handle(proc: Proc) -> Optional[Handle]:
+def open_handle(proc: ProcStat) -> Optional[Handle]:
     """Pin ``proc`` with a pidfd, or None when that process is gone. The start time is compared
     *after* pidfd_open: if the pid was reused between the snapshot and the open, the pidfd refers to
     the new process, whose start time differs, and it is closed unused."""

@@ -29,7 +29,7 @@ import sys
 import time
 import traceback
 
-from ..core import metrics, roles
+from ..core import metrics, procfs, roles
 from . import records
 
 logger = logging.getLogger("dspark_harden.lifecycle")
@@ -140,9 +140,7 @@ def build_release_host_resources(barrier_timeout_s: float):
 
 def dead_peers(run_dir) -> list:
     """Rank records of other schedulers of this server whose process is gone."""
-    from .controller import _gone
-
-    return [rec for pid, rec in records.read(run_dir, "rank").items() if pid != os.getpid() and _gone(pid)]
+    return [rec for pid, rec in records.read(run_dir, "rank").items() if pid != os.getpid() and procfs.gone(pid)]
 
 
 def _killpg_opt_in() -> bool:

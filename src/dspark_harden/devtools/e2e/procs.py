@@ -7,7 +7,8 @@ from __future__ import annotations
 import os
 import signal
 
-_TICK = os.sysconf("SC_CLK_TCK")
+from ...core import procfs
+
 _PAGE = os.sysconf("SC_PAGE_SIZE")
 
 
@@ -24,41 +25,23 @@ def role_of(pid: int, main_pid: int, cmdline: str) -> str:
     return "other"
 
 
-def group_pids(pgid: int) -> list[int]:
-    out = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                rest = f.read().rsplit(")", 1)[-1].split()
-        except OSError:
-            continue
-        if len(rest) >= 3 and rest[2] == str(pgid) and rest[0] != "Z":
-            out.append(int(entry))
-    return sorted(out)
-
-
 def sample(main_pid: int) -> dict[int, dict]:
     """{pid: {role, cpu_s, rss_bytes, fds}} for every live process of the server's group."""
     out = {}
-    for pid in group_pids(main_pid):
+    for pid in procfs.group_pids(main_pid):
+        st, cmd = procfs.stat(pid), procfs.cmdline(pid)
+        if st is None or cmd is None:
+            continue
         try:
-            with open(f"/proc/{pid}/stat") as f:
-                rest = f.read().rsplit(")", 1)[-1].split()
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                cmd = f.read().replace(b"\0", b" ").decode(errors="replace")
             with open(f"/proc/{pid}/statm") as f:
                 rss = int(f.read().split()[1]) * _PAGE
-            try:
-                fds = len(os.listdir(f"/proc/{pid}/fd"))
-            except OSError:
-                fds = -1
         except OSError:
             continue
-        # fields after comm: state(0) ppid pgrp session tty tpgid flags minflt cminflt majflt cmajflt utime(11) stime(12)
-        cpu = (int(rest[11]) + int(rest[12])) / _TICK
-        out[pid] = {"role": role_of(pid, main_pid, cmd), "cpu_s": cpu, "rss_bytes": rss, "fds": fds}
+        try:
+            fds = len(os.listdir(f"/proc/{pid}/fd"))
+        except OSError:
+            fds = -1
+        out[pid] = {"role": role_of(pid, main_pid, cmd), "cpu_s": st.cpu_seconds, "rss_bytes": rss, "fds": fds}
     return out
 
 
