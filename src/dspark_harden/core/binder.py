@@ -126,9 +126,23 @@ class _ProcessState:
         self.patches: list[Patch] = []
         self.settings: Optional[Settings] = None
         self.pm: Any = None
+        self.default_pm: Any = None  # hooks() outside a bound process
 
 
 STATE = _ProcessState()
+
+
+def hooks() -> Any:
+    """The hook relay of the plugin manager this process bound with (``pm.hook``), else of a
+    default manager built for the call (a process that never bound: a tool, a test worker). How a
+    feature asks another feature for something without importing it."""
+    pm = STATE.pm
+    if pm is None:
+        with STATE.lock:
+            if STATE.default_pm is None:
+                STATE.default_pm = make_manager(strict_extensions=strict_extensions_from_env())
+            pm = STATE.default_pm
+    return pm.hook
 
 
 def bind(role: Role, *, environ: Optional[dict] = None, pm: Any = None) -> BindReport:

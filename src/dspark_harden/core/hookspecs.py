@@ -60,6 +60,22 @@ def dspark_process_bound(role, settings, report):
 
 
 @hookspec
+def dspark_health_stalls():
+    """Return a list of stall records (dicts with at least ``dp_rank`` and ``reason``) of the
+    inter-rank exchanges this plugin runs: what ``/health_scheduler`` reports as ``dp2_stalled``.
+    Called in the HTTP server process on every probe; must be cheap and must not block.
+    Return ``[]`` (or ``None``) when nothing is stalled or the exchange is not running."""
+
+
+@hookspec(firstresult=True)
+def dspark_pair_exchange(channel, width, fields):
+    """Return a callable ``exchange(row) -> [row_of_dp_rank_0, row_of_dp_rank_1]`` that exchanges
+    a row of ``width`` int64 values (named ``fields``, part of what both ranks must agree on) between
+    the two DP ranks of this scheduler over a dedicated channel named ``channel``, or ``None`` when this plugin runs no such exchange in this process
+    (the caller then uses the TP CPU group). The first non-``None`` answer is used."""
+
+
+@hookspec
 def dspark_cli(subparsers, bench_subparsers):
     """Add ``dspark-harden`` sub-commands (``subparsers``) or ``dspark-harden bench`` targets
     (``bench_subparsers``). Each parser must ``set_defaults(func=callable(args) -> int)``."""

@@ -241,3 +241,19 @@ class Dp2Runtime:
 
 
 RUNTIME = Dp2Runtime()
+
+
+def pair_exchange(runtime: "Dp2Runtime", channel: str, width: int, fields: tuple):
+    """``exchange(row) -> [row0, row1]`` over a dedicated native channel opened for the one call
+    (session / rank / timeouts of ``runtime``); the ``dspark_pair_exchange`` hook's answer."""
+    def exchange(row) -> list:
+        ch = Channel(runtime.session_id, channel, rank=runtime.rank, width=width, timeout_ms=runtime.timeout_ms,
+                     spin_ns=runtime.spin_ns, config_digest=config_digest(channel, width, tuple(fields), (2, 1, 1)),
+                     hard_timeout_ms=runtime.hard_timeout_ms)
+        try:
+            flat = ch.exchange(list(row))
+        finally:
+            ch.close()
+        return [flat[:width], flat[width:]]
+
+    return exchange

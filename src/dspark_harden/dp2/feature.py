@@ -201,6 +201,22 @@ def dspark_process_bound(role, settings, report):
 
 
 @hookimpl
+def dspark_health_stalls():
+    from .board import health_stalls
+
+    return health_stalls()
+
+
+@hookimpl
+def dspark_pair_exchange(channel, width, fields):
+    from .channels import RUNTIME, pair_exchange
+
+    if RUNTIME.session_id is None or RUNTIME.rank is None:
+        return None  # the native exchange is not configured in this process
+    return pair_exchange(RUNTIME, channel, width, fields)
+
+
+@hookimpl
 def dspark_cli(subparsers, bench_subparsers):
     p = bench_subparsers.add_parser("dp2", help="native DP2 exchange vs gloo, and the whole MLPSyncBatchInfo.all_gather call")
     p.add_argument("--iters", type=int, default=5000, help="exchanges per measurement (default 5000)")

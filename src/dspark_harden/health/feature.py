@@ -91,10 +91,11 @@ def _log_transition(result: V.Verdict) -> None:
 
 
 def _dp2_stalls() -> list:
-    """Current DP2 exchange stalls ([] unless the native DP2 exchange runs with its stall board)."""
-    from ..dp2 import board
+    """Current stalls of the inter-rank exchanges, as every feature reports them through the
+    ``dspark_health_stalls`` hook (the native DP2 exchange answers from its stall board)."""
+    from ..core import binder
 
-    return board.health_stalls()
+    return [s for answer in binder.hooks().dspark_health_stalls() for s in (answer or ())]
 
 
 def make_endpoint(max_staleness_s: float, max_future_skew_s: float):

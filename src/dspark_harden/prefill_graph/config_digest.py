@@ -8,8 +8,8 @@ padding factor or backend would turn one shared verdict into two different forwa
 :func:`payload` encodes a runner's configuration as a fixed row of int64; :func:`check` exchanges
 the two rows once, on the scheduler's first MLP-sync vote (the first loop iteration after the
 graphs were captured, before any request is served; both ranks vote in lockstep), over a dedicated
-channel of the native DP2 exchange (``dspark_harden.dp2.native.Channel``, session and rank from
-``dp2.channels.RUNTIME``) when that exchange is configured in this process, else over the TP CPU
+channel of the native DP2 exchange when that exchange is configured in this process (asked through
+the ``dspark_pair_exchange`` hook: this feature never imports the dp2 feature), else over the TP CPU
 (gloo) group with ``torch.distributed.all_gather``. A mismatch raises
 :class:`PrefillGraphConfigMismatch` on both ranks naming each differing field and both values.
 """
@@ -98,21 +98,6 @@ def compare(rows: Sequence[Sequence[int]]) -> Optional[str]:
               "cuda_graph_config[prefill] and DSPARK_HARDEN_PREFILL_GRAPH_PADDING.")
 
 
-def exchange_native(row: Sequence[int]) -> list:
-    """Both rows over a dedicated native DP2 channel (session / rank / timeout of dp2's RUNTIME)."""
-    from ..dp2.channels import RUNTIME, config_digest
-    from ..dp2.native import Channel
-
-    ch = Channel(RUNTIME.session_id, CHANNEL, rank=RUNTIME.rank, width=WIDTH, timeout_ms=RUNTIME.timeout_ms,
-                 spin_ns=RUNTIME.spin_ns, config_digest=config_digest(CHANNEL, WIDTH, FIELDS, (2, 1, 1)),
-                 hard_timeout_ms=RUNTIME.hard_timeout_ms)
-    try:
-        flat = ch.exchange(list(row))
-    finally:
-        ch.close()
-    return [flat[:WIDTH], flat[WIDTH:]]
-
-
 def exchange_gloo(row: Sequence[int], group: Any) -> list:
     """Both rows over the TP CPU (gloo) group: DP2 with attention-TP1 has exactly the two ranks."""
     import torch
@@ -128,21 +113,20 @@ def exchange_gloo(row: Sequence[int], group: Any) -> list:
     return [t.tolist() for t in out]
 
 
-def _native_configured() -> bool:
-    try:
-        from ..dp2.channels import RUNTIME
-    except Exception:  # noqa: BLE001 - dp2 not importable (native module not built): gloo
-        return False
-    return RUNTIME.session_id is not None and RUNTIME.rank is not None
+def _native_exchange() -> Optional[Callable]:
+    """The DP2 feature's native pair exchange when it runs in this process (``dspark_pair_exchange``
+    hook), else ``None``."""
+    from ..core import binder
+
+    return binder.hooks().dspark_pair_exchange(channel=CHANNEL, width=WIDTH, fields=tuple(FIELDS))
 
 
 def check(runner: Any, factor: float, *, exchange: Optional[Callable] = None, group: Any = None) -> None:
     """Exchange this rank's row with its peer's and refuse a mismatch (on both ranks)."""
     row = payload(runner, factor)
     if exchange is None:
-        if _native_configured():
-            exchange = exchange_native
-        else:
+        exchange = _native_exchange()
+        if exchange is None:
             if group is None:
                 from sglang.srt.runtime_context import get_parallel
 
