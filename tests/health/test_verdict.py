@@ -246,6 +246,54 @@ def test_dp2_stalled_names_the_rank_the_other_waits_for(shm):
         board.close()
 
 
+@pytest.mark.forked  # installs a plugin manager and a board in this process
+def test_health_reads_stalls_through_the_dspark_health_stalls_hook(monkeypatch):
+    """The health feature never imports dp2: it asks every plugin through ``dspark_health_stalls``.
+    The built-in dp2 feature answers from the real stall board its environment names, a third-party
+    plugin's answer is added to it, and no board means no stall. (Mutation: the health feature
+    calling only the first implementation, or dp2 not implementing the hook, fails this.)"""
+    from dspark_harden.core import binder, hookspecs
+    from dspark_harden.core.manager import make_manager
+    from dspark_harden.dp2 import board as B
+    from dspark_harden.health import feature as HF
+
+    class Other:
+        @hookspecs.hookimpl
+        def dspark_health_stalls(self):
+            return [{"rank": 0, "peer_rank": 1, "channel": "x", "waited_s": 2.0, "message": "third-party exchange"}]
+
+    import subprocess
+    import sys
+
+    monkeypatch.delenv(B.ENV, raising=False)
+    monkeypatch.setattr(B, "CURRENT", None)
+    binder.STATE.pm = make_manager(load_extensions=False)
+    assert HF._dp2_stalls() == []  # no board: nothing stalled
+    board = B.Board.create()
+    monkeypatch.setenv(B.ENV, board.spec)
+    assert HF._dp2_stalls() == []  # a board, nothing on it
+    child = subprocess.Popen([sys.executable, "-c", DP2_WRITER, board.spec], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline().strip() == "published"
+        ours = B.current_stalls(board)
+        assert len(ours) == 1 and ours[0]["channel"] == "mlp"
+        assert HF._dp2_stalls() == ours  # the dp2 feature's answer, read from the real board
+        binder.STATE.pm = make_manager(load_extensions=False, extra=(Other(),))
+        both = HF._dp2_stalls()
+        assert len(both) == 2 and ours[0] in both and {"rank": 0, "peer_rank": 1, "channel": "x", "waited_s": 2.0,
+                                                       "message": "third-party exchange"} in both
+        # an unusable board named by the environment raises (the verdict turns that into a 503)
+        monkeypatch.setattr(B, "CURRENT", None)
+        monkeypatch.setenv(B.ENV, "4194304999:3:" + "0" * 32)
+        with pytest.raises(B.BoardError):
+            HF._dp2_stalls()
+    finally:
+        child.stdin.close()
+        child.wait(timeout=30)
+        board.close()
+
+
 def test_every_outcome_has_a_test_and_a_metric_label():
     from dspark_harden.core import metrics
 

@@ -153,6 +153,17 @@ def _config_worker(rank, port, session, slots_by_rank, transport):
         w.sync.channel.close()
 
 
+def test_no_native_pair_exchange_is_offered_before_dp2_is_configured():
+    """The check asks the dp2 feature for its channel through the ``dspark_pair_exchange`` hook
+    (prefill-graph never imports dp2): unconfigured, dp2 answers None and the check uses gloo. The
+    configured answer is what the native case below runs (mutation: dp2 answering None there makes
+    that case fall back to gloo without a group and fail)."""
+    from dspark_harden.core.manager import make_manager
+
+    pm = make_manager(load_extensions=False)
+    assert pm.hook.dspark_pair_exchange(channel=C.CHANNEL, width=C.WIDTH, fields=C.FIELDS) is None
+
+
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("transport", ["gloo", "native"])
 def test_both_ranks_compare_their_configuration_once_at_startup(transport):

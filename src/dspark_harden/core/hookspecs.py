@@ -61,8 +61,9 @@ def dspark_process_bound(role, settings, report):
 
 @hookspec
 def dspark_health_stalls():
-    """Return a list of stall records (dicts with at least ``dp_rank`` and ``reason``) of the
-    inter-rank exchanges this plugin runs: what ``/health_scheduler`` reports as ``dp2_stalled``.
+    """Return a list of stall records (dicts: ``rank`` waiting, ``peer_rank`` not arriving,
+    ``waited_s``, ``channel``, ``message``; the DP2 stall board's format) of the inter-rank exchanges
+    this plugin runs: what ``/health_scheduler`` reports as ``dp2_stalled``.
     Called in the HTTP server process on every probe; must be cheap and must not block.
     Return ``[]`` (or ``None``) when nothing is stalled or the exchange is not running."""
 
