@@ -67,6 +67,7 @@ def _bind_upstream_only():
     return {st.name: st for st in report.features}["grammar-fsm-advance"]
 
 
+@pytest.mark.forked  # binds: installs this manager's (empty) metric registry in the process
 def test_binder_reports_upstream_on_stock_and_failed_on_a_mutant(monkeypatch):
     st = _bind_upstream_only()
     assert st.status == "upstream", (st.status, st.detail)

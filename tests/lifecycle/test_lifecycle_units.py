@@ -452,8 +452,10 @@ def test_bench_gc_json_shape_and_effect():
         assert isinstance(out[phase]["gen2_pauses"], int)
         assert isinstance(out[phase]["p99_ms"], float) and isinstance(out[phase]["max_ms"], float)
     assert isinstance(out["frozen_objects"], int) and out["frozen_objects"] >= 400000
-    assert out["before"]["gen2_pauses"] > 0
-    # wall-clock pauses on a shared 2-core machine: a preempted collection can inflate one sample, so
-    # the typical pause must drop several-fold and the worst one must drop
-    assert out["after"]["p50_ms"] < out["before"]["p50_ms"] / 3, out
-    assert out["after"]["max_ms"] < out["before"]["max_ms"], out
+    assert out["before"]["gen2_pauses"] > 0 and out["after"]["gen2_pauses"] > 0
+    # The effect, deterministically: the frozen heap leaves what a gen-2 collection traverses (a
+    # mutation check: without gc.freeze() in the bench both counts hold the heap and this fails).
+    # The pause times themselves are the bench's report, not an assertion: on a loaded 2-core host
+    # the p50 ratio was measured at 2.7-3.5x, so a timed bound here failed CI (docs/lifecycle.md).
+    assert out["before"]["gen2_objects"] >= 400000, out
+    assert out["after"]["gen2_objects"] <= out["before"]["gen2_objects"] - 400000, out

@@ -11,8 +11,10 @@ old generation and CPython runs gen-2 collections on its own schedule (no explic
 ``gc.collect``). Pauses are timed with ``gc.callbacks`` (:class:`.gc_freeze.PauseRecorder`), the
 same way the servers export them. The same load runs before and after ``gc.collect(); gc.freeze()``.
 
-Output (``--json``): ``{"before": {"gen2_pauses", "p50_ms", "p99_ms", "max_ms"}, "after": {...},
-"frozen_objects", "heap_objects", "seconds_per_phase", "source"}``.
+Output (``--json``): ``{"before": {"gen2_pauses", "p50_ms", "p99_ms", "max_ms", "gen2_objects"},
+"after": {...}, "frozen_objects", "heap_objects", "seconds_per_phase", "source"}``. ``gen2_objects``
+is what a gen-2 collection traverses when the phase starts (``gc.get_objects(generation=2)``;
+frozen objects are not in it): the deterministic part of the effect, the pauses the timed part.
 """
 
 from __future__ import annotations
@@ -99,17 +101,20 @@ def run(objects: int, seconds: float) -> dict:
     gc.collect()
     recorder.install()
     try:
+        tracked_before = len(gc.get_objects(generation=2))
         before = serve(seconds, 3, recorder)
         gc.collect()
         gc.freeze()
         frozen = gc.get_freeze_count()
+        tracked_after = len(gc.get_objects(generation=2))
         recorder.frozen = True
         after = serve(seconds, 3, recorder)
     finally:
         recorder.uninstall()
         gc.unfreeze()
     del heap
-    return {"before": summarize(before), "after": summarize(after), "frozen_objects": int(frozen),
+    return {"before": {**summarize(before), "gen2_objects": tracked_before},
+            "after": {**summarize(after), "gen2_objects": tracked_after}, "frozen_objects": int(frozen),
             "heap_objects": objects, "seconds_per_phase": seconds,
             "source": "in-process scheduler-shaped heap (not a server)"}
 
@@ -125,6 +130,6 @@ def main(args) -> int:
         b, a = out["before"], out["after"]
         print(f"heap: {out['heap_objects']} tracked objects ({out['source']}), {out['frozen_objects']} frozen")
         for name, s in (("before freeze", b), ("after freeze", a)):
-            print(f"{name:>14}: {s['gen2_pauses']} gen-2 pauses, p50 {s['p50_ms']:.2f} ms, p99 {s['p99_ms']:.2f} ms, "
-                  f"max {s['max_ms']:.2f} ms")
+            print(f"{name:>14}: {s['gen2_objects']} objects in gen 2, {s['gen2_pauses']} gen-2 pauses, "
+                  f"p50 {s['p50_ms']:.2f} ms, p99 {s['p99_ms']:.2f} ms, max {s['max_ms']:.2f} ms")
     return 0
