@@ -61,7 +61,7 @@ def test_corpus_entries_and_draft_checks(monkeypatch, tmp_path):
     monkeypatch.setenv("DSPARK_HARDEN_NPM_PREFIX", str(tmp_path))
     base = trace.generate(seed=0, requests=10)
     entries, info = trace.corpus_entries(10, base, compiles=lambda s: "maximum" not in s)
-    assert info == {"corpus_schemas": 3, "compiled_by_xgrammar": 2, "drawn": 2}
+    assert info == {"corpus_schemas": 3, "usable": 2, "drawn": 2}
     assert {e["kind"] for e in entries} == {"corpus"} and len({e["id"] for e in entries}) == 2
     assert all(0 <= e["t"] <= max(b["t"] for b in base) for e in entries)
     by = {e["corpus"]: e for e in entries}
@@ -74,6 +74,44 @@ def test_corpus_entries_and_draft_checks(monkeypatch, tmp_path):
     monkeypatch.setenv("DSPARK_HARDEN_NPM_PREFIX", str(tmp_path / "nowhere"))
     with pytest.raises(trace.TraceError, match="install.sh"):
         trace.corpus_entries(1, base)
+
+
+def test_the_draw_leaves_out_what_the_server_or_the_grammar_cannot_hold():
+    """Seen in a real DSpark bench run: a schema SGLang's backend refuses at dispatch (``not``: its
+    validate_xgrammar_json_schema, not xgrammar, refuses it), a remote $ref nobody resolves (the
+    validator crashed) and a number bound xgrammar's grammar does not enforce (121212e1000 under
+    ``maximum``) each counted as an invalid output on stock and plugin alike."""
+    assert "not compiled" in trace.usable_reason({"not": {"type": "integer"}})
+    assert "non-local $ref" in trace.usable_reason({"$ref": "http://localhost:1234/integer.json"})
+    assert "number" in trace.usable_reason({"properties": {"x": {"type": "number", "maximum": 3}}})
+    assert trace.usable_reason({"properties": {"x": {"type": "integer", "maximum": 3}}}) is None
+    assert trace.usable_reason({"$ref": "#/definitions/a", "definitions": {"a": {"type": "boolean"}}}) is None
+    assert trace.usable_reason({"type": "object", "properties": {"a": {"type": "string"}}}) is None
+    # a validator that cannot run is a failed check with its cause, never a client crash
+    why = trace.check_output({"type": "json_schema", "schema": {"$ref": "http://localhost:1234/x.json"}}, "1")
+    assert why and why.startswith("the validator could not check it")
+
+
+def test_a_truncated_output_is_checked_as_a_prefix_the_constraint_accepts():
+    """An output cut by max_new_tokens cannot be a complete document; the constraint held when a real
+    xgrammar matcher of the same schema (the server's tokenizer) accepts every token. Mutation: a
+    token the schema forbids in the middle is reported."""
+    from transformers import AutoTokenizer
+
+    from dspark_harden.devtools import tiny_models
+
+    tok_dir = tiny_models.ensure_model("qwen3")
+    tok = AutoTokenizer.from_pretrained(tok_dir)
+    check = {"type": "json_schema", "schema": {"type": "object", "properties": {"name": {"type": "string"}},
+                                               "required": ["name"], "additionalProperties": False}}
+    ids = tok.encode('{"name": "abcdefgh', add_special_tokens=False)
+    assert trace.check_output(check, tok.decode(ids))  # not a complete document
+    assert trace.check_prefix(check, ids, tok_dir) is None
+    bad = tok.encode('{"nope": 1', add_special_tokens=False)
+    assert "not accepted by the constraint" in trace.check_prefix(check, bad, tok_dir)
+    regex = {"type": "regex", "pattern": "[0-9]+-[a-z]+"}
+    assert trace.check_prefix(regex, tok.encode("123-ab", add_special_tokens=False), tok_dir) is None
+    assert trace.check_prefix(regex, tok.encode("12a", add_special_tokens=False), tok_dir)
 
 
 def test_accept_length_in_the_summary():

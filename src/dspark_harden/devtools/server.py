@@ -223,7 +223,8 @@ class ServerConfig:
 DP2_CONFIG = ServerConfig(arch="deepseek_v3", dp_size=2, tp_size=2, dp_attention=True, name="dp2")
 
 
-def _model_path(config: ServerConfig) -> str:
+def model_path(config: ServerConfig) -> str:
+    """The model directory the server loads (its tokenizer included)."""
     if config.model_path:
         return config.model_path
     from dspark_harden.devtools.tiny_models import ensure_model
@@ -295,7 +296,7 @@ class SGLangServer:
         c = self.config
         cmd = [
             sys.executable, "-m", "sglang.launch_server",
-            "--model-path", _model_path(c),
+            "--model-path", model_path(c),
             "--host", "127.0.0.1", "--port", str(self.port),
             *BASE_FLAGS,
         ]

@@ -43,7 +43,7 @@ def _finish(meta: dict) -> str:
     return fr.get("type", "") if isinstance(fr, dict) else str(fr or "")
 
 
-def _absorb(res: Result, entry: dict, answers: list) -> None:
+def _absorb(res: Result, entry: dict, answers: list, tokenizer_dir: Optional[str] = None) -> None:
     for a in answers:
         meta = a.get("meta_info", {})
         res.completion_tokens += int(meta.get("completion_tokens", 0))
@@ -53,13 +53,19 @@ def _absorb(res: Result, entry: dict, answers: list) -> None:
         if entry.get("check"):
             if finish == "length":
                 res.truncated += 1
-            why = _trace.check_output(entry["check"], a.get("text", ""))
+            if finish == "length" and tokenizer_dir:
+                # cut by max_new_tokens: the constraint held if a real matcher accepts every token
+                why = _trace.check_prefix(entry["check"], a.get("output_ids") or (), tokenizer_dir)
+            else:
+                why = _trace.check_output(entry["check"], a.get("text", ""))
             if why:
                 res.invalid.append(f"{finish}: {why}")
 
 
 async def send(session, url: str, entry: dict, *, stream: Optional[bool] = None, extra: Optional[dict] = None,
-               timeout: float = REQUEST_TIMEOUT_S) -> Result:
+               timeout: float = REQUEST_TIMEOUT_S, tokenizer_dir: Optional[str] = None) -> Result:
+    """One request; constrained outputs are checked (truncated ones as token prefixes when
+    ``tokenizer_dir``, the server's tokenizer, is given; else as complete documents)."""
     import aiohttp
 
     stream = entry.get("stream", False) if stream is None else stream
@@ -76,7 +82,7 @@ async def send(session, url: str, entry: dict, *, stream: Optional[bool] = None,
                 res.error = (await r.text())[:500]
             elif not stream:
                 a = await r.json(content_type=None)
-                _absorb(res, entry, a if isinstance(a, list) else [a])
+                _absorb(res, entry, a if isinstance(a, list) else [a], tokenizer_dir)
             else:
                 ids: list = []
                 last: dict = {}
@@ -101,7 +107,7 @@ async def send(session, url: str, entry: dict, *, stream: Optional[bool] = None,
                     if last:
                         last = dict(last)
                         last["output_ids"] = ids
-                    _absorb(res, entry, [last] if last else [])
+                    _absorb(res, entry, [last] if last else [], tokenizer_dir)
     except asyncio.TimeoutError:
         res.error = f"timeout after {timeout:.0f}s"
     except Exception as exc:  # noqa: BLE001 - a client-side failure is a recorded error, not a crash
@@ -112,7 +118,8 @@ async def send(session, url: str, entry: dict, *, stream: Optional[bool] = None,
     return res
 
 
-async def _replay(url: str, entries: list[dict], *, sequential: bool, stream_override: Optional[bool]) -> tuple[list, float]:
+async def _replay(url: str, entries: list[dict], *, sequential: bool, stream_override: Optional[bool],
+                  tokenizer_dir: Optional[str] = None) -> tuple[list, float]:
     import aiohttp
 
     # force_close: a fresh connection per request (a reused keep-alive connection that uvicorn closes
@@ -121,22 +128,24 @@ async def _replay(url: str, entries: list[dict], *, sequential: bool, stream_ove
     async with aiohttp.ClientSession(connector=conn) as session:
         start = time.monotonic()
         if sequential:
-            results = [await send(session, url, e, stream=stream_override) for e in entries]
+            results = [await send(session, url, e, stream=stream_override, tokenizer_dir=tokenizer_dir)
+                       for e in entries]
         else:
             async def at(e):
                 delay = start + e["t"] - time.monotonic()
                 if delay > 0:
                     await asyncio.sleep(delay)
-                return await send(session, url, e, stream=stream_override)
+                return await send(session, url, e, stream=stream_override, tokenizer_dir=tokenizer_dir)
 
             results = await asyncio.gather(*(at(e) for e in entries))
         return list(results), time.monotonic() - start
 
 
 def replay(url: str, entries: list[dict], *, sequential: bool = False,
-           stream_override: Optional[bool] = None) -> tuple[list, float]:
+           stream_override: Optional[bool] = None, tokenizer_dir: Optional[str] = None) -> tuple[list, float]:
     """Replay ``entries`` (open loop at their ``t``, or one at a time); (results, wall seconds)."""
-    return asyncio.run(_replay(url, entries, sequential=sequential, stream_override=stream_override))
+    return asyncio.run(_replay(url, entries, sequential=sequential, stream_override=stream_override,
+                               tokenizer_dir=tokenizer_dir))
 
 
 def pct(values: list, q: float) -> Optional[float]:

@@ -176,7 +176,8 @@ def one_pass(p: Pausable, entries: list[dict], *, sequential: bool = False) -> d
     p.flush()
     before = _procs.sample(p.server.pid)
     results, wall = _client.replay(p.server.url, entries, sequential=sequential,
-                                   stream_override=False if sequential else None)
+                                   stream_override=False if sequential else None,
+                                   tokenizer_dir=_server.model_path(p.server.config))
     after = _procs.sample(p.server.pid)
     p.pause()
     summary = _client.summarize(results, wall, entries)

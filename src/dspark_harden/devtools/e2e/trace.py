@@ -347,6 +347,8 @@ def check_output(check: Optional[dict], text: str) -> Optional[str]:
             jsonschema.validate(value, check["schema"])
     except jsonschema.ValidationError as exc:
         return f"schema violation: {exc.message}"
+    except Exception as exc:  # noqa: BLE001 - a schema the validator cannot use is a failed check, not a crash
+        return f"the validator could not check it: {type(exc).__name__}: {str(exc)[:200]}"
     return None
 
 
@@ -380,15 +382,89 @@ def load_corpus(drafts=CORPUS_DRAFTS) -> list[tuple[str, str, dict]]:
     return list(seen.values())
 
 
-def _compiles(schema: dict) -> bool:
-    """Whether xgrammar turns ``schema`` into a grammar (what the server's backend would do)."""
+def _refs(node) -> list:
+    if isinstance(node, dict):
+        out = [node["$ref"]] if isinstance(node.get("$ref"), str) else []
+        for v in node.values():
+            out += _refs(v)
+        return out
+    if isinstance(node, list):
+        return [r for v in node for r in _refs(v)]
+    return []
+
+
+#: keywords bounding a JSON *number* that xgrammar's grammar does not enforce: its number rule lets an
+#: exponent through, so "maximum" 9.7e26 still admits 121212e1000 (parsed as inf). Seen in a bench run;
+#: a schema with them would report xgrammar's limit, identical on stock and plugin, as an invalid output.
+NUMBER_BOUNDS = ("maximum", "minimum", "exclusiveMaximum", "exclusiveMinimum", "multipleOf")
+
+
+def _number_bounds(node) -> bool:
+    if isinstance(node, dict):
+        typ = node.get("type")
+        numeric = typ == "number" or (isinstance(typ, list) and "number" in typ) or typ is None
+        if numeric and any(k in node for k in NUMBER_BOUNDS) and typ != "integer":
+            return True
+        return any(_number_bounds(v) for v in node.values())
+    if isinstance(node, list):
+        return any(_number_bounds(v) for v in node)
+    return False
+
+
+def usable_reason(schema: dict) -> Optional[str]:
+    """None when the server compiles ``schema`` the way SGLang's xgrammar backend does
+    (``validate_xgrammar_json_schema`` then xgrammar) and the grammar enforces what the validator
+    checks; else why the corpus draw leaves it out."""
+    remote = [r for r in _refs(schema) if not r.startswith("#")]
+    if remote:
+        return f"non-local $ref {remote[0]!r} (neither xgrammar nor the validator resolves it)"
+    if _number_bounds(schema):
+        return "bounds on a JSON number (xgrammar admits any exponent)"
     try:
         import xgrammar as xgr
+        from sglang.srt.constrained.xgrammar_backend import validate_xgrammar_json_schema
 
+        validate_xgrammar_json_schema(schema)
         xgr.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False)
-        return True
-    except Exception:  # noqa: BLE001 - unsupported keywords, remote refs, invalid schemas
-        return False
+    except Exception as exc:  # noqa: BLE001 - unsupported keywords, invalid schemas
+        return f"not compiled: {type(exc).__name__}: {str(exc)[:120]}"
+    return None
+
+
+def _compiles(schema: dict) -> bool:
+    """Whether the server's backend compiles ``schema`` into a grammar that enforces it."""
+    return usable_reason(schema) is None
+
+
+def check_prefix(check: dict, output_ids, tokenizer_dir: str) -> Optional[str]:
+    """For an output cut by ``max_new_tokens``: None when a real xgrammar matcher of the same
+    constraint accepts every output token (a valid prefix: the constraint held), else why not."""
+    import xgrammar as xgr
+
+    compiler = _prefix_compiler(tokenizer_dir)
+    if check["type"] == "regex":
+        ctx = compiler.compile_regex(check["pattern"])
+    else:
+        ctx = compiler.compile_json_schema(json.dumps(check["schema"]), any_whitespace=False)
+    matcher = xgr.GrammarMatcher(ctx)
+    for i, tok in enumerate(output_ids):
+        if not matcher.accept_token(int(tok)):
+            return f"token {i} ({int(tok)}) of a truncated output is not accepted by the constraint"
+    return None
+
+
+_COMPILERS: dict = {}
+
+
+def _prefix_compiler(tokenizer_dir: str):
+    comp = _COMPILERS.get(tokenizer_dir)
+    if comp is None:
+        import xgrammar as xgr
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(tokenizer_dir)
+        comp = _COMPILERS[tokenizer_dir] = xgr.GrammarCompiler(xgr.TokenizerInfo.from_huggingface(tok))
+    return comp
 
 
 def corpus_entries(n: int, entries: list[dict], *, seed: int = 0, max_new_tokens: int = JSON_MAX_NEW_TOKENS,
@@ -409,5 +485,5 @@ def corpus_entries(n: int, entries: list[dict], *, seed: int = 0, max_new_tokens
                     "corpus": name, "check": {"type": "json_schema", "schema": schema, "draft": draft},
                     "body": {"text": prompts.prompt() + "\nJSON:",
                              "sampling_params": _sp(max_new_tokens, json_schema=json.dumps(schema))}})
-    info = {"corpus_schemas": len(corpus), "compiled_by_xgrammar": len(usable), "drawn": len(out)}
+    info = {"corpus_schemas": len(corpus), "usable": len(usable), "drawn": len(out)}
     return out, info
