@@ -6,6 +6,7 @@ Layout (one *namespace* per compatibility scope)::
         scope.json            the scope document (human-readable; checked on open)
         entries/<key>.xgc     one entry per grammar key (0600)
         locks/<key>.lock      per-entry file lock (flock, bounded waits)
+        claims/<key>.claim    "compile in progress" claim: owner pid + start time (see :mod:`.claim`)
         ledger                byte ledger: sum of the sizes of every file in entries/
         ledger.lock           serialises ledger updates and pruning
         ledger.intent         present while a ledger holder renames an entry in: a later holder that
@@ -553,6 +554,7 @@ class Namespace:
         self.path = os.path.join(self.root, self.scope_hex)
         self.entries = os.path.join(self.path, "entries")
         self.locks = os.path.join(self.path, "locks")
+        self.claims = os.path.join(self.path, "claims")
         self.quarantine = os.path.join(self.path, "quarantine")
         self.ledger_path = os.path.join(self.path, "ledger")
         self.intent_path = os.path.join(self.path, INTENT_NAME)
@@ -579,6 +581,8 @@ class Namespace:
         """Root, namespace, entries/ and locks/ (and quarantine/ when present) are safe directories."""
         for d in (self.root, self.path, self.entries, self.locks):
             check_dir(d)
+        if os.path.lexists(self.claims):
+            check_dir(self.claims)
         if os.path.lexists(self.quarantine):
             check_dir(self.quarantine)
 
@@ -586,7 +590,7 @@ class Namespace:
         if not os.path.lexists(self.root):
             os.makedirs(self.root, mode=0o700, exist_ok=True)
         check_dir(self.root)
-        for d in (self.path, self.entries, self.locks):
+        for d in (self.path, self.entries, self.locks, self.claims):
             _ensure_dir(d)
         if os.path.lexists(self.quarantine):
             check_dir(self.quarantine)

@@ -31,7 +31,7 @@ from ..core.settings import Setting, directory_path, flag01, nonneg_int, positiv
 from .settings import (  # noqa: F401 - the feature's names (re-exported)
     FEATURE, SWITCH, WORKERS, CACHE_BYTES, CACHE_ENTRIES, TIMEOUT, MAX_GRAMMAR_BYTES, COMPILER_THREADS, DISK,
     DISK_DIR, DISK_BYTES, DISK_MAX_ENTRY, DISK_LOAD_RATIO, DISK_QUEUE, DISK_HELPER_MEMORY,
-    DISK_HELPER_DEADLINE, DISK_HELPER_RETRIES, DISK_LOCK_TIMEOUT, DEFAULT_DISK_DIR,
+    DISK_HELPER_DEADLINE, DISK_HELPER_RETRIES, DISK_LOCK_TIMEOUT, DISK_CLAIM_WAIT, DEFAULT_DISK_DIR,
 )
 
 logger = logging.getLogger("dspark_harden.grammar")
@@ -122,6 +122,13 @@ def dspark_settings():
                 "time skips that publication, prune or quarantine (WARNING, counted in "
                 "dspark_harden_grammar_disk_errors_total{op=\"lock_timeout\"}); opening the cache at start "
                 "never waits for a lock.", feature=f, accepts="positive number (seconds)"),
+        Setting(DISK_CLAIM_WAIT, positive_float, 60.0,
+                "Most seconds a lookup waits on another process's compile-in-progress claim of the same key "
+                "(host-wide one compile per key) before it compiles the grammar itself. The wait is also "
+                "bounded by 2x the claimant's measured claim-to-publication time (this value, while the "
+                "claimant has measured none) and by half of what is left of the request's "
+                "DSPARK_HARDEN_GRAMMAR_COMPILE_TIMEOUT; it ends at once when the claimant dies.",
+                feature=f, accepts="positive number (seconds)"),
     ]
 
 
@@ -208,7 +215,7 @@ def install_persistent_compiler(backend: Any, settings: Any) -> None:
 
     persist = PersistSettings(queue_max=settings[DISK_QUEUE], memory_limit_bytes=settings[DISK_HELPER_MEMORY],
                               deadline_s=settings[DISK_HELPER_DEADLINE], retries=settings[DISK_HELPER_RETRIES],
-                              lock_timeout_s=settings[DISK_LOCK_TIMEOUT])
+                              lock_timeout_s=settings[DISK_LOCK_TIMEOUT], claim_wait_s=settings[DISK_CLAIM_WAIT])
     backend.grammar_compiler = xgr.PersistentCompiler(
         inner, info, ns, policy, inner_threads=settings[COMPILER_THREADS],
         slots=CompileSlots(settings[WORKERS]), persist=persist,

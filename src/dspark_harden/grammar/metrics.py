@@ -24,8 +24,10 @@ DISK_ERROR_OPS = ("publish", "prune", "helper", "lock_timeout", "protocol", "rea
 DEGRADE_REASONS = ("unsafe", "permission", "read_only", "no_space", "lock_timeout", "error")
 TRANSIENT_CAUSES = ("killed", "starved", "crashed", "publish_timeout", "protocol", "lock_timeout",
                     "publish_error", "helper_unavailable")
+# mirrors claim.OUTCOMES (a test keeps them equal)
+CLAIM_OUTCOMES = ("claimed", "hit", "expired", "claimant_dead", "released", "invalid", "error")
 RATIO_BUCKETS = (1.0, 1.5, 2.0, 3.0, 5.0, 10.0, 20.0, 50.0, 100.0, 200.0, 500.0)
-PHASES = ("disk_read", "verify", "deserialize", "native_compile", "serialize", "measure_compile", "measure_load", "entry_write_account")
+PHASES = ("claim_wait", "disk_read", "verify", "deserialize", "native_compile", "serialize", "measure_compile", "measure_load", "entry_write_account")
 
 FAMILIES = (
     Family(
@@ -49,7 +51,8 @@ FAMILIES = (
     ),
     Family(
         "dspark_harden_grammar_phase_seconds", "histogram",
-        "Time spent in one phase of the persistent cache: disk_read, verify (checksum/scope/key), "
+        "Time spent in one phase of the persistent cache: claim_wait (waiting on another process's "
+        "compile-in-progress claim), disk_read, verify (checksum/scope/key), "
         "deserialize, native_compile, serialize, measure_compile and measure_load (re-compile and trial load deciding serialized vs "
         "marker), entry_write_account (atomic publish + ledger + pruning).",
         labels=("dp_rank", "phase"), feature=FEATURE, roles=("scheduler",),
@@ -174,6 +177,21 @@ FAMILIES = (
         precreate=((DP_RANK,),), aggregation="`sum`.",
     ),
     Family(
+        "dspark_harden_grammar_disk_claims_total", "counter",
+        "Host-wide compile-in-progress claims met on a disk miss, by outcome: claimed (this process took the "
+        "claim and compiles the key), hit (waited on another process's claim and loaded its published entry "
+        "or marker), expired (the wait bound, derived from the claimant's measured claim-to-publication "
+        "time and capped by the request's timeout, passed: compiled itself), claimant_dead (the claimant's "
+        "pid is gone or reused: its claim was removed), released (the claim went away without an entry: "
+        "compiled or claimed itself), invalid (a claim file that cannot be trusted was ignored: compiled "
+        "itself), error (the claim could not be created: compiled without one).",
+        labels=("dp_rank", "outcome"), feature=FEATURE, roles=("scheduler",),
+        precreate=tuple((DP_RANK, o) for o in CLAIM_OUTCOMES),
+        aggregation="`sum by (outcome) (increase(...))`; host-wide compiles saved = hit; steady expired means "
+                    "publication is slower than the claimant's estimate (a busy or stopped helper). The time "
+                    "waited is `phase_seconds{phase=\"claim_wait\"}`.",
+    ),
+    Family(
         "dspark_harden_grammar_serialized_memory_ratio", "histogram",
         "Serialized entry size over the compiled grammar's memory_size_bytes, per serialization the "
         "persistence helper completed (xgrammar 0.2.7: 1x to over 100x; see docs/grammar.md).",
@@ -250,6 +268,11 @@ def set_publish_queue(n: int) -> None:
 @_safe
 def observe_serialized_ratio(ratio: float) -> None:
     M.get("dspark_harden_grammar_serialized_memory_ratio").labels(dp_label()).observe(ratio)
+
+
+@_safe
+def claim(outcome: str) -> None:
+    M.get("dspark_harden_grammar_disk_claims_total").labels(dp_label(), outcome).inc()
 
 
 @_safe

@@ -51,6 +51,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from ..core.procfs import cpu_seconds
+from . import claim as claim_mod
 from . import disk
 from . import metrics as gm
 
@@ -62,6 +63,7 @@ WALL_FACTOR = 4.0
 # extra seconds the publish phase may take beyond one lock timeout (rename, fsyncs, pruning)
 PUBLISH_IO_ALLOWANCE_S = 60.0
 STDERR_TAIL_BYTES = 16 << 10
+CLAIM_EWMA_WEIGHT = 0.3  # weight of the newest claim-to-release sample in the estimate a claim carries
 TRANSIENT_CAUSES = ("killed", "starved", "crashed", "publish_timeout", "protocol", "lock_timeout",
                     "publish_error", "helper_unavailable")
 
@@ -76,12 +78,14 @@ class PersistSettings:
     lock_timeout_s: float = disk.DEFAULT_LOCK_TIMEOUT_S
     retries: int = 2
     retry_delay_s: float = 5.0
+    claim_wait_s: float = claim_mod.MAX_WAIT_S  # DSPARK_HARDEN_GRAMMAR_DISK_CLAIM_WAIT
 
     def __post_init__(self) -> None:
         for name in ("queue_max", "memory_limit_bytes"):
             if int(getattr(self, name)) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)!r}")
-        for name in ("deadline_s", "idle_exit_s", "start_timeout_s", "lock_timeout_s", "retry_delay_s"):
+        for name in ("deadline_s", "idle_exit_s", "start_timeout_s", "lock_timeout_s", "retry_delay_s",
+                     "claim_wait_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)!r}")
         if int(self.retries) < 0:
@@ -456,8 +460,45 @@ class Persister:
         self.outcomes: dict[str, dict] = {}  # key digest -> last result (tests, bench)
         self.skipped: dict[str, int] = {"queue_full": 0, "queued": 0, "retries_exhausted": 0}
         self.transient: dict[str, int] = {c: 0 for c in TRANSIENT_CAUSES}
+        self._claims: dict = {}  # key digest -> this process's claim, until its job's first run ends
+        self._claim_ewma: Optional[float] = None
 
-    def submit(self, key_hex: str, parts: list, compile_s: float) -> bool:
+    def publish_estimate(self) -> float:
+        """Seconds from taking a claim until its job ends, as measured for this process's claimed
+        jobs (EWMA). The first claim, with nothing measured yet, gets the most a waiter may wait
+        (claim_wait_s / WAIT_FACTOR): its publication includes the helper's start-up, unknown yet."""
+        with self._lock:
+            if self._claim_ewma is not None:
+                return self._claim_ewma
+        return self.settings.claim_wait_s / claim_mod.WAIT_FACTOR
+
+    def _claim_done(self, c: Any) -> None:
+        """Release a job's claim after its first helper run, whatever the outcome (a retry comes
+        seconds later: waiters must not wait for it), and measure claim-to-release time."""
+        if c is None:
+            return
+        with self._lock:
+            self._claims.pop(c.key_hex, None)
+            sample = time.monotonic() - c.taken_at
+            self._claim_ewma = sample if self._claim_ewma is None else (
+                CLAIM_EWMA_WEIGHT * sample + (1 - CLAIM_EWMA_WEIGHT) * self._claim_ewma)
+        self._release(c)
+
+    def _release(self, c) -> None:
+        try:
+            claim_mod.remove_if(self.ns, c)
+        except OSError as exc:  # a dead claimant's claim is cleaned by identity; a live one's must go
+            logger.warning("dspark-harden: removing grammar cache claim %s failed: %s", c.path, exc)
+
+    def submit(self, key_hex: str, parts: list, compile_s: float, claim: Any = None) -> bool:
+        """Queue a publication; with ``claim`` (this process's claim on the key) the claim is
+        released when the job's first run ends, or at once when nothing is queued."""
+        ok = self._submit(key_hex, parts, compile_s, claim)
+        if not ok and claim is not None:
+            self._release(claim)
+        return ok
+
+    def _submit(self, key_hex: str, parts: list, compile_s: float, claim: Any) -> bool:
         with self._lock:
             if self._stop.is_set():
                 return False
@@ -472,8 +513,11 @@ class Persister:
             if self._thread is None or not self._thread.is_alive():
                 self._thread = threading.Thread(target=self._run, name="dspark-grammar-persist", daemon=True)
                 self._thread.start()
-            self._q.put_nowait({"key_hex": key_hex, "parts": parts, "compile_s": compile_s, "attempt": 0,
-                                "causes": []})
+            job = {"key_hex": key_hex, "parts": parts, "compile_s": compile_s, "attempt": 0, "causes": []}
+            if claim is not None:
+                job["claim"] = claim
+                self._claims[key_hex] = claim
+            self._q.put_nowait(job)
             self._queued.add(key_hex)
             self._pending += 1
             gm.set_publish_queue(self._pending - self._busy)
@@ -496,7 +540,10 @@ class Persister:
         self._q.put_nowait(None)
         self.helper.kill()
         with self._lock:
+            claims, self._claims = list(self._claims.values()), {}
             self._idle.notify_all()
+        for c in claims:  # nothing will publish them now: their waiters compile at once
+            self._release(c)
 
     def _next_job(self) -> Optional[dict]:
         """A retry that is due (first: new jobs cannot starve it), else the next queued job."""
@@ -518,6 +565,7 @@ class Persister:
             if job is None:
                 return
             final = True
+            held = job.pop("claim", None)  # never copied into a retry
             with self._lock:
                 self._busy = 1
             try:
@@ -531,6 +579,7 @@ class Persister:
                 if not self._stop.is_set() and not sys.is_finalizing():
                     logger.exception("dspark-harden: grammar cache persistence failed")
             finally:
+                self._claim_done(held)
                 with self._lock:
                     self._busy = 0
                     if final:

@@ -212,7 +212,7 @@ class GrammarService:
         req = RequestFuture(deadline, self.timeout_s, str(ckey[0]))
         if owner:
             try:
-                task = self.pool.submit(self._compile, ckey, require_reasoning)
+                task = self.pool.submit(self._compile, ckey, require_reasoning, deadline)
             except BaseException as exc:  # noqa: BLE001 - e.g. pool shut down: fail, never hang joiners
                 task = Future()
                 task.set_exception(exc)
@@ -289,10 +289,14 @@ class GrammarService:
         self.pool.shutdown(wait=False, cancel_futures=True)
 
     # -- internals -------------------------------------------------------------------------
-    def _compile(self, ckey: tuple, require_reasoning: bool):
+    def _compile(self, ckey: tuple, require_reasoning: bool, deadline: Optional[float] = None):
         xgr.take_resolution()  # clear anything left by an earlier task on this worker thread
+        xgr.set_request_deadline(deadline)  # the owner's: a wait on another process's claim ends before it
         t = time.perf_counter()
-        value = self.backend._init_value_dispatch(ckey, require_reasoning)
+        try:
+            value = self.backend._init_value_dispatch(ckey, require_reasoning)
+        finally:
+            xgr.set_request_deadline(None)
         res = xgr.take_resolution()
         empty = xgr.empty_language_problem(str(ckey[0]), value)
         if empty is not None:

@@ -16,9 +16,13 @@ entry point that SGLang's four dispatch methods use (``compile_json_schema`` inc
    measures the load time, chooses serialized entry or compile-locally marker and publishes
    atomically — under an address-space limit and a deadline, off the serving process.
 
-No cross-process lock is taken in the serving path: a lock held across a compile could not spare
-the waiter its own compile (publication happens later, in the helper), only delay it. The
-per-entry lock is taken by the helpers, non-blocking, so one helper host-wide persists a key.
+No cross-process lock is taken in the serving path. One compile per key host-wide comes from a
+*claim* instead (:mod:`.claim`): before compiling an absent key the process claims it (a small file
+naming its pid and start time, created non-blocking); a process that finds the key claimed waits,
+bounded by the claimant's measured claim-to-publication time and by the request's own deadline,
+for the published entry and loads it — or compiles itself when the bound passes, the claimant died,
+or the claim went away without an entry. The per-entry lock is taken by the helpers,
+non-blocking, so one helper host-wide persists a key.
 
 The last resolution of the calling thread is available from :func:`take_resolution` (the service
 reads it to label its lookup metric by source).
@@ -31,12 +35,14 @@ import hashlib
 import importlib.metadata
 import json
 import logging
+import collections
 import threading
 import time
 import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
+from . import claim as claim_mod
 from . import disk
 from . import metrics as gm
 from .persist import CompileSlots, Persister, PersistSettings
@@ -53,6 +59,12 @@ class Resolution:
     phases: dict = field(default_factory=dict)
     path: Optional[str] = None
     key_hex: str = ""
+
+
+def set_request_deadline(deadline: Optional[float]) -> None:
+    """The calling thread's current request deadline (monotonic; None: none): a wait on another
+    process's claim never runs past it. Set by the grammar service around each compile task."""
+    _TLS.deadline = deadline
 
 
 def take_resolution() -> Optional[Resolution]:
@@ -154,6 +166,10 @@ class PersistentCompiler:
         self.persister = Persister(namespace, self._helper_init(), self.persist_settings, self.slots)
         weakref.finalize(self, self.persister.close)  # a discarded compiler leaves no helper process
         self.native_compiles = 0  # native compile calls made through this object
+        self.claims_enabled = True
+        self.claim_waits: "collections.deque" = collections.deque(maxlen=65536)  # (outcome, s): bench, tests
+        self.claim_outcomes: dict = {o: 0 for o in claim_mod.OUTCOMES}
+        self._clean_claims()
         self._count_lock = threading.Lock()
         self._warned: set = set()  # (kind, ...) already logged: one WARNING each, bounded
 
@@ -176,6 +192,17 @@ class PersistentCompiler:
 
     def close(self) -> None:
         self.persister.close()
+
+    def _clean_claims(self) -> None:
+        try:
+            done = claim_mod.clean(self.ns)
+        except OSError as exc:
+            logger.warning("dspark-harden: cleaning grammar cache claims in %s failed: %s", self.ns.claims, exc)
+            return
+        if done["invalid"]:
+            logger.warning("dspark-harden: %d grammar cache claim(s) in %s cannot be trusted (another uid, "
+                           "writable by others, a link or not a claim); they are ignored", done["invalid"],
+                           self.ns.claims)
 
     # -- xgrammar GrammarCompiler surface --------------------------------------------------
     def compile_json_schema(self, schema: Any, **kwargs: Any):
@@ -283,17 +310,98 @@ class PersistentCompiler:
             _record(Resolution(skipped, time.perf_counter() - t0, {"native_compile": compile_s},
                                self.ns.entry_path(key_hex), key_hex))
             return cg
+        mine, got, waited = self._claim(key_hex, t0)
+        if got is not None:
+            return self._from_entry(key_hex, got, fn, t0, {"claim_wait": waited})
         tc = time.perf_counter()
-        cg = self._compile(fn)
+        try:
+            cg = self._compile(fn)
+        except BaseException:
+            if mine is not None:  # nothing will be published: its waiters must not wait for it
+                claim_mod.remove_if(self.ns, mine)
+            raise
         compile_s = time.perf_counter() - tc
-        self.persister.submit(key_hex, parts, compile_s)  # never blocks: a full queue skips
+        self.persister.submit(key_hex, parts, compile_s, claim=mine)  # never blocks: a full queue skips
         total = time.perf_counter() - t0
-        _record(Resolution("compile", total, {"native_compile": compile_s}, self.ns.entry_path(key_hex), key_hex))
+        phases = {"native_compile": compile_s}
+        if waited:
+            phases["claim_wait"] = waited
+        _record(Resolution("compile", total, phases, self.ns.entry_path(key_hex), key_hex))
         return cg
 
-    def _from_entry(self, key_hex: str, got: tuple, fn: Callable[[], Any], t0: float):
+    def _claim_outcome(self, outcome: str, waited_s: Optional[float] = None) -> None:
+        with self._count_lock:
+            self.claim_outcomes[outcome] += 1
+        if waited_s is not None:
+            self.claim_waits.append((outcome, waited_s))
+        gm.claim(outcome)
+
+    def _claim(self, key_hex: str, t0: float) -> tuple[Optional[claim_mod.Claim], Optional[tuple], float]:
+        """(this process's claim, None, waited) when it should compile the absent key — with the
+        claim when it took one; (None, entry, waited) when another process's claim ended in a
+        published entry, read here. Bounded: every round claims, loads, or finds the claimant
+        gone or the bound passed."""
+        waited = 0.0
+        if not self.claims_enabled:
+            return None, None, waited
+        deadline = getattr(_TLS, "deadline", None)
+        for _ in range(4):
+            try:
+                mine = claim_mod.create(self.ns, key_hex, self.persister.publish_estimate())
+            except (disk.GrammarCacheError, OSError) as exc:
+                self._claim_outcome("error")
+                self._warn_once(("claim", type(exc).__name__), "dspark-harden: creating grammar cache claim "
+                                "%s failed (%s); compiling without one", claim_mod.claim_path(self.ns, key_hex), exc)
+                return None, None, waited
+            if mine is not None:
+                self._claim_outcome("claimed")
+                return mine, None, waited
+            try:
+                other = claim_mod.read(self.ns, key_hex)
+            except claim_mod.InvalidClaim as exc:
+                self._claim_outcome("invalid")
+                self._warn_once(("invalid-claim", exc.path, exc.reason), "dspark-harden: %s", exc)
+                return None, None, waited
+            except OSError:
+                self._claim_outcome("error")
+                return None, None, waited
+            if other is None:  # released between our attempt and the read
+                got, _ = self._read(key_hex, t0)
+                if got is not None:
+                    return None, got, waited
+                continue  # try to claim it again
+            if not claim_mod.alive(other):
+                claim_mod.remove_if(self.ns, other)
+                self._claim_outcome("claimant_dead", 0.0)
+                continue
+            now = time.monotonic()
+            end = now + claim_mod.bound_s(other, self.persist_settings.claim_wait_s)
+            if deadline is not None:  # leave the request half of what is left of it to compile itself
+                end = min(end, now + max(0.0, deadline - now) / 2)
+            tw = time.perf_counter()
+            outcome = claim_mod.wait(self.ns, key_hex, other, end)
+            dt = time.perf_counter() - tw
+            waited += dt
+            if outcome == "entry":
+                got, _ = self._read(key_hex, t0)
+                self._claim_outcome("hit", dt)
+                return None, got, waited  # None (oversized, read error): compile
+            if outcome == "dead":
+                claim_mod.remove_if(self.ns, other)
+                self._claim_outcome("claimant_dead", dt)
+                continue
+            if outcome == "released":
+                self._claim_outcome("released", dt)
+                continue
+            self._claim_outcome("expired", dt)
+            return None, None, waited
+        return None, None, waited
+
+    def _from_entry(self, key_hex: str, got: tuple, fn: Callable[[], Any], t0: float,
+                    phases: Optional[dict] = None):
         path, data = got
-        phases = {"disk_read": time.perf_counter() - t0}
+        phases = dict(phases or {})
+        phases["disk_read"] = time.perf_counter() - t0 - phases.get("claim_wait", 0.0)
         tv = time.perf_counter()
         try:
             entry = disk.decode_entry(path, data, self.ns.scope_hex, key_hex)

@@ -1,0 +1,288 @@
+"""Issue 26 item 1: one compile per canonical key across processes, through a bounded host-wide
+claim (grammar/claim.py). Real xgrammar, real files, real processes and signals; no mocks.
+
+Mutations run against these tests (each turned the named test red, then reverted):
+- ``claim.alive`` always True -> test_sigkilled_claimant (waits the whole bound, not prompt);
+- ``claim.wait`` ignoring its deadline -> test_stopped_claimant (never returns in time);
+- the half-of-the-deadline cap removed from ``PersistentCompiler._claim`` -> test_request_timeout;
+- ``claim.read_path`` without its mode check -> test_untrusted_claim_is_ignored[world-writable];
+- ``PersistentCompiler._claim`` returning at once (no claim) -> test_two_processes_compile_once.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from dspark_harden.grammar import claim, disk
+from dspark_harden.grammar import metrics as gm
+
+from .conftest import persistent_backend
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+PROBE = os.path.join(HERE, "_claim_probe.py")
+REGEX = "claim-[a-z]{2,5}-[0-9]{1,3}"
+
+
+def _key_hex(pc, regex: str) -> str:
+    return disk.key_digest(["regex", regex])
+
+
+def _holder(pc, key_hex: str, estimate: float) -> subprocess.Popen:
+    """A real process that claims ``key_hex`` and then sleeps (a claimant in mid-compile)."""
+    proc = subprocess.Popen([sys.executable, PROBE, "hold", pc.ns.root, json.dumps(pc.ns.scope), key_hex,
+                             str(estimate)], stdout=subprocess.PIPE, text=True)
+    line = json.loads(proc.stdout.readline())
+    assert line["claimed"], line
+    return proc
+
+
+def _resolve_in_thread(pc, regex: str):
+    """compile_regex through the persistent compiler in a worker thread: (thread, result dict)."""
+    from dspark_harden.grammar import xgr
+
+    out: dict = {}
+
+    def run():
+        t = time.monotonic()
+        try:
+            out["grammar"] = pc.compile_regex(regex)
+        except BaseException as exc:  # noqa: BLE001
+            out["error"] = exc
+        out["seconds"] = time.monotonic() - t
+        out["resolution"] = xgr.take_resolution()
+
+    th = threading.Thread(target=run, daemon=True)
+    th.start()
+    return th, out
+
+
+@pytest.fixture
+def pc(hf_tokenizer, cache_dir):
+    backend = persistent_backend(hf_tokenizer, cache_dir)
+    yield backend.grammar_compiler
+    backend.grammar_compiler.close()
+
+
+def _end(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.kill()
+    proc.wait(timeout=30)
+
+
+def test_outcomes_match_the_metric_declaration():
+    assert claim.OUTCOMES == gm.CLAIM_OUTCOMES
+    assert "claim_wait" in gm.PHASES  # the time waited on a claim: phase_seconds{phase="claim_wait"}
+
+
+def test_two_processes_compile_once(cache_dir, tmp_path):
+    """Two scheduler-shaped processes miss the same new key at the same moment: one compiles it,
+    the other waits on its claim and loads the published entry. Host-wide compiles: 1."""
+    go = tmp_path / "go"
+    key = json.dumps(["json", json.dumps({"type": "object", "properties": {
+        "a": {"type": "string", "maxLength": 12}, "b": {"type": "array", "items": {"type": "integer"}}},
+        "required": ["a", "b"]})])
+    procs = [subprocess.Popen([sys.executable, PROBE, "serve", str(cache_dir), str(go), key],
+                              stdout=subprocess.PIPE, text=True) for _ in range(2)]
+    try:
+        for p in procs:
+            assert "ready" in json.loads(p.stdout.readline())
+        go.write_text("go")
+        results = [json.loads(p.stdout.readline()) for p in procs]
+    finally:
+        for p in procs:
+            _end(p)
+    assert sum(r["native_compiles"] for r in results) == 1, results
+    sources = sorted(r["source"] for r in results)
+    assert sources[0] == "compile" and sources[1] in ("disk", "local_compile"), results
+    claimed = sum(r["claims"]["claimed"] for r in results)
+    hits = sum(r["claims"]["hit"] for r in results)
+    # normally one claims and the other waits on it; a peer that arrives after the publication reads
+    # the entry without meeting the claim at all
+    assert claimed == 1 and hits in (0, 1), results
+    assert not os.listdir(os.path.join(_only_namespace(cache_dir), "claims")), "a claim outlived its job"
+
+
+def _only_namespace(cache_dir) -> str:
+    (ns,) = disk.namespaces(str(cache_dir))
+    return ns
+
+
+def test_sigkilled_claimant_waiter_compiles_promptly(pc):
+    key_hex = _key_hex(pc, REGEX)
+    holder = _holder(pc, key_hex, estimate=60.0)  # bound 60 s: only death detection ends the wait early
+    try:
+        th, out = _resolve_in_thread(pc, REGEX)
+        time.sleep(0.5)
+        assert th.is_alive(), out  # waiting on the live claimant
+        killed = time.monotonic()
+        os.kill(holder.pid, signal.SIGKILL)
+        holder.wait(timeout=30)  # reaped: its pid is gone
+        th.join(timeout=10)
+        assert not th.is_alive(), "the waiter did not notice its claimant died"
+        after_kill = time.monotonic() - killed
+    finally:
+        _end(holder)
+    assert "error" not in out, out
+    assert out["resolution"].source == "compile" and pc.native_compiles == 1
+    assert after_kill < 2.0, after_kill
+    assert pc.claim_outcomes["claimant_dead"] == 1 and pc.claim_outcomes["claimed"] == 1, pc.claim_outcomes
+    pc.flush()
+    assert not os.path.lexists(claim.claim_path(pc.ns, key_hex))  # the dead claim is gone, and ours released
+
+
+def test_pid_reuse_is_a_dead_claimant(pc):
+    """A claim naming a live pid whose start time differs (the pid was reused) is dead."""
+    key_hex = _key_hex(pc, REGEX)
+    me = claim.identity(os.getpid())
+    doc = {"v": 1, "key": key_hex, "pid": os.getpid(), "start": me + 1, "nonce": "0" * 16,
+           "estimate_s": 60.0, "created": time.time()}
+    path = claim.claim_path(pc.ns, key_hex)
+    with open(path, "w") as fh:
+        json.dump(doc, fh)
+    os.chmod(path, 0o600)
+    t = time.monotonic()
+    pc.compile_regex(REGEX)
+    assert time.monotonic() - t < 5 and pc.claim_outcomes["claimant_dead"] == 1, pc.claim_outcomes
+
+
+def test_stopped_claimant_waiter_compiles_after_the_bound(pc):
+    key_hex = _key_hex(pc, REGEX)
+    holder = _holder(pc, key_hex, estimate=0.5)  # bound = WAIT_FACTOR x 0.5 = 1 s
+    try:
+        os.kill(holder.pid, signal.SIGSTOP)
+        th, out = _resolve_in_thread(pc, REGEX)
+        th.join(timeout=20)
+        assert not th.is_alive(), "a stopped claimant held the waiter past its bound"
+    finally:
+        _end(holder)
+    bound = claim.bound_s(claim.Claim("", key_hex, 1, 0, "0" * 16, 0.5, 0.0))
+    assert "error" not in out, out
+    assert out["resolution"].source == "compile" and pc.native_compiles == 1
+    assert bound * 0.9 <= out["seconds"] < bound + 5, (out["seconds"], bound)
+    assert pc.claim_outcomes["expired"] == 1, pc.claim_outcomes
+    (outcome, waited), = list(pc.claim_waits)
+    assert outcome == "expired" and waited >= bound * 0.9
+
+
+def test_request_timeout_caps_the_wait(hf_tokenizer, cache_dir):
+    """The request's own deadline caps the wait at half of what is left of it: the request is
+    served by its own compile before it times out, although the claimant's bound is 60 s."""
+    from .conftest import service_for
+
+    backend = persistent_backend(hf_tokenizer, cache_dir)
+    pc = backend.grammar_compiler
+    service = service_for(backend, timeout_s=8.0)
+    holder = _holder(pc, _key_hex(pc, REGEX), estimate=60.0)
+    try:
+        t = time.monotonic()
+        fut, _ = service.lookup(("regex", REGEX), False)
+        while not fut.done():
+            time.sleep(0.01)
+        seconds = time.monotonic() - t
+        assert fut.exception() is None, (fut.exception(), list(pc.claim_waits))
+        assert fut.source == "compile"
+    finally:
+        _end(holder)
+        service.shutdown()
+        pc.close()
+    assert 3.5 <= seconds < 8.0, seconds
+    (outcome, waited), = list(pc.claim_waits)
+    assert outcome == "expired" and 3.5 <= waited <= 4.5, waited
+
+
+def _untrusted(kind: str, path: str, key_hex: str, live_pid: int) -> None:
+    good = {"v": 1, "key": key_hex, "pid": live_pid, "start": claim.identity(live_pid), "nonce": "a" * 16,
+            "estimate_s": 60.0, "created": time.time()}
+    if kind == "symlink":
+        os.symlink("/etc/passwd", path)
+    elif kind == "fifo":
+        os.mkfifo(path, 0o600)
+    elif kind == "garbage":
+        with open(path, "wb") as fh:
+            fh.write(b"\x00\xffnot a claim")
+    elif kind == "other-key":
+        with open(path, "w") as fh:
+            json.dump({**good, "key": "f" * 64}, fh)
+    elif kind == "world-writable":  # otherwise valid and naming a live process: must still be refused
+        with open(path, "w") as fh:
+            json.dump(good, fh)
+        os.chmod(path, 0o666)
+        return
+    elif kind == "oversized":
+        with open(path, "w") as fh:
+            json.dump({**good, "pad": "x" * claim.MAX_CLAIM_BYTES}, fh)
+    if not os.path.islink(path):
+        os.chmod(path, 0o600)
+
+
+@pytest.mark.parametrize("kind", ["symlink", "fifo", "garbage", "other-key", "world-writable", "oversized"])
+def test_untrusted_claim_is_ignored(pc, kind, caplog):
+    """A claim file that cannot be trusted is refused with a clear message and ignored: this process
+    compiles the grammar itself at once (nothing is read from or served because of it), and the file
+    is left for the operator."""
+    key_hex = _key_hex(pc, REGEX)
+    path = claim.claim_path(pc.ns, key_hex)
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    try:
+        _untrusted(kind, path, key_hex, sleeper.pid)
+        with caplog.at_level(logging.WARNING, logger="dspark_harden.grammar"):
+            th, out = _resolve_in_thread(pc, REGEX)
+            th.join(timeout=20)
+            assert not th.is_alive()
+    finally:
+        _end(sleeper)
+    assert "error" not in out, out
+    assert out["resolution"].source == "compile" and out["seconds"] < 5, out
+    assert pc.claim_outcomes["invalid"] == 1, pc.claim_outcomes
+    assert os.path.lexists(path)  # not ours to delete
+    msgs = [r.getMessage() for r in caplog.records if "grammar cache claim" in r.getMessage()]
+    assert msgs and f"grammar cache claim {path} is invalid: " in msgs[0] and "ignored" in msgs[0], msgs
+
+
+def test_foreign_uid_claim_is_ignored(pc):
+    if os.geteuid() != 0:
+        pytest.skip("needs root to create a file owned by another uid")
+    key_hex = _key_hex(pc, REGEX)
+    path = claim.claim_path(pc.ns, key_hex)
+    with open(path, "w") as fh:
+        json.dump({"v": 1, "key": key_hex, "pid": 1, "start": claim.identity(1), "nonce": "b" * 16,
+                   "estimate_s": 60.0, "created": time.time()}, fh)
+    os.chmod(path, 0o600)
+    os.chown(path, 65534, 65534)
+    with pytest.raises(claim.InvalidClaim, match="owned by uid 65534"):
+        claim.read(pc.ns, key_hex)
+    t = time.monotonic()
+    pc.compile_regex(REGEX)
+    assert time.monotonic() - t < 5 and pc.claim_outcomes["invalid"] == 1
+
+
+def test_dead_claims_are_cleaned_when_a_server_opens_the_namespace(hf_tokenizer, cache_dir, pc):
+    key_hex = _key_hex(pc, REGEX)
+    holder = _holder(pc, key_hex, estimate=60.0)
+    _end(holder)
+    path = claim.claim_path(pc.ns, key_hex)
+    assert os.path.lexists(path)
+    other = persistent_backend(hf_tokenizer, cache_dir).grammar_compiler
+    try:
+        assert not os.path.lexists(path)
+    finally:
+        other.close()
+
+
+def test_remove_if_never_removes_a_newer_claim(pc):
+    key_hex = _key_hex(pc, REGEX)
+    old = claim.create(pc.ns, key_hex, 1.0)
+    assert claim.remove_if(pc.ns, old)
+    new = claim.create(pc.ns, key_hex, 1.0)
+    assert new is not None and not claim.remove_if(pc.ns, old)  # the stale view must not remove the new one
+    assert claim.read(pc.ns, key_hex).nonce == new.nonce
+    assert claim.create(pc.ns, key_hex, 1.0) is None  # held: non-blocking refusal
