@@ -11,8 +11,8 @@ routed batch, JSON-schema, health probes). Then:
   this CPU server, which must be listed in UNPROVABLE_ON_CPU (and docs/observability.md);
 - ``dspark-harden metrics-lint --prometheus`` is clean against the live server.
 
-Opt-in features that can run on CPU are enabled (native DP2 exchange); DSpark masks cannot (DSpark
-imports CUDA kernels) — see UNPROVABLE_ON_CPU.
+Opt-in features that can run on this server are enabled (native DP2 exchange); DSpark masks need a
+DSpark server (a second model and a draft), which has its own shared server — see UNPROVABLE_ON_CPU.
 """
 
 from __future__ import annotations
@@ -42,7 +42,8 @@ WINDOW = "10m"
 #: features whose panels cannot have data on the CPU DP2 test server, with the reason
 #: (kept in sync with docs/observability.md "What the CPU end-to-end test can and cannot prove")
 UNPROVABLE_ON_CPU = {
-    "dspark-masks": "DSpark speculative decoding imports CUDA kernels (cpu-e2e.md, out of reach on CPU)",
+    "dspark-masks": "needs a DSpark server (Qwen3 tiny + a DSpark draft); its mask metrics are checked on the "
+                    "shared dspark_dp2_server by tests/dspark_masks/test_dspark_server.py, not on this server",
     "prefill-graph-dp": "prefill CUDA graphs are disabled on CPU (stock resolves the prefill graph backend to disabled)",
     "dsv4-sparse-prefill-pool": "DeepSeek V4 attention and FlashMLA need CUDA",
     "dsv4-inplace-q-norm-rope": "DeepSeek V4's JIT kernels need CUDA",
