@@ -386,8 +386,135 @@ def run_memory(n: int, vocab: int = 32000, cache_bytes: int | None = None, log=p
     return out
 
 
+def _percentile(values: list, q: float) -> float:
+    if not values:
+        return 0.0
+    s = sorted(values)
+    return s[min(len(s) - 1, max(0, int(round(q * (len(s) - 1)))))]
+
+
+def _processes_child(idx: int, vocab: int, cache_dir: str, duplicates: int, barrier, out_q) -> None:
+    """One scheduler-shaped process of ``bench grammar --processes N`` (real patches, real backend)."""
+    try:
+        tok = _load_tokenizer(vocab)
+        for p in _patches(cache_dir):
+            p.apply()
+        backend = _backend(tok)
+        pc = backend.grammar_compiler
+        # warm-up with a key of this process's own (not in the burst): xgrammar loaded, the persistence
+        # helper started and the claim estimate measured -- a scheduler that has served for a while
+        value, hit = backend.get_cached_or_future_value(("regex", f"warm-{idx}-{os.getpid()}-[a-z]{{1,4}}"), False)
+        if not hit:
+            value.result()
+        pc.flush()
+        base_compiles, base_claims, base_waits = pc.native_compiles, dict(pc.claim_outcomes), len(pc.claim_waits)
+        burst = _burst(duplicates)
+        barrier.wait()
+        burst_s = _resolve_burst(backend, burst)
+        compiles = pc.native_compiles - base_compiles
+        pc.flush()
+        barrier.wait()  # every burst done: measure compile times alone
+        compile_s = {}
+        if idx == 0:
+            from xgrammar import GrammarCompiler
+
+            from .canonical import canonical_string
+
+            plain = GrammarCompiler(backend._tokenizer_info, max_threads=pc.inner_threads, cache_enabled=False)
+            kw = {"any_whitespace": backend.any_whitespace, "max_whitespace_cnt": backend.max_whitespace_cnt}
+            for name, schema in S.BENCH_SCHEMAS:
+                text = canonical_string("json", json.dumps(schema))
+                runs = []
+                for _ in range(3):
+                    t = time.perf_counter()
+                    plain.compile_json_schema(text, **kw)
+                    runs.append(time.perf_counter() - t)
+                compile_s[name] = statistics.median(runs)
+        out_q.put({"idx": idx, "burst_s": burst_s, "native_compiles": compiles, "requests": len(burst),
+                   "claims": {k: v - base_claims.get(k, 0) for k, v in pc.claim_outcomes.items()},
+                   "waits": list(pc.claim_waits)[base_waits:], "compile_s": compile_s,
+                   "estimate_s": pc.persister.publish_estimate()})
+        pc.close()
+    except BaseException as exc:  # noqa: BLE001
+        out_q.put({"idx": idx, "error": f"{type(exc).__name__}: {exc}"})
+        raise
+
+
+def run_processes(n: int = 2, vocab: int = 32000, duplicates: int = 2, log=print) -> dict:
+    """``bench grammar --processes N``: N real scheduler-shaped processes (spawned, real patches) share
+    one empty disk cache and resolve the same burst at the same moment. ``host_compiles`` is every
+    native compile on the serving path across them (the persistence helpers' re-compiles are not
+    serving work and are not counted), against ``distinct_schemas``. Each process has one compile
+    task per canonical key (its requests of one key join it); ``claim_wait_s`` summarises how long
+    those tasks waited on another process's claim (all tasks, a task that met no claim counting 0,
+    and only the tasks that waited), next to the schemas' compile times."""
+    if n < 2:
+        raise ValueError("--processes needs at least 2")
+    ctx = mp.get_context("spawn")
+    cache_dir = tempfile.mkdtemp(prefix="dspark-grammar-processes-")
+    try:
+        barrier = ctx.Barrier(n)
+        q = ctx.Queue()
+        procs = [ctx.Process(target=_processes_child, args=(i, vocab, cache_dir, duplicates, barrier, q))
+                 for i in range(n)]
+        for p in procs:
+            p.start()
+        results: dict = {}
+        deadline = time.monotonic() + 1200
+        while len(results) < n and time.monotonic() < deadline:
+            try:
+                r = q.get(timeout=5)
+            except Exception:  # noqa: BLE001 - queue.Empty
+                if any(p.exitcode not in (None, 0) for p in procs):
+                    break
+                continue
+            results[r["idx"]] = r
+        for p in procs:
+            p.join(timeout=60)
+            if p.is_alive():
+                p.kill()
+        errors = [r["error"] for r in results.values() if "error" in r]
+        if errors or len(results) < n:
+            raise RuntimeError(f"bench processes failed: {errors or 'no result'}")
+    finally:
+        shutil.rmtree(cache_dir, ignore_errors=True)
+    distinct = len(S.BENCH_SCHEMAS)
+    tasks = distinct * n  # one compile task per canonical key per process
+    waited = [s for r in results.values() for _, s in r["waits"]]
+    everyone = waited + [0.0] * max(0, tasks - len(waited))
+    claims: dict = {}
+    for r in results.values():
+        for k, v in r["claims"].items():
+            claims[k] = claims.get(k, 0) + v
+    compile_s = sorted(results[0]["compile_s"].values())
+    out = {
+        "processes": n,
+        "requests_per_process": results[0]["requests"],
+        "distinct_schemas": distinct,
+        "host_compiles": sum(r["native_compiles"] for r in results.values()),
+        "compiles_per_process": [results[i]["native_compiles"] for i in range(n)],
+        "claims": claims,
+        "claim_wait_s": {
+            "all_tasks": {"n": len(everyone), "p50": round(_percentile(everyone, 0.5), 4),
+                          "p99": round(_percentile(everyone, 0.99), 4), "max": round(max(everyone, default=0.0), 4)},
+            "waited": {"n": len(waited), "p50": round(_percentile(waited, 0.5), 4),
+                       "p99": round(_percentile(waited, 0.99), 4)},
+        },
+        "compile_s": {"median": round(statistics.median(compile_s), 4), "max": round(compile_s[-1], 4)},
+        "burst_s": [round(results[i]["burst_s"], 4) for i in range(n)],
+        "claim_estimate_s": [round(results[i]["estimate_s"], 4) for i in range(n)],
+    }
+    log(f"{n} processes: host compiles {out['host_compiles']} for {distinct} distinct schemas; claims {claims}; "
+        f"wait p99 {out['claim_wait_s']['all_tasks']['p99']} s vs compile median {out['compile_s']['median']} s")
+    return out
+
+
 def main(args: Any) -> int:
     log = (lambda *a, **k: print(*a, file=sys.stderr, **k)) if args.json else print
+    if getattr(args, "processes", None):
+        result = run_processes(args.processes, vocab=args.vocab, duplicates=args.duplicates, log=log)
+        print(json.dumps(result) if args.json else json.dumps(result, indent=2))
+        return 0
     if getattr(args, "distinct", None):
         result = run_memory(args.distinct, vocab=args.vocab, cache_bytes=args.cache_bytes, log=log)
         print(json.dumps(result) if args.json else json.dumps(result, indent=2))

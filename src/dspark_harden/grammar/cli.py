@@ -48,6 +48,9 @@ def register(subparsers: Any, bench_subparsers: Any) -> None:
                    help="memory mode instead: RSS growth of stock vs the service after N distinct schemas")
     b.add_argument("--cache-bytes", type=int, metavar="B",
                    help="with --distinct: the service's DSPARK_HARDEN_GRAMMAR_CACHE_BYTES (default: the setting)")
+    b.add_argument("--processes", type=int, metavar="N",
+                   help="host-wide mode instead: N real scheduler-shaped processes, one empty disk cache, the same "
+                        "burst in each at once; host_compiles vs distinct_schemas and the wait claims added")
     b.set_defaults(func=_bench_main)
 
 
