@@ -66,3 +66,28 @@ def test_bench_grammar_distinct_stock_memory_grows_and_the_service_stays_bounded
     assert ours["accounted_mib"] <= limit / 2 ** 20, ours
     assert ours["final_growth_mib"] < 48 + 64, ours
     assert ours["final_growth_mib"] < stock["final_growth_mib"] / 2, (ours, stock)
+
+
+@pytest.mark.timeout(1200)
+def test_bench_grammar_processes_json_shape_and_one_claim_per_key():
+    """`bench grammar --processes 2 --json`: two real processes, one disk cache, the same burst. Every
+    key is claimed host-wide, and host-wide compiles stay below the 2 x distinct of compiling
+    everywhere (marker keys are compiled where used, by design)."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "dspark_harden", "bench", "grammar", "--processes", "2", "--json", "--vocab", "2048",
+         "--duplicates", "1"],
+        capture_output=True, text=True, timeout=1100,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert set(result) == {"processes", "requests_per_process", "distinct_schemas", "host_compiles",
+                           "compiles_per_process", "claims", "claim_wait_s", "compile_s", "burst_s",
+                           "claim_estimate_s"}
+    distinct = result["distinct_schemas"]
+    assert result["processes"] == 2 and sum(result["compiles_per_process"]) == result["host_compiles"]
+    # every key is claimed at least once; a claim released without an entry (a publication that failed
+    # transiently) lets a later lookup claim the key again
+    assert result["claims"]["claimed"] >= distinct and result["claims"]["invalid"] == 0, result["claims"]
+    assert distinct <= result["host_compiles"] < 2 * distinct, result
+    waits = result["claim_wait_s"]
+    assert waits["all_tasks"]["n"] == 2 * distinct and waits["waited"]["n"] <= distinct
