@@ -61,14 +61,17 @@ def test_corpus_entries_and_draft_checks(monkeypatch, tmp_path):
     monkeypatch.setenv("DSPARK_HARDEN_NPM_PREFIX", str(tmp_path))
     base = trace.generate(seed=0, requests=10)
     entries, info = trace.corpus_entries(10, base, compiles=lambda s: "maximum" not in s)
-    assert info == {"corpus_schemas": 3, "usable": 2, "drawn": 2}
-    assert {e["kind"] for e in entries} == {"corpus"} and len({e["id"] for e in entries}) == 2
+    # left out: draft4 maximum#0 (not compiled, here by the stand-in predicate) and draft3 required#0
+    # (a boolean "required", which xgrammar does not apply)
+    assert info == {"corpus_schemas": 3, "usable": 1, "drawn": 1, "left_out": {
+        "draft-3 keywords xgrammar does not apply": 1, "not held by the server's grammar (usable_reason)": 1}}
+    assert [e["corpus"] for e in entries] == ["draft4/maximum#1"] and entries[0]["kind"] == "corpus"
     assert all(0 <= e["t"] <= max(b["t"] for b in base) for e in entries)
-    by = {e["corpus"]: e for e in entries}
-    assert by["draft3/required#0"]["check"]["draft"] == "draft3"
-    # draft semantics: draft3 'required: true' inside properties, draft4 boolean exclusiveMaximum
-    assert trace.check_output(by["draft3/required#0"]["check"], "{}")
-    assert trace.check_output(by["draft3/required#0"]["check"], '{"a": 1}') is None
+    assert entries[0]["check"]["draft"] == "draft4"
+    # draft semantics of the check: draft3 'required: true' inside properties, draft4 boolean exclusiveMaximum
+    d3 = {"type": "json_schema", "schema": {"properties": {"a": {"required": True}}}, "draft": "draft3"}
+    assert trace.check_output(d3, "{}")
+    assert trace.check_output(d3, '{"a": 1}') is None
     assert trace.check_output({"type": "json_schema", "schema": {"maximum": 3, "exclusiveMaximum": True},
                                "draft": "draft4"}, "3")
     monkeypatch.setenv("DSPARK_HARDEN_NPM_PREFIX", str(tmp_path / "nowhere"))
@@ -87,6 +90,9 @@ def test_the_draw_leaves_out_what_the_server_or_the_grammar_cannot_hold():
     assert trace.usable_reason({"properties": {"x": {"type": "integer", "maximum": 3}}}) is None
     assert trace.usable_reason({"$ref": "#/definitions/a", "definitions": {"a": {"type": "boolean"}}}) is None
     assert trace.usable_reason({"type": "object", "properties": {"a": {"type": "string"}}}) is None
+    # draft 3's boolean "required" is not applied by xgrammar ({} passed for a schema requiring "bar")
+    d3 = {"type": "object", "properties": {"bar": {"enum": ["bar"], "required": True}}}
+    assert "draft-3" in trace.usable_reason(d3, "draft3")
     # a validator that cannot run is a failed check with its cause, never a client crash
     why = trace.check_output({"type": "json_schema", "schema": {"$ref": "http://localhost:1234/x.json"}}, "1")
     assert why and why.startswith("the validator could not check it")
@@ -112,6 +118,19 @@ def test_a_truncated_output_is_checked_as_a_prefix_the_constraint_accepts():
     regex = {"type": "regex", "pattern": "[0-9]+-[a-z]+"}
     assert trace.check_prefix(regex, tok.encode("123-ab", add_special_tokens=False), tok_dir) is None
     assert trace.check_prefix(regex, tok.encode("12a", add_special_tokens=False), tok_dir)
+
+
+def test_a_schema_whose_grammar_admits_documents_the_validator_rejects_is_found():
+    """The draw also leaves out schemas whose real xgrammar grammar (the server's tokenizer) admits
+    one of the suite's own test documents that the validator rejects: ``maxLength`` without a
+    ``type`` is not enforced ("foo" passes the grammar), with ``"type": "string"`` it is."""
+    from dspark_harden.devtools import tiny_models
+
+    tok_dir = tiny_models.ensure_model("qwen3")
+    untyped = {"type": "json_schema", "schema": {"maxLength": 2}, "draft": "draft4"}
+    assert trace.leak(untyped, ["f", "foo", 100], tok_dir) == '"foo"'
+    typed = {"type": "json_schema", "schema": {"type": "string", "maxLength": 2}, "draft": "draft4"}
+    assert trace.leak(typed, ["f", "foo"], tok_dir) is None
 
 
 def test_accept_length_in_the_summary():

@@ -484,7 +484,8 @@ def main(args) -> int:
                                       mix=_trace.CONSTRAINED_MIX if speculative else None)
         corpus_info = None
         if getattr(args, "corpus", None):
-            extra, corpus_info = _trace.corpus_entries(args.corpus, entries, seed=args.seed)
+            tok_dir = _server.model_path(base_config(getattr(args, "speculative", None)))
+            extra, corpus_info = _trace.corpus_entries(args.corpus, entries, seed=args.seed, tokenizer_dir=tok_dir)
             entries = sorted(entries + extra, key=lambda e: e["t"])
     except (_trace.TraceError, ValueError, OSError) as exc:
         print(f"bench serve: {exc}", file=sys.stderr)

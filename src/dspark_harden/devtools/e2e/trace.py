@@ -364,9 +364,10 @@ def corpus_dir() -> Path:
     return Path(os.path.expanduser(prefix)).resolve() / "node_modules" / CORPUS_PACKAGE / "tests"
 
 
-def load_corpus(drafts=CORPUS_DRAFTS) -> list[tuple[str, str, dict]]:
+def load_corpus(drafts=CORPUS_DRAFTS, *, with_cases: bool = False) -> list[tuple]:
     """[(name, draft, schema)]: every distinct object schema of the suite's test groups, stable order
-    (as tests/grammar/corpus.py). Raises :class:`TraceError` naming the set-up step when missing."""
+    (as tests/grammar/corpus.py); ``with_cases``: (name, draft, schema, [the suite's test data of every
+    group with that schema]). Raises :class:`TraceError` naming the set-up step when missing."""
     root = corpus_dir()
     if not all((root / d).is_dir() for d in drafts):
         raise TraceError(f"--corpus: the JSON Schema Test Suite is missing at {root}: run scripts/install.sh "
@@ -377,9 +378,10 @@ def load_corpus(drafts=CORPUS_DRAFTS) -> list[tuple[str, str, dict]]:
             for i, group in enumerate(json.loads(path.read_text(encoding="utf-8"))):
                 schema = group.get("schema")
                 if isinstance(schema, dict):
-                    seen.setdefault(json.dumps(schema, sort_keys=True),
-                                    (f"{path.relative_to(root).with_suffix('')}#{i}", draft, schema))
-    return list(seen.values())
+                    key = json.dumps(schema, sort_keys=True)
+                    entry = seen.setdefault(key, (f"{path.relative_to(root).with_suffix('')}#{i}", draft, schema, []))
+                    entry[3].extend(t["data"] for t in group.get("tests", ()) if "data" in t)
+    return [v if with_cases else v[:3] for v in seen.values()]
 
 
 def _refs(node) -> list:
@@ -411,10 +413,27 @@ def _number_bounds(node) -> bool:
     return False
 
 
-def usable_reason(schema: dict) -> Optional[str]:
+#: draft-3 keywords whose meaning xgrammar (a draft-2020 reader) does not apply: a property's boolean
+#: ``required`` (seen in a bench run: ``{}`` passed xgrammar for a draft-3 schema requiring "bar").
+DRAFT3_ONLY = ("divisibleBy", "disallow", "extends")
+
+
+def _draft3_only(node) -> bool:
+    if isinstance(node, dict):
+        if isinstance(node.get("required"), bool) or any(k in node for k in DRAFT3_ONLY):
+            return True
+        return any(_draft3_only(v) for v in node.values())
+    if isinstance(node, list):
+        return any(_draft3_only(v) for v in node)
+    return False
+
+
+def usable_reason(schema: dict, draft: Optional[str] = None) -> Optional[str]:
     """None when the server compiles ``schema`` the way SGLang's xgrammar backend does
     (``validate_xgrammar_json_schema`` then xgrammar) and the grammar enforces what the validator
     checks; else why the corpus draw leaves it out."""
+    if draft == "draft3" and _draft3_only(schema):
+        return "draft-3 keywords xgrammar does not apply (boolean required, divisibleBy, disallow, extends)"
     remote = [r for r in _refs(schema) if not r.startswith("#")]
     if remote:
         return f"non-local $ref {remote[0]!r} (neither xgrammar nor the validator resolves it)"
@@ -467,14 +486,47 @@ def _prefix_compiler(tokenizer_dir: str):
     return comp
 
 
+def leak(check: dict, documents: list, tokenizer_dir: str) -> Optional[str]:
+    """The first document the constraint's real xgrammar grammar accepts although :func:`check_output`
+    rejects it (the grammar does not enforce part of the schema: e.g. ``maxLength`` without a
+    ``type``), or None. Documents are tried in both JSON spellings xgrammar may expect."""
+    import xgrammar as xgr
+
+    ctx = _prefix_compiler(tokenizer_dir).compile_json_schema(json.dumps(check["schema"]), any_whitespace=False)
+    for doc in documents:
+        for seps in ((", ", ": "), (",", ":")):
+            text = json.dumps(doc, separators=seps)
+            m = xgr.GrammarMatcher(ctx)
+            if m.accept_string(text) and m.accept_token(m.stop_token_ids[0]) and m.is_terminated():
+                if check_output(check, text):
+                    return text[:80]
+                break
+    return None
+
+
 def corpus_entries(n: int, entries: list[dict], *, seed: int = 0, max_new_tokens: int = JSON_MAX_NEW_TOKENS,
-                   compiles=_compiles) -> tuple[list[dict], dict]:
+                   compiles=_compiles, tokenizer_dir: Optional[str] = None) -> tuple[list[dict], dict]:
     """``n`` json_schema entries drawn (seeded, spread over the whole corpus) from the schemas of the
-    JSON Schema Test Suite that xgrammar compiles, at arrival times spread over ``entries``'
-    duration; the check validates each output with the schema's own draft. Returns the entries and
-    what was drawn from (corpus size, compiled, skipped)."""
-    corpus = load_corpus()
-    usable = [c for c in corpus if compiles(c[2])]
+    JSON Schema Test Suite the server can hold (:func:`usable_reason`; with ``tokenizer_dir``, also
+    none of the suite's own test documents of that schema may pass the grammar while failing the
+    validator: :func:`leak`), at arrival times spread over ``entries``' duration; the check
+    validates each output with the schema's own draft. Returns the entries and what was drawn from
+    (corpus size, usable, left out by reason)."""
+    corpus = load_corpus(with_cases=True)
+    usable, left_out = [], {}
+
+    def skip(why: str) -> None:
+        left_out[why] = left_out.get(why, 0) + 1
+
+    for name, draft, schema, cases in corpus:
+        if draft == "draft3" and _draft3_only(schema):
+            skip("draft-3 keywords xgrammar does not apply")
+        elif not compiles(schema):
+            skip("not held by the server's grammar (usable_reason)")
+        elif tokenizer_dir and leak({"type": "json_schema", "schema": schema, "draft": draft}, cases, tokenizer_dir):
+            skip("a test document of the suite passes the grammar but fails the schema")
+        else:
+            usable.append((name, draft, schema))
     rng = random.Random(seed + 7919)
     chosen = rng.sample(usable, min(n, len(usable)))
     span = max((e["t"] for e in entries), default=1.0) or 1.0
@@ -485,5 +537,5 @@ def corpus_entries(n: int, entries: list[dict], *, seed: int = 0, max_new_tokens
                     "corpus": name, "check": {"type": "json_schema", "schema": schema, "draft": draft},
                     "body": {"text": prompts.prompt() + "\nJSON:",
                              "sampling_params": _sp(max_new_tokens, json_schema=json.dumps(schema))}})
-    info = {"corpus_schemas": len(corpus), "usable": len(usable), "drawn": len(out)}
+    info = {"corpus_schemas": len(corpus), "usable": len(usable), "drawn": len(out), "left_out": left_out}
     return out, info
