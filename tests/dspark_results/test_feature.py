@@ -1,0 +1,124 @@
+"""The feature's binding: opt-in, bound only for DSpark + overlap scheduling (an explicit switch on
+another server fails start-up naming why), the four fingerprinted patches apply / revert / re-apply,
+and the bound wrapper materializes a DSpark decode result through the live stock classes with the
+metric families counting it."""
+
+from __future__ import annotations
+
+import types
+
+import pluggy
+import pytest
+
+from dspark_harden.core import binder, hookspecs, roles
+from dspark_harden.core.patch import Role
+from dspark_harden.core.roles import ProcessContext
+from dspark_harden.dspark_results import feature as F
+from dspark_harden.dspark_results import integration as I
+from dspark_harden.dspark_results.settings import SWITCH
+
+ON = {SWITCH: "1"}
+TARGETS = {I.COPY_TARGET, I.RESOLVE_TARGET, I.ADVANCE_TARGET, I.NORMALIZE_TARGET}
+
+
+def manager():
+    pm = pluggy.PluginManager(hookspecs.PROJECT)
+    pm.add_hookspecs(hookspecs)
+    pm.register(F, name="dspark_harden.dspark_results.feature")
+    return pm
+
+
+def bind(environ):
+    return binder.bind(Role.SCHEDULER, pm=manager(), environ=dict(environ))
+
+
+def status(report):
+    return {st.name: st for st in report.features}[F.FEATURE]
+
+
+def test_preconditions():
+    ok = types.SimpleNamespace(speculative_algorithm="DSPARK", disable_overlap_schedule=False)
+    assert F.preconditions(ok) == []
+    eagle = types.SimpleNamespace(speculative_algorithm="EAGLE", disable_overlap_schedule=False)
+    assert "not DSPARK" in " ".join(F.preconditions(eagle))
+    sync = types.SimpleNamespace(speculative_algorithm="DSPARK", disable_overlap_schedule=True)
+    assert "overlap scheduling is disabled" in " ".join(F.preconditions(sync))
+    assert "not DSPARK" in " ".join(F.preconditions(types.SimpleNamespace(speculative_algorithm=None)))
+
+
+def test_fingerprints_match_the_installed_stock_sources():
+    from dspark_harden.core.patch import fingerprint_source, raw_attr, resolve_owner
+
+    for target, fp in ((I.COPY_TARGET, I.COPY_FINGERPRINT), (I.RESOLVE_TARGET, I.RESOLVE_FINGERPRINT),
+                       (I.ADVANCE_TARGET, I.ADVANCE_FINGERPRINT), (I.NORMALIZE_TARGET, I.NORMALIZE_FINGERPRINT)):
+        owner, attr = resolve_owner(target)
+        assert fingerprint_source(raw_attr(owner, attr)) == fp, target
+    assert I.probe_mirrored_sources() is None
+
+
+@pytest.mark.forked
+def test_off_by_default_binds_nothing():
+    report = bind({})
+    assert report.ok and status(report).status == "disabled"
+    from sglang.srt.managers.scheduler import Scheduler
+
+    assert not hasattr(Scheduler._copy_result_to_cpu, "__wrapped__")
+    binder.revert_all()
+
+
+@pytest.mark.forked
+def test_explicit_switch_on_a_server_without_dspark_overlap_fails(monkeypatch):
+    monkeypatch.setattr(roles, "CONTEXT", ProcessContext(
+        Role.SCHEDULER, types.SimpleNamespace(speculative_algorithm="DSPARK", disable_overlap_schedule=True), 0, 0))
+    report = bind(ON)
+    assert not report.ok
+    assert any("dspark-result-materializer" in line and "overlap scheduling is disabled" in line
+               for line in report.failures()), report.failures()
+    binder.revert_all()
+
+
+@pytest.mark.forked
+def test_bound_patches_round_trip_and_materialize_through_the_live_classes(monkeypatch):
+    import torch
+
+    from sglang.srt.managers.schedule_batch import Req, ScheduleBatch
+    from sglang.srt.managers.scheduler import Scheduler
+    from sglang.srt.managers.scheduler_components.batch_result_processor import SchedulerBatchResultProcessor as P
+    from sglang.srt.managers.utils import GenerationBatchResult
+    from sglang.srt.model_executor.forward_batch_info import ForwardMode
+    from sglang.srt.sampling.sampling_params import SamplingParams
+    from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
+
+    from tests.dspark_results.test_differential import processor, scheduler
+
+    monkeypatch.setattr(roles, "CONTEXT", ProcessContext(
+        Role.SCHEDULER, types.SimpleNamespace(speculative_algorithm="DSPARK", disable_overlap_schedule=False), 0, 1))
+    stock = (Scheduler._copy_result_to_cpu, P._resolve_spec_v2_tokens, P.advance_grammar_fsm)
+    report = bind(ON)
+    assert report.ok, report.failures()
+    assert status(report).status == "bound"
+    assert Scheduler._copy_result_to_cpu is not stock[0] and P._resolve_spec_v2_tokens is not stock[1]
+
+    reqs = [Req(f"r{i}", "", [1, 2, 3], SamplingParams(max_new_tokens=50)) for i in range(2)]
+    batch = ScheduleBatch(reqs=reqs, forward_mode=ForwardMode.DECODE, spec_algorithm=SpeculativeAlgorithm.DSPARK,
+                          has_grammar=False, return_logprob=False)
+    res = GenerationBatchResult(next_token_ids=torch.tensor([5, 6, 7, 8, 9, 10]), accept_lens=torch.tensor([2, 3]),
+                                speculative_num_draft_tokens=3)
+    res.copy_done = torch.cpu.Event()
+    sched = scheduler()
+    Scheduler._copy_result_to_cpu(sched, res, batch)
+    assert sched.__dict__[I.ATTR].seq == 1
+    res.copy_done.synchronize()
+    assert P._resolve_spec_v2_tokens(processor(P), res, batch) == [[5, 6], [8, 9, 10]]
+    assert [r.kv.kv_committed_len for r in reqs] == [2, 3]
+    text = __import__("prometheus_client").generate_latest().decode()
+    assert 'dspark_harden_dspark_results_total{dp_rank="1",outcome="materialized"} 1.0' in text, text[-2000:]
+    assert 'dspark_harden_dspark_result_phase_seconds_count{dp_rank="1",phase="consumer_wait"} 1.0' in text
+    assert sched.__dict__[I.ATTR].shutdown(2.0)
+
+    binder.revert_all()
+    assert (Scheduler._copy_result_to_cpu, P._resolve_spec_v2_tokens, P.advance_grammar_fsm) == stock
+    report = bind(ON)
+    assert report.ok and Scheduler._copy_result_to_cpu is not stock[0]
+    binder.revert_all()
+    assert Scheduler._copy_result_to_cpu is stock[0]
