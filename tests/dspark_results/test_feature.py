@@ -122,3 +122,17 @@ def test_bound_patches_round_trip_and_materialize_through_the_live_classes(monke
     assert report.ok and Scheduler._copy_result_to_cpu is not stock[0]
     binder.revert_all()
     assert Scheduler._copy_result_to_cpu is stock[0]
+
+
+def test_bench_needs_cuda_and_exits_2_without_it():
+    import subprocess
+    import sys
+
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("CUDA present")
+    r = subprocess.run([sys.executable, "-m", "dspark_harden", "bench", "dspark-results", "--json"],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2, (r.returncode, r.stderr[-2000:])
+    assert "needs CUDA" in r.stderr
