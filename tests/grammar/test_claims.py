@@ -67,7 +67,7 @@ def _resolve_in_thread(pc, regex: str):
 
 @pytest.fixture
 def pc(hf_tokenizer, cache_dir):
-    backend = persistent_backend(hf_tokenizer, cache_dir)
+    backend = persistent_backend(hf_tokenizer, cache_dir, DSPARK_HARDEN_GRAMMAR_DISK_CLAIMS=1)
     yield backend.grammar_compiler
     backend.grammar_compiler.close()
 
@@ -178,7 +178,7 @@ def test_request_timeout_caps_the_wait(hf_tokenizer, cache_dir):
     served by its own compile before it times out, although the claimant's bound is 60 s."""
     from .conftest import service_for
 
-    backend = persistent_backend(hf_tokenizer, cache_dir)
+    backend = persistent_backend(hf_tokenizer, cache_dir, DSPARK_HARDEN_GRAMMAR_DISK_CLAIMS=1)
     pc = backend.grammar_compiler
     service = service_for(backend, timeout_s=8.0)
     holder = _holder(pc, _key_hex(pc, REGEX), estimate=60.0)

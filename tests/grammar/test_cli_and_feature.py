@@ -109,6 +109,8 @@ def test_declared_patches_bind_cover_reasoner_and_revert(hf_tokenizer, cache_dir
         inner = XGrammarGrammarBackend(hf_tokenizer, vocab_size=len(hf_tokenizer),
                                        model_eos_token_ids=[hf_tokenizer.eos_token_id])
         assert isinstance(inner.grammar_compiler, PersistentCompiler)
+        # host-wide claims are opt-in on a server (a waiter may wait longer than a compile: docs/grammar.md)
+        assert inner.grammar_compiler.claims_enabled is False
         assert isinstance(inner._dspark_grammar, GrammarService) and inner.executor is inner._dspark_grammar.pool
         parser = ReasoningParser(model_type="deepseek-r1", stream_reasoning=False, tokenizer=hf_tokenizer)
         backend = ReasonerGrammarBackend(inner, parser, hf_tokenizer)

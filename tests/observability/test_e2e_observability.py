@@ -66,7 +66,8 @@ def _config(grammar_disk: Path) -> ServerConfig:
         # published (or rank 0 dies). The bounds cover the helper's first start-up on a loaded host: the claim
         # wait, our compile timeout (the wait may use half of it) and stock's poll-count timeout
         # (SGLANG_GRAMMAR_MAX_POLL_ITERATIONS x 5 ms, 50 s by default) are raised to 300 s and more
-        env.update(DSPARK_HARDEN_GRAMMAR_DISK_DIR=str(grammar_disk), DSPARK_HARDEN_GRAMMAR_DISK_CLAIM_WAIT="300",
+        env.update(DSPARK_HARDEN_GRAMMAR_DISK_DIR=str(grammar_disk), DSPARK_HARDEN_GRAMMAR_DISK_CLAIMS="1",
+                   DSPARK_HARDEN_GRAMMAR_DISK_CLAIM_WAIT="300",
                    DSPARK_HARDEN_GRAMMAR_COMPILE_TIMEOUT="900", SGLANG_GRAMMAR_MAX_POLL_ITERATIONS="200000")
     return ServerConfig(**{**DP2_CONFIG.__dict__, "name": "dp2-obs"}).with_env(**env)
 

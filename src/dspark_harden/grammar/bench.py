@@ -102,7 +102,7 @@ def _per_schema(backend) -> dict:
     return out
 
 
-def _patches(cache_dir: str):
+def _patches(cache_dir: str, claims: bool = False):
     from ..core.manager import feature_patches, feature_settings, make_manager
     from ..core.patch import Role
     from . import settings as F
@@ -110,6 +110,8 @@ def _patches(cache_dir: str):
     env = {k: v for k, v in os.environ.items() if k.startswith("DSPARK_HARDEN_GRAMMAR")}
     env[F.DISK_DIR] = cache_dir
     env[F.DISK] = "1"
+    if claims:  # --processes measures the host-wide claims (opt-in on a server)
+        env[F.DISK_CLAIMS] = "1"
     pm = make_manager(load_extensions=False)
     settings = feature_settings(pm, F.FEATURE, environ=env)
     return feature_patches(pm, F.FEATURE, Role.SCHEDULER, settings)
@@ -397,7 +399,7 @@ def _processes_child(idx: int, vocab: int, cache_dir: str, duplicates: int, barr
     """One scheduler-shaped process of ``bench grammar --processes N`` (real patches, real backend)."""
     try:
         tok = _load_tokenizer(vocab)
-        for p in _patches(cache_dir):
+        for p in _patches(cache_dir, claims=True):
             p.apply()
         backend = _backend(tok)
         pc = backend.grammar_compiler

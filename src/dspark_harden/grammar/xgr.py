@@ -155,7 +155,9 @@ class PersistentCompiler:
 
     def __init__(self, inner: Any, tokenizer_info: Any, namespace: disk.Namespace, policy: Policy,
                  inner_threads: int = 8, *, slots: Optional[CompileSlots] = None,
-                 persist: Optional[PersistSettings] = None):
+                 persist: Optional[PersistSettings] = None, claims: bool = True):
+        # claims: host-wide compile claims (claim.py). On for a direct construction (benches, tests);
+        # a server follows DSPARK_HARDEN_GRAMMAR_DISK_CLAIMS, off by default (feature.py says why).
         self.inner = inner
         self.inner_threads = inner_threads
         self.tokenizer_info = tokenizer_info
@@ -166,7 +168,7 @@ class PersistentCompiler:
         self.persister = Persister(namespace, self._helper_init(), self.persist_settings, self.slots)
         weakref.finalize(self, self.persister.close)  # a discarded compiler leaves no helper process
         self.native_compiles = 0  # native compile calls made through this object
-        self.claims_enabled = True
+        self.claims_enabled = bool(claims)  # DSPARK_HARDEN_GRAMMAR_DISK_CLAIMS (the feature passes it)
         self.claim_waits: "collections.deque" = collections.deque(maxlen=65536)  # (outcome, s): bench, tests
         self.claim_outcomes: dict = {o: 0 for o in claim_mod.OUTCOMES}
         self._clean_claims()
