@@ -117,6 +117,32 @@ def _patches(cache_dir: str, claims: bool = False):
     return feature_patches(pm, F.FEATURE, Role.SCHEDULER, settings)
 
 
+def _run_children(procs: list, q: Any, *, what: str, wait_s: float, join_s: float) -> dict:
+    """Start ``procs``, collect one result dict per child from ``q`` (``{"idx": ..., ...}``) for at
+    most ``wait_s`` (stopping early when a child exits non-zero), join each for ``join_s`` and kill
+    what is left; raises naming ``what`` when a child reported an error or none arrived."""
+    for p in procs:
+        p.start()
+    results: dict = {}
+    deadline = time.monotonic() + wait_s
+    while len(results) < len(procs) and time.monotonic() < deadline:
+        try:
+            r = q.get(timeout=5)
+        except Exception:  # noqa: BLE001 - queue.Empty
+            if any(p.exitcode not in (None, 0) for p in procs):
+                break
+            continue
+        results[r["idx"]] = r
+    for p in procs:
+        p.join(timeout=join_s)
+        if p.is_alive():
+            p.kill()
+    errors = [r["error"] for r in results.values() if "error" in r]
+    if errors or len(results) < len(procs):
+        raise RuntimeError(f"{what} failed: {errors or 'no result'}")
+    return results
+
+
 def _restart_child(idx: int, vocab: int, cache_dir: str, duplicates: int, barrier, out_q) -> None:
     try:
         tok = _load_tokenizer(vocab)
@@ -258,25 +284,7 @@ def _run(vocab: int, duplicates: int, cache_dir: str, log) -> dict:
     barrier = ctx.Barrier(2)
     q = ctx.Queue()
     procs = [ctx.Process(target=_restart_child, args=(i, vocab, cache_dir, duplicates, barrier, q)) for i in range(2)]
-    for p in procs:
-        p.start()
-    results = {}
-    deadline = time.monotonic() + 600
-    while len(results) < 2 and time.monotonic() < deadline:
-        try:
-            r = q.get(timeout=5)
-        except Exception:  # noqa: BLE001 - queue.Empty
-            if any(p.exitcode not in (None, 0) for p in procs):
-                break
-            continue
-        results[r["idx"]] = r
-    for p in procs:
-        p.join(timeout=30)
-        if p.is_alive():
-            p.kill()
-    errors = [r["error"] for r in results.values() if "error" in r]
-    if errors or len(results) < 2:
-        raise RuntimeError(f"restart processes failed: {errors or 'no result'}")
+    results = _run_children(procs, q, what="restart processes", wait_s=600, join_s=30)
     warm_restart_s = max(r["burst_s"] for r in results.values())
     per = results[0]["per"]
     log(f"restart: bursts {[round(r['burst_s'], 3) for r in results.values()]} s, "
@@ -459,25 +467,7 @@ def run_processes(n: int = 2, vocab: int = 32000, duplicates: int = 2, log=print
         q = ctx.Queue()
         procs = [ctx.Process(target=_processes_child, args=(i, vocab, cache_dir, duplicates, barrier, q))
                  for i in range(n)]
-        for p in procs:
-            p.start()
-        results: dict = {}
-        deadline = time.monotonic() + 1200
-        while len(results) < n and time.monotonic() < deadline:
-            try:
-                r = q.get(timeout=5)
-            except Exception:  # noqa: BLE001 - queue.Empty
-                if any(p.exitcode not in (None, 0) for p in procs):
-                    break
-                continue
-            results[r["idx"]] = r
-        for p in procs:
-            p.join(timeout=60)
-            if p.is_alive():
-                p.kill()
-        errors = [r["error"] for r in results.values() if "error" in r]
-        if errors or len(results) < n:
-            raise RuntimeError(f"bench processes failed: {errors or 'no result'}")
+        results = _run_children(procs, q, what="bench processes", wait_s=1200, join_s=60)
     finally:
         shutil.rmtree(cache_dir, ignore_errors=True)
     distinct = len(S.BENCH_SCHEMAS)
