@@ -123,6 +123,29 @@ def resolve_owner(target: str) -> tuple[Any, str]:
 _MISSING = object()
 
 
+def source_drift(mirrored: dict, *, text: Optional[dict] = None, allow: Iterable[str] = ()) -> list[str]:
+    """``"target (expected X, found Y)"`` for every read-only stock source a feature reproduces whose
+    fingerprint changed: ``mirrored`` targets are fingerprinted from the live attribute, ``text``
+    targets from their source text (no import). Targets named in ``allow`` (or ``"all"``) are skipped."""
+    allow = set(allow)
+    text = text or {}
+    drifted = []
+    for target, expected in list(mirrored.items()) + list(text.items()):
+        if "all" in allow or target in allow:
+            continue
+        try:
+            if target in text:
+                found = source_text_fingerprint(target)
+            else:
+                owner, attr = resolve_owner(target)
+                found = fingerprint_source(raw_attr(owner, attr))
+        except PatchError as exc:
+            found = f"unreadable: {exc}"
+        if found != expected:
+            drifted.append(f"{target} (expected {expected}, found {found})")
+    return drifted
+
+
 def raw_attr(owner: Any, name: str) -> Any:
     """The attribute as stored (keeps staticmethod/classmethod), or _MISSING."""
     if isinstance(owner, type):

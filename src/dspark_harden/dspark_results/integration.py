@@ -53,19 +53,9 @@ def configure(queue_size: int, timeout_s: float) -> None:
 def probe_mirrored_sources(allow: tuple = ()) -> Optional[str]:
     """None when the read-only sources still match (or DSPARK_HARDEN_ALLOW_DRIFT names them / says
     'all'), else what drifted."""
-    from ..core.patch import PatchError, fingerprint_source, raw_attr, resolve_owner
+    from ..core.patch import source_drift
 
-    drifted = []
-    for target, expected in MIRRORED.items():
-        if "all" in allow or target in allow:
-            continue
-        try:
-            owner, attr = resolve_owner(target)
-            found = fingerprint_source(raw_attr(owner, attr))
-        except PatchError as exc:
-            found = f"unreadable: {exc}"
-        if found != expected:
-            drifted.append(f"{target} (expected {expected}, found {found})")
+    drifted = source_drift(MIRRORED, allow=allow)
     return ("stock sources the DSpark result record mirrors changed: " + "; ".join(drifted)) if drifted else None
 
 

@@ -57,20 +57,9 @@ MIRRORED_TEXT = {
 
 
 def probe_mirrored_sources() -> tuple:
-    from ..core.patch import PatchError, fingerprint_source, raw_attr, resolve_owner, source_text_fingerprint
+    from ..core.patch import source_drift
 
-    drifted = []
-    for target, expected in list(MIRRORED.items()) + list(MIRRORED_TEXT.items()):
-        try:
-            if target in MIRRORED_TEXT:
-                found = source_text_fingerprint(target)
-            else:
-                owner, attr = resolve_owner(target)
-                found = fingerprint_source(raw_attr(owner, attr))
-        except PatchError as exc:
-            found = f"unreadable: {exc}"
-        if found != expected:
-            drifted.append(f"{target} (expected {expected}, found {found})")
+    drifted = source_drift(MIRRORED, text=MIRRORED_TEXT)
     if drifted:
         return False, "stock sources the prefill-graph decision reproduces changed: " + "; ".join(drifted)
     return True, f"{len(MIRRORED) + len(MIRRORED_TEXT)} mirrored stock sources match their fingerprints"
