@@ -4,7 +4,7 @@ export DSPARK_VENV := $(VENV)
 PYTHON := $(VENV)/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: install demo test check test-fast gpu-test clean
+.PHONY: install demo test check test-fast lint gpu-test clean wheel
 
 install:
 	bash scripts/install.sh
@@ -15,14 +15,22 @@ demo: install
 
 ## the whole test suite (starts every process it needs: SGLang servers, Prometheus)
 test: install
-	$(PYTHON) -m pytest -ra -p no:cacheprovider --timeout=1800 tests $(PYTEST_ARGS)
+	$(PYTHON) -m pytest -ra -p no:cacheprovider --timeout=1800 --durations=30 tests $(PYTEST_ARGS)
 
 ## quick: no real server
 test-fast: install
 	$(PYTHON) -m pytest -ra -m "not server" tests $(PYTEST_ARGS)
 
+## the linters alone (ruff check + format, clang-format, gcc warnings + analyzer; make test runs them too)
+lint: install
+	$(PYTHON) -m pytest -q -p no:cacheprovider tests/packaging/test_lint.py
+
 check: install
 	SGLANG_PLUGINS=dspark_harden $(VENV)/bin/dspark-harden check
+
+## the sdist and the cp310-abi3 wheel in dist/ (offline, with the virtualenv's build tools; docs/install.md)
+wheel: install
+	$(PYTHON) -m build --no-isolation --outdir dist .
 
 clean:
 	rm -rf build src/*.egg-info src/dspark_harden/_dp2_native*.so src/dspark_harden/_dp2_native.c src/dspark_harden/_traverse_native*.so src/dspark_harden/_traverse_native.c .pytest_cache

@@ -20,14 +20,21 @@ def _builder(module: str, header: str, source: str, libraries: list) -> FFI:
         cdef = re.sub(r"^#.*$", "", fh.read(), flags=re.M)
     ffi = FFI()
     ffi.cdef(cdef)
-    ffi.set_source(module, f'#include "{header}"', sources=[os.path.join("native", source)],
-                   include_dirs=[HERE], extra_compile_args=CFLAGS, libraries=libraries)
+    ffi.set_source(
+        module,
+        f'#include "{header}"',
+        sources=[os.path.join("native", source)],
+        include_dirs=[HERE],
+        extra_compile_args=CFLAGS,
+        libraries=libraries,
+    )
     return ffi
 
 
-dp2_ffibuilder = _builder("dspark_harden._dp2_native", "dp2_exchange.h", "dp2_exchange.c", ["rt"])
-traverse_ffibuilder = _builder("dspark_harden._traverse_native", "draft_traverse.h", "draft_traverse.c",
-                               ["dl", "pthread"])
+dp2_ffibuilder = _builder("dspark_harden._dp2_native", "dp2_exchange.h", "dp2_exchange.c", ["rt", "pthread"])
+traverse_ffibuilder = _builder(
+    "dspark_harden._traverse_native", "draft_traverse.h", "draft_traverse.c", ["dl", "pthread"]
+)
 
 if __name__ == "__main__":
     dp2_ffibuilder.compile(verbose=True)

@@ -20,6 +20,7 @@
 #include <fcntl.h>
 #include <inttypes.h>
 #include <linux/futex.h>
+#include <pthread.h>
 #include <sched.h>
 #include <signal.h>
 #include <stdalign.h>
@@ -38,6 +39,10 @@
 #define DP2_MAGIC UINT64_C(0x5044324b52415053) /* "SPARK2DP" little-endian bytes */
 #define DP2_CACHELINE 64
 #define DP2_MSG_LEN 256
+
+/* histogram edges of dspark_dp2_stats.acc_hist (ns): low resolution, finer where the exchange lives */
+static const uint64_t HIST_EDGES_NS[DSPARK_DP2_HIST_BUCKETS - 1] = {
+    1000, 2000, 5000, 10000, 20000, 50000, 100000, 1000000, 10000000, 100000000, 1000000000};
 
 _Static_assert(ATOMIC_INT_LOCK_FREE == 2, "32-bit atomics must be lock-free");
 _Static_assert(ATOMIC_LLONG_LOCK_FREE == 2, "64-bit atomics must be lock-free");
@@ -61,10 +66,10 @@ typedef struct {
 
 typedef struct {
     alignas(DP2_CACHELINE) _Atomic uint64_t published_seq;
-    _Atomic uint32_t epoch;   /* futex word: bumped after each publish and on errors */
-    _Atomic uint32_t waiters; /* peers currently futex-waiting on this block's epoch */
-    _Atomic int32_t pid;      /* 0 = unowned */
-    _Atomic uint32_t state;   /* 0 never attached, 1 attached, 2 closed */
+    _Atomic uint32_t epoch;      /* futex word: bumped after each publish and on errors */
+    _Atomic uint32_t waiters;    /* peers currently futex-waiting on this block's epoch */
+    _Atomic int32_t pid;         /* 0 = unowned */
+    _Atomic uint32_t state;      /* 0 never attached, 1 attached, 2 closed */
     _Atomic uint64_t start_time; /* /proc/<pid>/stat field 22 of the owner */
     _Atomic int32_t cpu;         /* CPU the owner last published from (spin policy hint) */
     uint64_t arrival_ns[2];
@@ -95,15 +100,45 @@ struct dspark_dp2_channel {
     int pending;                      /* local_seq is published and still waits for the peer */
     int pending_cpu;
     uint32_t pending_futex_waits;
-    uint64_t pending_start;           /* when the pending exchange began (stats span every wait period) */
+    uint64_t pending_start; /* when the pending exchange began (stats span every wait period) */
     uint64_t pending_published_at;
-    uint64_t peer_stop_ns;            /* > 0: a peer stopped / in D state this long is dead (0: off) */
-    uint64_t peer_stuck_since;        /* when the peer was first seen in state T/t/D (0: not stuck) */
+    uint64_t peer_stop_ns;     /* > 0: a peer stopped / in D state this long is dead (0: off) */
+    uint64_t peer_stuck_since; /* when the peer was first seen in state T/t/D (0: not stuck) */
     char peer_stuck_state;
+    /* buffers registered by dspark_dp2_bind for the one-argument hot path (dspark_dp2_exchange_bound) */
+    const int64_t *bound_req; /* [0] output row, [1..width] the local values */
+    int64_t *bound_out;       /* bound_rows rows of 2*width values */
+    int64_t bound_rows;       /* 0: nothing bound */
+    dspark_dp2_stats *bound_stats;
+    char *bound_err;
+    size_t bound_errlen;
+    int64_t *bound_pending_out; /* the row a stalled bound exchange will write */
     char name[64];
 };
 
 /* ------------------------------------------------------------------------------------------ */
+
+/* This process's pid for the per-call fork check. glibc's getpid() is a real system call (~50-100 ns on a
+ * VM, twice per exchange before): the pid is cached at the first open and refreshed in a fork child by a
+ * pthread_atfork handler (fork() runs it before the child returns, os.fork and multiprocessing's fork start
+ * method go through fork()), so a handle inherited across fork still fails with DSPARK_DP2_E_FORK. If the
+ * handler cannot be registered, every check calls getpid(). */
+static _Atomic int32_t g_pid;
+static _Atomic int g_pid_cached;
+static pthread_once_t g_pid_once = PTHREAD_ONCE_INIT;
+
+static void pid_after_fork(void) { atomic_store(&g_pid, (int32_t)getpid()); }
+
+static void pid_init(void) {
+    atomic_store(&g_pid, (int32_t)getpid());
+    atomic_store(&g_pid_cached, pthread_atfork(NULL, NULL, pid_after_fork) == 0);
+}
+
+static pid_t current_pid(void) {
+    if (atomic_load_explicit(&g_pid_cached, memory_order_relaxed))
+        return (pid_t)atomic_load_explicit(&g_pid, memory_order_relaxed);
+    return getpid();
+}
 
 static uint64_t now_ns(void) {
     struct timespec ts;
@@ -160,19 +195,19 @@ static void futex_wake_all(_Atomic uint32_t *addr) {
 
 static const char *code_name(int code) {
     switch (code) {
-        case DSPARK_DP2_E_MISMATCH: return "mismatch";
-        case DSPARK_DP2_E_OWNERSHIP: return "ownership changed";
-        case DSPARK_DP2_E_CLOCK: return "clock failure";
-        case DSPARK_DP2_E_SEQUENCE: return "sequence divergence";
-        case DSPARK_DP2_E_PEER_DIED: return "peer died";
-        case DSPARK_DP2_E_PEER_CLOSED: return "peer closed";
-        case DSPARK_DP2_E_TIMEOUT: return "timeout";
-        case DSPARK_DP2_E_FUTEX: return "futex failure";
-        case DSPARK_DP2_E_LAPPED: return "sequence lapped";
-        case DSPARK_DP2_E_ARRIVAL: return "missing peer arrival";
-        case DSPARK_DP2_E_UNLINK: return "unlink failure";
-        case DSPARK_DP2_E_CALLER: return "caller error";
-        default: return "error";
+    case DSPARK_DP2_E_MISMATCH: return "mismatch";
+    case DSPARK_DP2_E_OWNERSHIP: return "ownership changed";
+    case DSPARK_DP2_E_CLOCK: return "clock failure";
+    case DSPARK_DP2_E_SEQUENCE: return "sequence divergence";
+    case DSPARK_DP2_E_PEER_DIED: return "peer died";
+    case DSPARK_DP2_E_PEER_CLOSED: return "peer closed";
+    case DSPARK_DP2_E_TIMEOUT: return "timeout";
+    case DSPARK_DP2_E_FUTEX: return "futex failure";
+    case DSPARK_DP2_E_LAPPED: return "sequence lapped";
+    case DSPARK_DP2_E_ARRIVAL: return "missing peer arrival";
+    case DSPARK_DP2_E_UNLINK: return "unlink failure";
+    case DSPARK_DP2_E_CALLER: return "caller error";
+    default: return "error";
     }
 }
 
@@ -200,9 +235,10 @@ static int publish(dspark_dp2_channel *ch, int code, char *err, size_t errlen, c
 
 static int report_poisoned(dspark_dp2_channel *ch, uint32_t code, char *err, size_t errlen) {
     dp2_header *h = &ch->shm->header;
-    const char *msg = atomic_load_explicit(&h->error_msg_ready, memory_order_acquire) ? h->error_msg : "(message pending)";
-    set_err(err, errlen, "dp2 channel %s rank %d: channel poisoned: rank %d published error %u (%s): %.*s",
-            ch->name, ch->rank, (int)atomic_load(&h->error_rank), code, code_name((int)code), DP2_MSG_LEN, msg);
+    const char *msg =
+        atomic_load_explicit(&h->error_msg_ready, memory_order_acquire) ? h->error_msg : "(message pending)";
+    set_err(err, errlen, "dp2 channel %s rank %d: channel poisoned: rank %d published error %u (%s): %.*s", ch->name,
+            ch->rank, (int)atomic_load(&h->error_rank), code, code_name((int)code), DP2_MSG_LEN, msg);
     return DSPARK_DP2_E_POISONED;
 }
 
@@ -244,12 +280,12 @@ static int stuck_state(char state) { return state == 'T' || state == 't' || stat
 
 static const char *state_text(char state) {
     switch (state) {
-        case 'T': return "stopped";
-        case 't': return "stopped by a tracer";
-        case 'D': return "in uninterruptible sleep";
-        case 'R': return "running";
-        case 'S': return "sleeping";
-        default: return "state unknown";
+    case 'T': return "stopped";
+    case 't': return "stopped by a tracer";
+    case 'D': return "in uninterruptible sleep";
+    case 'R': return "running";
+    case 'S': return "sleeping";
+    default: return "state unknown";
     }
 }
 
@@ -264,8 +300,8 @@ int dspark_dp2_name_for(const char *session_id, const char *channel, char *buf, 
 }
 
 int dspark_dp2_open(const char *session_id, const char *channel, int rank, int world_size, int width,
-                    int64_t timeout_ms, int64_t spin_ns, uint64_t config_digest, dspark_dp2_channel **out,
-                    char *err, size_t errlen) {
+                    int64_t timeout_ms, int64_t spin_ns, uint64_t config_digest, dspark_dp2_channel **out, char *err,
+                    size_t errlen) {
     if (err == NULL || errlen < DSPARK_DP2_ERRBUF_MIN) return DSPARK_DP2_E_ARG;
     err[0] = '\0';
     if (out == NULL) {
@@ -302,6 +338,7 @@ int dspark_dp2_open(const char *session_id, const char *channel, int rank, int w
         return DSPARK_DP2_E_ARG;
     }
 
+    pthread_once(&g_pid_once, pid_init);
     dspark_dp2_channel *ch = calloc(1, sizeof *ch);
     if (ch == NULL) {
         set_err(err, errlen, "dp2 open: out of memory");
@@ -311,6 +348,8 @@ int dspark_dp2_open(const char *session_id, const char *channel, int rank, int w
     ch->rank = rank;
     ch->width = width;
     ch->owner_pid = getpid();
+    /* a pid cache that disagrees with the kernel (a fork that ran no atfork handler): stop trusting it */
+    if (current_pid() != ch->owner_pid) atomic_store(&g_pid_cached, 0);
     ch->timeout_ns = (uint64_t)timeout_ms * UINT64_C(1000000);
     ch->spin_ns = (uint64_t)spin_ns;
 
@@ -410,15 +449,15 @@ int dspark_dp2_open(const char *session_id, const char *channel, int rank, int w
             /* published so the rank that created the channel stops too instead of timing out */
             publish(ch, DSPARK_DP2_E_MISMATCH, NULL, 0, "payload width mismatch: peer opened with %u, rank %d with %d",
                     h->width, rank, width);
-            set_err(err, errlen, "dp2 open: %s payload width mismatch: peer opened with %u, this rank with %d", ch->name,
-                    h->width, width);
+            set_err(err, errlen, "dp2 open: %s payload width mismatch: peer opened with %u, this rank with %d",
+                    ch->name, h->width, width);
             rc = DSPARK_DP2_E_MISMATCH;
             goto fail_map;
         }
         if (h->config_digest != config_digest || h->timeout_ms != timeout_ms) {
             publish(ch, DSPARK_DP2_E_MISMATCH, NULL, 0,
-                    "configuration mismatch: creator digest %#" PRIx64 " timeout %" PRId64 " ms, rank %d digest %#" PRIx64
-                    " timeout %" PRId64 " ms",
+                    "configuration mismatch: creator digest %#" PRIx64 " timeout %" PRId64
+                    " ms, rank %d digest %#" PRIx64 " timeout %" PRId64 " ms",
                     h->config_digest, h->timeout_ms, rank, config_digest, timeout_ms);
             set_err(err, errlen,
                     "dp2 open: %s configuration mismatch: peer has digest %#" PRIx64 " timeout %" PRId64
@@ -497,14 +536,14 @@ fail_fd:
     return rc;
 }
 
-static int wait_for_peer(dspark_dp2_channel *ch, int64_t *out, dspark_dp2_stats *stats, char *err, size_t errlen);
+static int wait_for_peer(dspark_dp2_channel *ch, int64_t *out, dspark_dp2_stats *stats, char *err, size_t errlen,
+                         uint64_t period_start);
 
-static int check_handle(dspark_dp2_channel *ch, char *err, size_t errlen) {
+static int check_handle(dspark_dp2_channel *ch, pid_t me, char *err, size_t errlen) {
     if (ch->closed) {
         set_err(err, errlen, "dp2 channel %s rank %d: handle already closed", ch->name, ch->rank);
         return DSPARK_DP2_E_CLOSED;
     }
-    pid_t me = getpid();
     if (me != ch->owner_pid) {
         set_err(err, errlen,
                 "dp2 channel %s rank %d: handle used after fork (opened by pid %d, used by pid %d); open a new "
@@ -515,16 +554,12 @@ static int check_handle(dspark_dp2_channel *ch, char *err, size_t errlen) {
     return DSPARK_DP2_OK;
 }
 
-int dspark_dp2_exchange(dspark_dp2_channel *ch, const int64_t *local, int64_t *out, dspark_dp2_stats *stats,
-                        char *err, size_t errlen) {
-    if (err == NULL || errlen < DSPARK_DP2_ERRBUF_MIN) return DSPARK_DP2_E_ARG;
-    if (ch == NULL || local == NULL || out == NULL) {
-        set_err(err, errlen, "dp2 exchange: NULL argument");
-        return DSPARK_DP2_E_ARG;
-    }
-    int hrc = check_handle(ch, err, errlen);
+/* One exchange after the argument checks: publish `local`, wait for the peer, rows into `out`. */
+static int exchange_checked(dspark_dp2_channel *ch, const int64_t *local, int64_t *out, dspark_dp2_stats *stats,
+                            char *err, size_t errlen) {
+    const pid_t me = current_pid();
+    int hrc = check_handle(ch, me, err, errlen);
     if (hrc != DSPARK_DP2_OK) return hrc;
-    pid_t me = getpid();
     dp2_shared *s = ch->shm;
     dp2_header *h = &s->header;
     uint32_t code = atomic_load_explicit(&h->error_code, memory_order_acquire);
@@ -532,7 +567,8 @@ int dspark_dp2_exchange(dspark_dp2_channel *ch, const int64_t *local, int64_t *o
     if (ch->pending) {
         set_err(err, errlen,
                 "dp2 channel %s rank %d: sequence %" PRIu64 " is still waiting for the peer; call "
-                "dspark_dp2_wait before the next exchange", ch->name, ch->rank, ch->local_seq);
+                "dspark_dp2_wait before the next exchange",
+                ch->name, ch->rank, ch->local_seq);
         return DSPARK_DP2_E_ARG;
     }
     const int r = ch->rank, w = ch->width;
@@ -561,7 +597,18 @@ int dspark_dp2_exchange(dspark_dp2_channel *ch, const int64_t *local, int64_t *o
     ch->pending_published_at = now_ns();
     ch->pending_cpu = my_cpu;
     ch->pending_futex_waits = 0;
-    return wait_for_peer(ch, out, stats, err, errlen);
+    /* the first wait period starts with the exchange: no third clock read */
+    return wait_for_peer(ch, out, stats, err, errlen, start);
+}
+
+int dspark_dp2_exchange(dspark_dp2_channel *ch, const int64_t *local, int64_t *out, dspark_dp2_stats *stats, char *err,
+                        size_t errlen) {
+    if (err == NULL || errlen < DSPARK_DP2_ERRBUF_MIN) return DSPARK_DP2_E_ARG;
+    if (ch == NULL || local == NULL || out == NULL) {
+        set_err(err, errlen, "dp2 exchange: NULL argument");
+        return DSPARK_DP2_E_ARG;
+    }
+    return exchange_checked(ch, local, out, stats, err, errlen);
 }
 
 int dspark_dp2_wait(dspark_dp2_channel *ch, int64_t *out, dspark_dp2_stats *stats, char *err, size_t errlen) {
@@ -570,20 +617,80 @@ int dspark_dp2_wait(dspark_dp2_channel *ch, int64_t *out, dspark_dp2_stats *stat
         set_err(err, errlen, "dp2 wait: NULL argument");
         return DSPARK_DP2_E_ARG;
     }
-    int hrc = check_handle(ch, err, errlen);
+    int hrc = check_handle(ch, current_pid(), err, errlen);
     if (hrc != DSPARK_DP2_OK) return hrc;
     if (!ch->pending) {
         set_err(err, errlen, "dp2 channel %s rank %d: no exchange is waiting for the peer", ch->name, ch->rank);
         return DSPARK_DP2_E_ARG;
     }
-    return wait_for_peer(ch, out, stats, err, errlen);
+    const uint64_t period_start = now_ns();
+    if (period_start == 0)
+        return publish(ch, DSPARK_DP2_E_CLOCK, err, errlen, "clock_gettime failed: %s", strerror(errno));
+    return wait_for_peer(ch, out, stats, err, errlen, period_start);
+}
+
+int dspark_dp2_bind(dspark_dp2_channel *ch, const int64_t *req, int64_t *out_base, int64_t out_rows,
+                    dspark_dp2_stats *stats, char *err, size_t errlen) {
+    if (err == NULL || errlen < DSPARK_DP2_ERRBUF_MIN) return DSPARK_DP2_E_ARG;
+    err[0] = '\0';
+    if (ch == NULL || req == NULL || out_base == NULL) {
+        set_err(err, errlen, "dp2 bind: NULL argument");
+        return DSPARK_DP2_E_ARG;
+    }
+    int hrc = check_handle(ch, current_pid(), err, errlen);
+    if (hrc != DSPARK_DP2_OK) return hrc;
+    if (out_rows < 1) {
+        set_err(err, errlen, "dp2 channel %s rank %d: bind needs at least one output row, got %" PRId64, ch->name,
+                ch->rank, out_rows);
+        return DSPARK_DP2_E_ARG;
+    }
+    if (ch->pending) {
+        set_err(err, errlen, "dp2 channel %s rank %d: cannot rebind while sequence %" PRIu64 " waits for the peer",
+                ch->name, ch->rank, ch->local_seq);
+        return DSPARK_DP2_E_ARG;
+    }
+    ch->bound_req = req;
+    ch->bound_out = out_base;
+    ch->bound_rows = out_rows;
+    ch->bound_stats = stats;
+    ch->bound_err = err;
+    ch->bound_errlen = errlen;
+    ch->bound_pending_out = NULL;
+    return DSPARK_DP2_OK;
+}
+
+int dspark_dp2_exchange_bound(dspark_dp2_channel *ch) {
+    if (ch == NULL || ch->bound_rows < 1) return DSPARK_DP2_E_ARG; /* no message buffer to write to */
+    const int64_t row = ch->bound_req[0];
+    if (row < 0 || row >= ch->bound_rows) {
+        set_err(ch->bound_err, ch->bound_errlen,
+                "dp2 channel %s rank %d: output row %" PRId64 " outside the %" PRId64 " bound rows", ch->name, ch->rank,
+                row, ch->bound_rows);
+        return DSPARK_DP2_E_ARG;
+    }
+    int64_t *out = ch->bound_out + (size_t)row * 2u * (size_t)ch->width;
+    /* the row a stalled exchange completes into (dspark_dp2_wait_bound); while one is pending,
+     * exchange_checked refuses this call (poisoned, or "still waiting") and the row stays that one's */
+    if (!ch->pending) ch->bound_pending_out = out;
+    return exchange_checked(ch, ch->bound_req + 1, out, ch->bound_stats, ch->bound_err, ch->bound_errlen);
+}
+
+int dspark_dp2_wait_bound(dspark_dp2_channel *ch) {
+    if (ch == NULL || ch->bound_rows < 1) return DSPARK_DP2_E_ARG;
+    if (ch->bound_pending_out == NULL || !ch->pending) {
+        set_err(ch->bound_err, ch->bound_errlen, "dp2 channel %s rank %d: no bound exchange is waiting for the peer",
+                ch->name, ch->rank);
+        return DSPARK_DP2_E_ARG;
+    }
+    return dspark_dp2_wait(ch, ch->bound_pending_out, ch->bound_stats, ch->bound_err, ch->bound_errlen);
 }
 
 /* Wait for the peer's row of the pending sequence for one timeout period. Completes (OK), fails
  * (an error published to shared state) or, when the period ends while the peer is attached and
  * provably alive, returns DSPARK_DP2_STALLED without publishing anything: the exchange stays
  * pending and dspark_dp2_wait continues it. */
-static int wait_for_peer(dspark_dp2_channel *ch, int64_t *out, dspark_dp2_stats *stats, char *err, size_t errlen) {
+static int wait_for_peer(dspark_dp2_channel *ch, int64_t *out, dspark_dp2_stats *stats, char *err, size_t errlen,
+                         uint64_t period_start) {
     dp2_shared *s = ch->shm;
     dp2_header *h = &s->header;
     const int r = ch->rank, p = 1 - ch->rank, w = ch->width;
@@ -594,9 +701,6 @@ static int wait_for_peer(dspark_dp2_channel *ch, int64_t *out, dspark_dp2_stats 
     const uint64_t start = ch->pending_start, published_at = ch->pending_published_at;
     const int my_cpu = ch->pending_cpu;
     uint32_t code;
-    const uint64_t period_start = now_ns();
-    if (period_start == 0) return publish(ch, DSPARK_DP2_E_CLOCK, err, errlen, "clock_gettime failed: %s", strerror(errno));
-
     uint32_t futex_waits = ch->pending_futex_waits;
     uint64_t peer_seq = atomic_load_explicit(&peer->published_seq, memory_order_acquire);
     if (peer_seq < seq && ch->spin_ns > 0 && futex_waits == 0) {
@@ -646,7 +750,8 @@ static int wait_for_peer(dspark_dp2_channel *ch, int64_t *out, dspark_dp2_stats 
             } else if (ch->peer_stop_ns > 0 && t - ch->peer_stuck_since >= ch->peer_stop_ns) {
                 /* alive but unable to arrive: as final as death (the check below still lets an exchange
                  * whose row the peer published before it stopped complete) */
-                snprintf(why, sizeof why, "pid %d is %s (state %c) for %.1f s, longer than the limit of %" PRIu64
+                snprintf(why, sizeof why,
+                         "pid %d is %s (state %c) for %.1f s, longer than the limit of %" PRIu64
                          " ms (SGLANG_DSPARK_DP2_SHM_PEER_STOP_MS)",
                          (int)atomic_load(&peer->pid), state_text(proc_state), proc_state,
                          (double)(t - ch->peer_stuck_since) / 1e9, ch->peer_stop_ns / UINT64_C(1000000));
@@ -665,8 +770,8 @@ static int wait_for_peer(dspark_dp2_channel *ch, int64_t *out, dspark_dp2_stats 
                 return publish(ch, DSPARK_DP2_E_PEER_DIED, err, errlen,
                                "peer died: rank %d %s (waiting for sequence %" PRIu64 ")", p, why, seq);
             return publish(ch, DSPARK_DP2_E_PEER_CLOSED, err, errlen,
-                           "peer rank %d closed the channel at sequence %" PRIu64 " while rank %d waits for %" PRIu64, p,
-                           peer_seq, r, seq);
+                           "peer rank %d closed the channel at sequence %" PRIu64 " while rank %d waits for %" PRIu64,
+                           p, peer_seq, r, seq);
         }
         uint64_t now = now_ns();
         uint64_t elapsed = now - period_start;
@@ -712,12 +817,12 @@ static int wait_for_peer(dspark_dp2_channel *ch, int64_t *out, dspark_dp2_stats 
     ch->pending = 0;
     if (peer_seq > seq + 1)
         return publish(ch, DSPARK_DP2_E_LAPPED, err, errlen,
-                       "peer rank %d is at sequence %" PRIu64 ", more than one ahead of rank %d at %" PRIu64, p, peer_seq,
-                       r, seq);
+                       "peer rank %d is at sequence %" PRIu64 ", more than one ahead of rank %d at %" PRIu64, p,
+                       peer_seq, r, seq);
     uint64_t peer_arrival = peer->arrival_ns[slot];
     if (peer_arrival == 0)
-        return publish(ch, DSPARK_DP2_E_ARRIVAL, err, errlen, "peer rank %d has no arrival time for sequence %" PRIu64, p,
-                       seq);
+        return publish(ch, DSPARK_DP2_E_ARRIVAL, err, errlen, "peer rank %d has no arrival time for sequence %" PRIu64,
+                       p, seq);
     memcpy(out + (size_t)r * (size_t)w, mine->payload[slot], (size_t)w * sizeof(int64_t));
     memcpy(out + (size_t)p * (size_t)w, peer->payload[slot], (size_t)w * sizeof(int64_t));
     /* the peer may be one ahead (it already published seq+1 into the other slot): fine. But if it
@@ -725,7 +830,8 @@ static int wait_for_peer(dspark_dp2_channel *ch, int64_t *out, dspark_dp2_stats 
     uint64_t after = atomic_load_explicit(&peer->published_seq, memory_order_acquire);
     if (after > seq + 1)
         return publish(ch, DSPARK_DP2_E_LAPPED, err, errlen,
-                       "peer rank %d reached sequence %" PRIu64 " while rank %d read sequence %" PRIu64, p, after, r, seq);
+                       "peer rank %d reached sequence %" PRIu64 " while rank %d read sequence %" PRIu64, p, after, r,
+                       seq);
     if (stats != NULL) {
         uint64_t finish = now_ns();
         uint64_t latest = start > peer_arrival ? start : peer_arrival;
@@ -742,10 +848,15 @@ static int wait_for_peer(dspark_dp2_channel *ch, int64_t *out, dspark_dp2_stats 
         for (int i = 0; i < 4; ++i) {
             stats->acc_sum_ns[i] += v[i];
             if (v[i] > stats->acc_max_ns[i]) stats->acc_max_ns[i] = v[i];
+            int b = 0;
+            while (b < DSPARK_DP2_HIST_BUCKETS - 1 && v[i] > HIST_EDGES_NS[b]) ++b;
+            stats->acc_hist[i][b] += 1;
         }
     }
     return DSPARK_DP2_OK;
 }
+
+uint64_t dspark_dp2_hist_edge_ns(int b) { return (b >= 0 && b < DSPARK_DP2_HIST_BUCKETS - 1) ? HIST_EDGES_NS[b] : 0; }
 
 int dspark_dp2_close(dspark_dp2_channel *ch, char *err, size_t errlen) {
     if (err == NULL || errlen < DSPARK_DP2_ERRBUF_MIN) return DSPARK_DP2_E_ARG;

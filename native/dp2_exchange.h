@@ -13,11 +13,12 @@
 #include <stdint.h>
 
 enum {
-    DSPARK_DP2_ABI_VERSION = 3,
+    DSPARK_DP2_ABI_VERSION = 5,
     DSPARK_DP2_LAYOUT_VERSION = 2,
     DSPARK_DP2_WORLD_SIZE = 2,
     DSPARK_DP2_MAX_WIDTH = 32,
     DSPARK_DP2_ERRBUF_MIN = 128,
+    DSPARK_DP2_HIST_BUCKETS = 12, /* 11 edges (1 us .. 1 s) + above */
     DSPARK_DP2_WAIT_SLICE_MS = 20
 };
 
@@ -65,7 +66,14 @@ typedef struct {
     uint64_t acc_futex_waits;
     uint64_t acc_sum_ns[4];
     uint64_t acc_max_ns[4];
+    /* Low-resolution histogram per phase (same index), accumulated like the sums: acc_hist[i][b] counts
+     * the calls whose value is <= dspark_dp2_hist_edge_ns(b) and > the edge before (b = HIST_BUCKETS - 1:
+     * above the last edge). */
+    uint64_t acc_hist[4][DSPARK_DP2_HIST_BUCKETS];
 } dspark_dp2_stats;
+
+/* Upper edge of histogram bucket b in ns (0 <= b < DSPARK_DP2_HIST_BUCKETS - 1); 0 for any other b. */
+uint64_t dspark_dp2_hist_edge_ns(int b);
 
 int dspark_dp2_abi_version(void);
 
@@ -73,14 +81,26 @@ int dspark_dp2_abi_version(void);
  * width: number of int64 values each rank contributes (1..DSPARK_DP2_MAX_WIDTH).
  * config_digest: any 64-bit value both ranks must agree on (else DSPARK_DP2_E_MISMATCH).
  * timeout_ms > 0; spin_ns: busy-poll budget before the first futex wait (0 = futex only). */
-int dspark_dp2_open(const char *session_id, const char *channel, int rank, int world_size,
-                    int width, int64_t timeout_ms, int64_t spin_ns, uint64_t config_digest,
-                    dspark_dp2_channel **out, char *err, size_t errlen);
+int dspark_dp2_open(const char *session_id, const char *channel, int rank, int world_size, int width,
+                    int64_t timeout_ms, int64_t spin_ns, uint64_t config_digest, dspark_dp2_channel **out, char *err,
+                    size_t errlen);
 
 /* One exchange: publish `local` (width values), wait for the peer, write world_size*width values
  * in rank order into `out`. `stats` may be NULL. */
-int dspark_dp2_exchange(dspark_dp2_channel *ch, const int64_t *local, int64_t *out,
-                        dspark_dp2_stats *stats, char *err, size_t errlen);
+int dspark_dp2_exchange(dspark_dp2_channel *ch, const int64_t *local, int64_t *out, dspark_dp2_stats *stats, char *err,
+                        size_t errlen);
+
+/* The hot path with one argument (a cffi call with one pointer argument costs a fraction of one with six):
+ * register the buffers once, then each dspark_dp2_exchange_bound(ch) is dspark_dp2_exchange(ch, req + 1,
+ * out_base + req[0] * 2 * width, stats, err, errlen). req: 1 + width int64 values the caller fills before each
+ * call, req[0] the output row (0 <= row < out_rows; outside: DSPARK_DP2_E_ARG, nothing published),
+ * req[1..width] the local values. stats may be NULL. Every buffer must stay valid until the next bind or close;
+ * rebinding while an exchange is pending is refused. Messages go to the bound err buffer. */
+int dspark_dp2_bind(dspark_dp2_channel *ch, const int64_t *req, int64_t *out_base, int64_t out_rows,
+                    dspark_dp2_stats *stats, char *err, size_t errlen);
+int dspark_dp2_exchange_bound(dspark_dp2_channel *ch);
+/* dspark_dp2_wait for a bound exchange that returned DSPARK_DP2_STALLED (into the row that exchange named). */
+int dspark_dp2_wait_bound(dspark_dp2_channel *ch);
 
 /* Treat a peer whose process has been stopped or traced (state T / t) or in uninterruptible sleep
  * (state D) for longer than limit_ms, continuously, as dead (DSPARK_DP2_E_PEER_DIED, published): a

@@ -6,6 +6,7 @@
 #include <errno.h>
 #include <limits.h>
 #include <pthread.h>
+#include <sched.h>
 #include <stdarg.h>
 #include <stdatomic.h>
 #include <stdio.h>
@@ -17,8 +18,12 @@
 #include "tvm_ffi_abi.h"
 #include "native_common.h"
 
-/* how long the caller spins for helpers finishing their last job before sleeping on `done` */
+/* How long the caller spins for helpers finishing their last job before sleeping on `done`. Both
+ * spin loops (this one and a pre-woken worker's) yield the core every SPIN_CHECK iterations: on a
+ * host with more runnable threads than cores a spinner must not hold a core that the thread it waits
+ * for (or the scheduler's other work) is queued for. */
 #define SPIN_DONE_NS 2000000LL
+#define SPIN_CHECK 64u
 
 typedef struct {
     const dsh_trav_job *jobs;
@@ -27,9 +32,9 @@ typedef struct {
     int32_t chain;
     int32_t *bits;
     int32_t words;
-    atomic_int next;          /* next job index to take */
-    atomic_int failed;        /* lowest failing job index, INT_MAX when none */
-    pthread_mutex_t err_mu;   /* guards code/err (written by the failing thread with the lowest index) */
+    atomic_int next;        /* next job index to take */
+    atomic_int failed;      /* lowest failing job index, INT_MAX when none */
+    pthread_mutex_t err_mu; /* guards code/err (written by the failing thread with the lowest index) */
     int code;
     char err[DSH_TRAV_ERRBUF_MIN];
 } task_t;
@@ -49,7 +54,10 @@ struct dsh_trav {
     int threads;
     int started;
     pthread_t workers[DSH_TRAV_MAX_THREADS];
-    struct worker_arg { struct dsh_trav *t; int idx; } args[DSH_TRAV_MAX_THREADS];
+    struct worker_arg {
+        struct dsh_trav *t;
+        int idx;
+    } args[DSH_TRAV_MAX_THREADS];
     pthread_mutex_t mu;
     pthread_cond_t go[DSH_TRAV_MAX_THREADS]; /* one per worker: only the workers a step needs are woken */
     pthread_cond_t done;
@@ -57,14 +65,19 @@ struct dsh_trav {
      * in one store so a worker never pairs one task's generation with another task's participants;
      * the task pointer is published before the word is bumped */
     atomic_uint_fast64_t posted;
-    atomic_llong participations;   /* worker entries into a task (diagnostics, tests) */
+    atomic_llong participations;             /* worker entries into a task (diagnostics, tests) */
     uint64_t wake_seq[DSH_TRAV_MAX_THREADS]; /* per worker, bumped by dsh_trav_prewake (under mu) */
-    atomic_int active;             /* workers that have not finished the posted task */
+    atomic_int active;                       /* workers that have not finished the posted task */
     atomic_int stopping;
-    atomic_llong spin_until_ns;    /* workers spin for a task until this CLOCK_MONOTONIC time */
+    atomic_llong spin_until_ns; /* workers spin for a task until this CLOCK_MONOTONIC time */
     task_t *task;
-    pthread_mutex_t run_mu;   /* one step at a time */
+    pthread_mutex_t run_mu; /* one step at a time */
     pid_t owner;
+    /* validation scratch, kept between steps (grown under run_mu): a row flag per batch row and a
+     * matcher pointer per job */
+    unsigned char *has;
+    void **ptrs;
+    int32_t has_cap, ptrs_cap;
     /* linear-chain links: row n-1 of `links` holds next-token links of a chain of n nodes */
     int64_t *links;
     int64_t *sibs;
@@ -94,7 +107,7 @@ static int bind(dsh_trav *t, const char *libpath, void *probe, char *err, size_t
     t->lib = dlopen(libpath, RTLD_NOW | RTLD_NOLOAD);
     if (!t->lib) {
         set_err(err, errlen, "TVM FFI library %s is not loaded in this process (import xgrammar first): %s", libpath,
-            dlerror());
+                dlerror());
         return DSH_TRAV_E_BIND;
     }
     dsh_TVMFFIGetVersion_t get_version = (dsh_TVMFFIGetVersion_t)dlsym(t->lib, "TVMFFIGetVersion");
@@ -110,8 +123,8 @@ static int bind(dsh_trav *t, const char *libpath, void *probe, char *err, size_t
     dsh_TVMFFIVersion v = {0, 0, 0};
     get_version(&v);
     if (v.major != DSH_TVM_FFI_ABI_MAJOR || v.minor != DSH_TVM_FFI_ABI_MINOR) {
-        set_err(err, errlen, "TVM FFI C ABI %u.%u.%u is not the %d.%d ABI this traversal was built for", v.major, v.minor,
-            v.patch, DSH_TVM_FFI_ABI_MAJOR, DSH_TVM_FFI_ABI_MINOR);
+        set_err(err, errlen, "TVM FFI C ABI %u.%u.%u is not the %d.%d ABI this traversal was built for", v.major,
+                v.minor, v.patch, DSH_TVM_FFI_ABI_MAJOR, DSH_TVM_FFI_ABI_MINOR);
         return DSH_TRAV_E_BIND;
     }
     if (!probe) {
@@ -150,7 +163,7 @@ static int raised(dsh_trav *t, const char *what, char *err, size_t errlen) {
     const dsh_TVMFFIErrorCellPrefix *cell =
         (const dsh_TVMFFIErrorCellPrefix *)((const char *)e + sizeof(dsh_TVMFFIObject));
     set_err(err, errlen, "%s raised %.*s: %.*s", what, (int)cell->kind.size, cell->kind.data, (int)cell->message.size,
-        cell->message.data);
+            cell->message.data);
     t->decref(e);
     return DSH_TRAV_E_CALL;
 }
@@ -180,7 +193,7 @@ static int one_job(dsh_trav *t, task_t *k, const dsh_trav_job *j, char *err, siz
     int64_t n = j->end - j->root;
     if (((const dsh_TVMFFIObject *)j->matcher)->type_index != t->matcher_type) {
         set_err(err, errlen, "matcher object has TVM FFI type index %d, not %s",
-            ((const dsh_TVMFFIObject *)j->matcher)->type_index, t->type_key);
+                ((const dsh_TVMFFIObject *)j->matcher)->type_index, t->type_key);
         return DSH_TRAV_E_TYPE;
     }
     int64_t shape2[2] = {n, words};
@@ -212,7 +225,7 @@ static int one_job(dsh_trav *t, task_t *k, const dsh_trav_job *j, char *err, siz
         int64_t tk = row[i];
         if (tk < 0 || tk >= (int64_t)words * 32) {
             set_err(err, errlen, "draft token %lld at chain position %lld is outside the %d-word mask", (long long)tk,
-                (long long)i, words);
+                    (long long)i, words);
             return DSH_TRAV_E_ARG;
         }
         uint32_t word = (uint32_t)k->bits[(base + i - 1) * words + (tk >> 5)];
@@ -294,8 +307,10 @@ static void *worker_main(void *arg) {
         for (;;) {
             gen = atomic_load_explicit(&t->posted, memory_order_acquire);
             for (unsigned spins = 0; gen == seen; spins++) {
-                if ((spins & 63) == 0 && (atomic_load(&t->stopping) || now_ns() > atomic_load(&t->spin_until_ns)))
-                    break;
+                if ((spins % SPIN_CHECK) == SPIN_CHECK - 1) {
+                    if (atomic_load(&t->stopping) || now_ns() > atomic_load(&t->spin_until_ns)) break;
+                    sched_yield();
+                }
                 cpu_relax();
                 gen = atomic_load_explicit(&t->posted, memory_order_acquire);
             }
@@ -388,24 +403,42 @@ static int cmp_ptr(const void *a, const void *b) {
     return x < y ? -1 : x > y;
 }
 
-static int validate_and_prefill(dsh_trav_job *jobs, int32_t n, const int64_t *draft, int32_t bs, int32_t chain,
-                                int32_t vocab, int32_t *bits, int32_t words, int32_t *failed, char *err,
+/* grows t->has to >= bs entries and t->ptrs to >= n (under run_mu); -1 when out of memory */
+static int ensure_scratch(dsh_trav *t, int32_t bs, int32_t n) {
+    if (bs > t->has_cap) {
+        unsigned char *has = malloc((size_t)bs);
+        if (!has) return -1;
+        free(t->has);
+        t->has = has;
+        t->has_cap = bs;
+    }
+    if (n > t->ptrs_cap) {
+        void **ptrs = malloc((size_t)n * sizeof(void *));
+        if (!ptrs) return -1;
+        free(t->ptrs);
+        t->ptrs = ptrs;
+        t->ptrs_cap = n;
+    }
+    return 0;
+}
+
+static int validate_and_prefill(dsh_trav *t, dsh_trav_job *jobs, int32_t n, const int64_t *draft, int32_t bs,
+                                int32_t chain, int32_t vocab, int32_t *bits, int32_t words, int32_t *failed, char *err,
                                 size_t errlen) {
-    unsigned char *has = calloc((size_t)bs, 1);
-    void **ptrs = n ? malloc((size_t)n * sizeof(void *)) : NULL;
-    if (!has || (n && !ptrs)) {
-        free(has);
-        free(ptrs);
+    if (ensure_scratch(t, bs, n)) {
         set_err(err, errlen, "out of memory");
         return DSH_TRAV_E_ARG;
     }
+    unsigned char *has = t->has;
+    void **ptrs = t->ptrs;
+    memset(has, 0, (size_t)bs);
     int rc = DSH_TRAV_OK;
     for (int32_t i = 0; i < n && !rc; i++) {
         dsh_trav_job *j = &jobs[i];
         if (!j->matcher || j->row < 0 || j->row >= bs || j->root < 0 || j->root >= j->end || j->end > chain ||
             j->n_stop < 0 || (j->n_stop && !j->stop)) {
-            set_err(err, errlen, "job row=%d root=%d end=%d outside batch %dx%d (or no matcher)", j->row, j->root, j->end,
-                bs, chain);
+            set_err(err, errlen, "job row=%d root=%d end=%d outside batch %dx%d (or no matcher)", j->row, j->root,
+                    j->end, bs, chain);
             rc = DSH_TRAV_E_ARG;
         } else if (has[j->row]) {
             set_err(err, errlen, "batch row %d assigned to two matchers", j->row);
@@ -442,7 +475,7 @@ static int validate_and_prefill(dsh_trav_job *jobs, int32_t n, const int64_t *dr
                     }
                 *failed = second;
                 set_err(err, errlen, "its GrammarMatcher is shared with batch row %d (rows are traversed concurrently)",
-                    jobs[first].row);
+                        jobs[first].row);
                 rc = DSH_TRAV_E_ARG;
                 break;
             }
@@ -456,8 +489,6 @@ static int validate_and_prefill(dsh_trav_job *jobs, int32_t n, const int64_t *dr
             fill_ones(bits, words, (int64_t)j->row * chain + j->end, chain - j->end);
         }
     }
-    free(has);
-    free(ptrs);
     return rc;
 }
 
@@ -481,25 +512,24 @@ static int ensure_links(dsh_trav *t, int32_t chain) {
     return 0;
 }
 
-int dsh_trav_run(dsh_trav *t, dsh_trav_job *jobs, int32_t n_jobs, const int64_t *draft, int32_t bs,
-                 int32_t chain, int32_t vocab_size, int32_t *bits, int32_t words, int32_t *failed_job, char *err,
-                 size_t errlen) {
+int dsh_trav_run(dsh_trav *t, dsh_trav_job *jobs, int32_t n_jobs, const int64_t *draft, int32_t bs, int32_t chain,
+                 int32_t vocab_size, int32_t *bits, int32_t words, int32_t *failed_job, char *err, size_t errlen) {
     int32_t dummy;
     if (!failed_job) failed_job = &dummy;
     *failed_job = -1;
     if (!t || !draft || !bits || (n_jobs && !jobs) || n_jobs < 0 || bs <= 0 || chain <= 0 || words <= 0 ||
         vocab_size <= 0 || vocab_size > words * 32) {
-        set_err(err, errlen, "null traversal, buffers or bad geometry (bs=%d chain=%d vocab=%d words=%d jobs=%d)", bs, chain,
-            vocab_size, words, n_jobs);
+        set_err(err, errlen, "null traversal, buffers or bad geometry (bs=%d chain=%d vocab=%d words=%d jobs=%d)", bs,
+                chain, vocab_size, words, n_jobs);
         return DSH_TRAV_E_ARG;
     }
     if (getpid() != t->owner) {
         set_err(err, errlen, "native traversal used in pid %d, opened in pid %d (worker threads do not survive fork)",
-            (int)getpid(), (int)t->owner);
+                (int)getpid(), (int)t->owner);
         return DSH_TRAV_E_THREAD;
     }
     pthread_mutex_lock(&t->run_mu);
-    int rc = validate_and_prefill(jobs, n_jobs, draft, bs, chain, vocab_size, bits, words, failed_job, err, errlen);
+    int rc = validate_and_prefill(t, jobs, n_jobs, draft, bs, chain, vocab_size, bits, words, failed_job, err, errlen);
     if (!rc && ensure_links(t, chain)) {
         set_err(err, errlen, "out of memory");
         rc = DSH_TRAV_E_ARG;
@@ -533,7 +563,10 @@ int dsh_trav_run(dsh_trav *t, dsh_trav_job *jobs, int32_t n_jobs, const int64_t 
         /* the helpers are on their last job: spin briefly before sleeping on `done` */
         long long until = now_ns() + SPIN_DONE_NS;
         for (unsigned spins = 0; atomic_load_explicit(&t->active, memory_order_acquire) > 0; spins++) {
-            if ((spins & 63) == 0 && now_ns() > until) break;
+            if ((spins % SPIN_CHECK) == SPIN_CHECK - 1) {
+                if (now_ns() > until) break;
+                sched_yield();
+            }
             cpu_relax();
         }
         pthread_mutex_lock(&t->mu);
@@ -572,5 +605,7 @@ void dsh_trav_close(dsh_trav *t) {
     if (t->lib) dlclose(t->lib);
     free(t->links);
     free(t->sibs);
+    free(t->has);
+    free(t->ptrs);
     free(t);
 }

@@ -21,11 +21,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
-enum {
-    DSH_TRAV_ABI_VERSION = 3,
-    DSH_TRAV_MAX_THREADS = 64,
-    DSH_TRAV_ERRBUF_MIN = 256
-};
+enum { DSH_TRAV_ABI_VERSION = 3, DSH_TRAV_MAX_THREADS = 64, DSH_TRAV_ERRBUF_MIN = 256 };
 
 enum {
     DSH_TRAV_OK = 0,
@@ -40,12 +36,12 @@ enum {
 typedef struct dsh_trav dsh_trav;
 
 typedef struct {
-    void *matcher;        /* TVMFFIObjectHandle of an xgrammar GrammarMatcher (borrowed) */
-    int32_t row;          /* batch row */
-    int32_t root;         /* first chain position filled from the matcher's current state */
-    int32_t end;          /* exclusive upper bound (<= chain); clipped in C at the first draft token
+    void *matcher;  /* TVMFFIObjectHandle of an xgrammar GrammarMatcher (borrowed) */
+    int32_t row;    /* batch row */
+    int32_t root;   /* first chain position filled from the matcher's current state */
+    int32_t end;    /* exclusive upper bound (<= chain); clipped in C at the first draft token
                              >= vocab_size after root (stock rejects it without asking the grammar) */
-    int32_t n_stop;       /* the matcher's stop token ids */
+    int32_t n_stop; /* the matcher's stop token ids */
     const int32_t *stop;
 } dsh_trav_job;
 
@@ -57,9 +53,8 @@ int dsh_trav_open(const char *libpath, void *probe_matcher, int threads, dsh_tra
 /* draft: (bs, chain) int64, row-major; bits: (>= bs*chain, words) int32, row-major; a negative
  * draft token after a job's root (before its end) is an error (stock has no meaning for it).
  * On error *failed_job is the lowest failing job index (-1 when no single job is to blame). */
-int dsh_trav_run(dsh_trav *t, dsh_trav_job *jobs, int32_t n_jobs, const int64_t *draft, int32_t bs,
-                 int32_t chain, int32_t vocab_size, int32_t *bits, int32_t words, int32_t *failed_job, char *err,
-                 size_t errlen);
+int dsh_trav_run(dsh_trav *t, dsh_trav_job *jobs, int32_t n_jobs, const int64_t *draft, int32_t bs, int32_t chain,
+                 int32_t vocab_size, int32_t *bits, int32_t words, int32_t *failed_job, char *err, size_t errlen);
 
 /* Wakes the worker threads ahead of a step: they spin up to `spin_us` microseconds for the next
  * dsh_trav_run, then sleep again. Optional; takes the thread wake-up latency off the step. */

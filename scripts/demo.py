@@ -52,8 +52,10 @@ def main(argv=None) -> int:
         print("check failed: the server would refuse to start", file=sys.stderr)
         return rc
 
-    step("launching sglang.launch_server --dp-size 2 --tp-size 2 --enable-dp-attention (CPU, tiny DeepseekV3), "
-         "native DP2 exchange on")
+    step(
+        "launching sglang.launch_server --dp-size 2 --tp-size 2 --enable-dp-attention (CPU, tiny DeepseekV3), "
+        "native DP2 exchange on"
+    )
     server = start_server(CONFIG)
     try:
         print(f"ready at {server.url} (log: {server.log_path})")
@@ -65,15 +67,19 @@ def main(argv=None) -> int:
         for rank in (0, 1):
             out = server.generate("import os", max_new_tokens=8, routed_dp_rank=rank)
             print(f"routed {rank}   -> dp_rank={out['meta_info'].get('dp_rank')} text={out['text']!r}")
-        batch = server.post("/generate", {
-            "text": [f"x = {i}" for i in range(8)], "routed_dp_rank": 1,
-            "sampling_params": {"max_new_tokens": 4, "temperature": 0.0},
-        }, timeout=300).json()
+        batch = server.post(
+            "/generate",
+            {
+                "text": [f"x = {i}" for i in range(8)],
+                "routed_dp_rank": 1,
+                "sampling_params": {"max_new_tokens": 4, "temperature": 0.0},
+            },
+            timeout=300,
+        ).json()
         print(f"routed batch of 8 to rank 1 -> ranks {sorted({b['meta_info'].get('dp_rank') for b in batch})}")
         bad = server.post("/generate", {"text": "x", "routed_dp_rank": 7, "sampling_params": {"max_new_tokens": 2}})
         print(f"routed to rank 7 -> HTTP {bad.status_code}: {bad.text[:160]}")
-        out = server.generate("Answer in JSON:", max_new_tokens=48,
-                              sampling_params={"json_schema": json.dumps(SCHEMA)})
+        out = server.generate("Answer in JSON:", max_new_tokens=48, sampling_params={"json_schema": json.dumps(SCHEMA)})
         print(f"json_schema -> {out['text']!r} (parses: {json.loads(out['text'])})")
         health = server.get("/health_scheduler")
         print(f"/health_scheduler -> HTTP {health.status_code} {health.text[:200]}")
@@ -85,8 +91,12 @@ def main(argv=None) -> int:
         if args.full:
             step("every non-zero dspark_harden_* series (--full)")
             for line in text.splitlines():
-                if (line.startswith("dspark_harden_") and not line.rstrip().endswith(" 0.0")
-                        and "_bucket{" not in line and "_created" not in line):
+                if (
+                    line.startswith("dspark_harden_")
+                    and not line.rstrip().endswith(" 0.0")
+                    and "_bucket{" not in line
+                    and "_created" not in line
+                ):
                     print("  " + line)
     finally:
         step("shutdown")

@@ -11,7 +11,9 @@ SGLANG_REQ="sglang==0.5.23"
 # runtime + test requirements that are not pulled by sglang itself
 # hypothesis < 6.170.10: hypothesis-jsonschema 0.23.1 (the latest) uses conjecture's many.more(), removed in 6.170.10
 # grafana-foundation-sdk (Grafana's dashboards-as-code SDK, pinned: the shipped dashboard JSON is its output)
-EXTRA_REQS=(cffi pyzmq prometheus-client filelock "pluggy>=1.5" packaging "pytest>=8,<9" "pytest-forked>=1.6" pytest-timeout jsonschema numpy "setuptools>=77" wheel "hypothesis>=6.100,<6.170.10" "hypothesis-jsonschema==0.23.1" "grafana-foundation-sdk==1769699998!10.1.0")
+# ruff, clang-format: the linters (pinned: tests/packaging/test_lint.py runs them in make test)
+# build: `python -m build` (the sdist + abi3 wheel; tests/packaging builds and installs it, docs/install.md)
+EXTRA_REQS=("ruff==0.17.6" "clang-format==23.1.5" cffi pyzmq prometheus-client filelock "pluggy>=1.5" packaging "pytest>=8,<9" "pytest-forked>=1.6" pytest-timeout jsonschema numpy "setuptools>=77" wheel "build>=1.2" "hypothesis>=6.100,<6.170.10" "hypothesis-jsonschema==0.23.1" "grafana-foundation-sdk==1769699998!10.1.0")
 # the grammar tests' real-world schema corpus: the JSON Schema Test Suite from the npm registry
 NPM_PREFIX="${DSPARK_HARDEN_NPM_PREFIX:-$HOME/.cache/dspark-harden/npm}"
 NPM_CORPUS="json-schema-test-suite@0.0.10"
@@ -28,6 +30,7 @@ assert md.version("sglang") == "0.5.23"
 import sglang, torch, xgrammar, zmq, cffi, pluggy, filelock, prometheus_client, pytest, pytest_forked  # noqa
 import hypothesis, hypothesis_jsonschema  # noqa
 import grafana_foundation_sdk  # noqa
+import build  # noqa
 PY
 }
 

@@ -11,12 +11,16 @@
 
 from __future__ import annotations
 
+import faulthandler
 import os
+import sys
+import threading
+import time
 
 import pytest
 
 from tests.harness import shared
-from tests.harness.server import SGLangServer, ServerConfig
+from tests.harness.server import ServerConfig, SGLangServer
 
 
 def pytest_configure(config):
@@ -70,8 +74,97 @@ def _no_bind_leaks_into_the_pytest_process(request):
         with st.lock:
             del st.patches[n:]
             st.pm, st.report, st.settings = pm, report, settings
-        pytest.fail(f"{request.node.nodeid} bound in the pytest process (metric registry or binder state "
-                    "changed): mark it @pytest.mark.forked", pytrace=False)
+        pytest.fail(
+            f"{request.node.nodeid} bound in the pytest process (metric registry or binder state "
+            "changed): mark it @pytest.mark.forked",
+            pytrace=False,
+        )
+
+
+def _other_threads() -> dict:
+    main = threading.main_thread()
+    return {t.ident: t for t in threading.enumerate() if t is not main and t.is_alive()}
+
+
+# how long the threads alive in the pytest process get to end before a fork is reported as taken with them
+THREAD_GRACE_S = 5.0
+_THREAD_ORIGIN: dict = {}  # thread ident -> the test during which it was first seen alive
+_FORKED_WITH: list = []  # the threads the parent still ran when it forked this test (read in the child)
+
+
+@pytest.fixture(autouse=True)
+def _no_fork_with_threads(request):
+    """The pytest process forks for every ``@pytest.mark.forked`` test. A fork taken while another
+    thread of this process runs (a grammar worker inside xgrammar's compiler, a persister thread, a
+    pipe reader) copies the locks that thread holds into the child, held forever: a CI run hung 30
+    minutes in test_set_cache's forked child after earlier grammar tests left 11 threads behind. The
+    parent records which test started each thread (below) and, before a fork, gives live threads
+    ``THREAD_GRACE_S`` to end (``pytest_runtest_protocol``). A fork taken with threads still running is
+    reported at the end of the run (``pytest_terminal_summary``: each forked test, each thread and the
+    test that left it), and such a forked test fails before its body runs (``DSPARK_TEST_STRICT_FORK=0``:
+    report only).
+    The child's watchdog (``pytest_runtest_setup``) bounds a hang either way."""
+    if os.getpid() != _PYTEST_PID:
+        if _FORKED_WITH and os.environ.get("DSPARK_TEST_STRICT_FORK", "1") != "0":
+            pytest.fail(
+                f"forked while {len(_FORKED_WITH)} other thread(s) ran in the pytest process: "
+                f"{'; '.join(_FORKED_WITH)} (the fork copies their held locks; the tests named "
+                "must close what they started)",
+                pytrace=False,
+            )
+        yield
+        return
+    yield
+    for ident in _other_threads():
+        _THREAD_ORIGIN.setdefault(ident, request.node.nodeid)
+
+
+_FORKS_WITH_THREADS: list = []  # (forked test, [thread descriptions]) for the terminal summary
+
+
+def pytest_terminal_summary(terminalreporter):
+    if _FORKS_WITH_THREADS:
+        terminalreporter.section("forked tests forked while other threads ran (fork hazard)")
+        for nodeid, threads in _FORKS_WITH_THREADS:
+            terminalreporter.line(f"{nodeid}: {'; '.join(threads)}")
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_protocol(item, nextitem):
+    _FORKED_WITH.clear()
+    if os.getpid() != _PYTEST_PID or item.get_closest_marker("forked") is None:
+        return None
+    live = list(_other_threads().values())
+    end = time.monotonic() + THREAD_GRACE_S
+    for t in live:
+        t.join(max(0.0, end - time.monotonic()))
+    _FORKED_WITH.extend(
+        f"{t.name}{' (daemon)' if t.daemon else ''} left by {_THREAD_ORIGIN.get(t.ident, 'a fixture or plugin')}"
+        for t in live
+        if t.is_alive()
+    )
+    if _FORKED_WITH:
+        _FORKS_WITH_THREADS.append((item.nodeid, list(_FORKED_WITH)))
+    return None
+
+
+def _child_watchdog_s(item) -> float:
+    """A forked child's own deadline, before pytest-timeout's (the test's ``timeout`` mark, else
+    ``--timeout``). That alarm only raises in the parent, which then leaves the hung child behind and
+    hangs at exit joining it (the CI run that timed out): the child has to end itself."""
+    mark = item.get_closest_marker("timeout")
+    if mark is not None and mark.args:
+        timeout = float(mark.args[0])
+    else:
+        timeout = float(item.config.getoption("timeout", default=0) or 0)
+    return max(30.0, timeout - 60.0) if timeout > 0 else 0.0
+
+
+def pytest_runtest_setup(item):
+    if os.getpid() != _PYTEST_PID:  # a forked child: dump every thread's stack and exit when hung
+        limit = _child_watchdog_s(item)
+        if limit:
+            faulthandler.dump_traceback_later(limit, exit=True, file=sys.__stderr__)
 
 
 def _shared_names(item) -> list[str]:
@@ -114,6 +207,12 @@ def pytest_runtest_teardown(item, nextitem):
 
 def pytest_sessionfinish(session, exitstatus):
     shared.stop_all()
+    # a forked child still running here (pytest-timeout failed its test from the parent) would make
+    # this process hang at exit in multiprocessing's join of its children
+    import multiprocessing
+
+    for child in multiprocessing.active_children():
+        child.kill()
 
 
 def _shared_fixture(name):

@@ -13,9 +13,8 @@ import sys
 import time
 from typing import Optional
 
-from .core import binder
+from .core import binder, roles
 from .core.patch import Role
-from .core import roles
 from .core.roles import detect_context
 
 logger = logging.getLogger("dspark_harden")
@@ -91,10 +90,8 @@ def _install_post_apply_verifier() -> None:
         return result
 
     apply_hooks_then_verify.__wrapped__ = func
-    setattr(
-        HookRegistry,
-        "apply_hooks",
-        classmethod(apply_hooks_then_verify) if isinstance(original, classmethod) else apply_hooks_then_verify,
+    HookRegistry.apply_hooks = (
+        classmethod(apply_hooks_then_verify) if isinstance(original, classmethod) else apply_hooks_then_verify
     )
     _VERIFIER_INSTALLED = True
 

@@ -49,7 +49,6 @@ def _probe_advance_grammar_fsm_idempotent():
 
     import torch
     import xgrammar as xgr
-
     from sglang.srt.constrained.xgrammar_backend import XGrammarGrammar
     from sglang.srt.managers.scheduler_components import batch_result_processor as brp
     from sglang.srt.managers.utils import GenerationBatchResult
@@ -60,27 +59,43 @@ def _probe_advance_grammar_fsm_idempotent():
     info = xgr.TokenizerInfo(vocab, vocab_size=len(vocab), stop_token_ids=[eos])
     compiled = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False).compile_regex("abc")
     grammar = XGrammarGrammar(xgr.GrammarMatcher(compiled), len(vocab), compiled, None, key_string="probe")
-    req = types.SimpleNamespace(rid="dspark-harden-probe", grammar=grammar, is_retracted=False, to_finish=None,
-                                finished=lambda: False)
+    req = types.SimpleNamespace(
+        rid="dspark-harden-probe", grammar=grammar, is_retracted=False, to_finish=None, finished=lambda: False
+    )
     batch = types.SimpleNamespace(has_grammar=True, forward_mode=ForwardMode.DECODE, reqs=[req])
     run = [a, b, c, eos, x]
-    result = GenerationBatchResult(next_token_ids=torch.tensor(run), accept_lens=torch.tensor([len(run)]),
-                                   speculative_num_draft_tokens=len(run))
+    result = GenerationBatchResult(
+        next_token_ids=torch.tensor(run), accept_lens=torch.tensor([len(run)]), speculative_num_draft_tokens=len(run)
+    )
     proc = object.__new__(brp.SchedulerBatchResultProcessor)
     cls = brp.SchedulerBatchResultProcessor
     cls.advance_grammar_fsm(proc, result, batch)
-    first = (list(grammar.accepted_tokens), result.grammar_advanced, result.grammar_retained_tokens,
-             grammar.is_terminated(), req.to_finish)
+    first = (
+        list(grammar.accepted_tokens),
+        result.grammar_advanced,
+        result.grammar_retained_tokens,
+        grammar.is_terminated(),
+        req.to_finish,
+    )
     if first != ([a, b, c, eos], True, [[a, b, c, eos]], True, None):
-        return False, (f"{ADVANCE_GRAMMAR_FSM}: one call over a b c <eos> x gave accepted={first[0]}, "
-                       f"grammar_advanced={first[1]}, retained={first[2]}, terminated={first[3]}, "
-                       f"to_finish={first[4]} (expected the FSM advanced once, truncated after <eos>)")
+        return False, (
+            f"{ADVANCE_GRAMMAR_FSM}: one call over a b c <eos> x gave accepted={first[0]}, "
+            f"grammar_advanced={first[1]}, retained={first[2]}, terminated={first[3]}, "
+            f"to_finish={first[4]} (expected the FSM advanced once, truncated after <eos>)"
+        )
     cls.advance_grammar_fsm(proc, result, batch)
-    second = (list(grammar.accepted_tokens), result.grammar_advanced, result.grammar_retained_tokens,
-              grammar.is_terminated(), req.to_finish)
+    second = (
+        list(grammar.accepted_tokens),
+        result.grammar_advanced,
+        result.grammar_retained_tokens,
+        grammar.is_terminated(),
+        req.to_finish,
+    )
     if second != first:
-        return False, (f"{ADVANCE_GRAMMAR_FSM} is not idempotent: a second call on the same result changed "
-                       f"(accepted, advanced, retained, terminated, to_finish) from {first} to {second}")
+        return False, (
+            f"{ADVANCE_GRAMMAR_FSM} is not idempotent: a second call on the same result changed "
+            f"(accepted, advanced, retained, terminated, to_finish) from {first} to {second}"
+        )
     return True, f"{ADVANCE_GRAMMAR_FSM}: advances once, truncates after the terminating token, idempotent (called)"
 
 
@@ -134,8 +149,9 @@ def _probe_one_token_excluded_from_decode_merge():
 
     def run(queued, reqs):
         prefill = types.SimpleNamespace(reqs=list(reqs))
-        sched = types.SimpleNamespace(enable_skip_finishing_decode=True,
-                                      result_queue=collections.deque([(prefill, None)] if queued else []))
+        sched = types.SimpleNamespace(
+            enable_skip_finishing_decode=True, result_queue=collections.deque([(prefill, None)] if queued else [])
+        )
         sched._reqs_finishing_inflight = types.MethodType(Scheduler._reqs_finishing_inflight, sched)
         batch = _Batch(reqs)
         try:
@@ -148,15 +164,23 @@ def _probe_one_token_excluded_from_decode_merge():
         got = run(True, [one, one_lp])
         want = ["one", "one-logprob"]
         if got != want:
-            return False, (f"{REQS_FINISHING_INFLIGHT}: one-token requests (with/without return_logprob) queued "
-                           f"from a prefill: excluded {got} from the decode merge, expected {want}")
+            return False, (
+                f"{REQS_FINISHING_INFLIGHT}: one-token requests (with/without return_logprob) queued "
+                f"from a prefill: excluded {got} from the decode merge, expected {want}"
+            )
         got = _Batch([one, one_lp, four])
-        excluded = Scheduler._reqs_finishing_inflight(types.SimpleNamespace(
-            enable_skip_finishing_decode=True,
-            result_queue=collections.deque([(types.SimpleNamespace(reqs=got.reqs), None)])), got)
+        excluded = Scheduler._reqs_finishing_inflight(
+            types.SimpleNamespace(
+                enable_skip_finishing_decode=True,
+                result_queue=collections.deque([(types.SimpleNamespace(reqs=got.reqs), None)]),
+            ),
+            got,
+        )
         if [r.rid for r in excluded] != want:
-            return False, (f"{REQS_FINISHING_INFLIGHT}: with a max_new_tokens=4 request beside them it excluded "
-                           f"{[r.rid for r in excluded]}, expected {want}")
+            return False, (
+                f"{REQS_FINISHING_INFLIGHT}: with a max_new_tokens=4 request beside them it excluded "
+                f"{[r.rid for r in excluded]}, expected {want}"
+            )
         got = run(False, [one, one_lp])
         if got:
             return False, f"{REQS_FINISHING_INFLIGHT}: with no queued result it excluded {got}, expected none"
@@ -206,7 +230,6 @@ def _probe_slice_output_rows_nested():
     target returns it (a DSpark target: ``(hidden, [aux0, (aux1,)])``) and trim to 5 rows: every
     tensor leaf must come back with 5 rows, tuples as tuples, lists as lists, values unchanged."""
     import torch
-
     from sglang.srt.model_executor.runner import prefill_cuda_graph_runner as pg
 
     rows = torch.arange(8 * 3, dtype=torch.float32).view(8, 3)
@@ -223,8 +246,15 @@ def _probe_slice_output_rows_nested():
 
     want = ("tuple", [("T", (5, 3)), ("list", [("T", (5, 3)), ("tuple", [("T", (5, 3))])])])
     if shape(got) != want:
-        return False, f"{SLICE_OUTPUT_ROWS}: trimming (hidden, [aux0, (aux1,)]) to 5 rows gave {shape(got)}, expected {want}"
-    if not (torch.equal(got[0], rows[:5]) and torch.equal(got[1][0], rows[:5] + 1) and torch.equal(got[1][1][0], rows[:5] + 2)):
+        return (
+            False,
+            f"{SLICE_OUTPUT_ROWS}: trimming (hidden, [aux0, (aux1,)]) to 5 rows gave {shape(got)}, expected {want}",
+        )
+    if not (
+        torch.equal(got[0], rows[:5])
+        and torch.equal(got[1][0], rows[:5] + 1)
+        and torch.equal(got[1][1][0], rows[:5] + 2)
+    ):
         return False, f"{SLICE_OUTPUT_ROWS}: trimmed rows differ from the first 5 rows of each leaf"
     if pg._slice_output_rows(None, 5) is not None:
         return False, f"{SLICE_OUTPUT_ROWS}: None output not passed through"
@@ -246,7 +276,8 @@ def _probe_load_budget_throttle():
     ctl = types.SimpleNamespace(
         _last_refresh_time=0.0,
         dp_budget=types.SimpleNamespace(update_budget=updates.append),
-        load_snapshot_reader=types.SimpleNamespace(read_all=lambda: "snapshot"))
+        load_snapshot_reader=types.SimpleNamespace(read_all=lambda: "snapshot"),
+    )
     try:
         DataParallelController.refresh_load_budget(ctl)
         DataParallelController.refresh_load_budget(ctl)
@@ -276,7 +307,6 @@ def _probe_dsv4_indexer_metadata_copy_in_place():
     import dataclasses
 
     import torch
-
     from sglang.srt.layers.attention.dsv4 import metadata as M
 
     def mk(v):

@@ -1,5 +1,7 @@
 /* Two processes (fork; each opens its own end after the fork) run N exchanges and check every
- * value. Built by tests/dp2/test_native_c.py with AddressSanitizer and ThreadSanitizer.
+ * value: even iterations through dspark_dp2_exchange, odd ones through the bound one-argument call
+ * (dspark_dp2_exchange_bound) into a ring of ROWS output rows; once, a request naming a row outside
+ * the bound rows must be refused (DSPARK_DP2_E_ARG, nothing published) and the channel stay usable. Built by tests/dp2/test_native_c.py with AddressSanitizer and ThreadSanitizer.
  * usage: c_harness <session-id> <iterations> */
 #define _GNU_SOURCE
 #include "dp2_exchange.h"
@@ -13,6 +15,7 @@
 #include <unistd.h>
 
 #define WIDTH 11
+#define ROWS 7
 
 static int run(const char *session, int rank, long iters) {
     char err[512];
@@ -22,11 +25,32 @@ static int run(const char *session, int rank, long iters) {
         fprintf(stderr, "rank %d open failed (%d): %s\n", rank, rc, err);
         return 2;
     }
-    int64_t local[WIDTH], out[2 * WIDTH];
+    int64_t local[WIDTH], plain_out[2 * WIDTH], req[1 + WIDTH], rows[ROWS][2 * WIDTH];
     dspark_dp2_stats st;
+    memset(&st, 0, sizeof st);
+    rc = dspark_dp2_bind(ch, req, &rows[0][0], ROWS, &st, err, sizeof err);
+    if (rc != 0) {
+        fprintf(stderr, "rank %d bind failed (%d): %s\n", rank, rc, err);
+        return 2;
+    }
+    req[0] = ROWS; /* one past the last row: refused before anything is published */
+    rc = dspark_dp2_exchange_bound(ch);
+    if (rc != DSPARK_DP2_E_ARG || strstr(err, "outside the 7 bound rows") == NULL || dspark_dp2_shared_error(ch) != 0) {
+        fprintf(stderr, "rank %d: out-of-range row gave %d (%s), shared error %d\n", rank, rc, err,
+                dspark_dp2_shared_error(ch));
+        return 7;
+    }
     for (long i = 1; i <= iters; ++i) {
+        const int bound = (int)(i & 1);
+        int64_t *out = bound ? rows[i % ROWS] : plain_out;
         for (int j = 0; j < WIDTH; ++j) local[j] = (int64_t)rank * 1000000000 + (int64_t)i * 16 + j;
-        rc = dspark_dp2_exchange(ch, local, out, &st, err, sizeof err);
+        if (bound) {
+            req[0] = i % ROWS;
+            memcpy(req + 1, local, sizeof local);
+            rc = dspark_dp2_exchange_bound(ch);
+        } else {
+            rc = dspark_dp2_exchange(ch, local, out, &st, err, sizeof err);
+        }
         if (rc != 0) {
             fprintf(stderr, "rank %d exchange %ld failed (%d): %s\n", rank, i, rc, err);
             return 3;

@@ -25,11 +25,24 @@ def _mlp_worker(rank: int, port: int, session: str, iters: int) -> dict:
     w = init_worker(rank, port, session)
     dp_attn, group, active = w.dp_attn, w.group, w.active
     stock = dp_attn.MLPSyncBatchInfo.all_gather
-    assert w.sync.width == dp_attn.MLPSyncBatchInfo(
-        num_dp_ranks=2, tp_size=1, cp_size=1, num_tokens=0, num_tokens_for_logprob=0,
-        can_run_decode_cuda_graph=False, can_run_draft_cuda_graph=False, can_run_prefill_cuda_graph=False,
-        is_extend_in_batch=False, local_can_run_tbo=False, local_forward_mode=0,
-    )._get_local_tensor("cpu").numel()
+    assert (
+        w.sync.width
+        == dp_attn.MLPSyncBatchInfo(
+            num_dp_ranks=2,
+            tp_size=1,
+            cp_size=1,
+            num_tokens=0,
+            num_tokens_for_logprob=0,
+            can_run_decode_cuda_graph=False,
+            can_run_draft_cuda_graph=False,
+            can_run_prefill_cuda_graph=False,
+            is_extend_in_batch=False,
+            local_can_run_tbo=False,
+            local_forward_mode=0,
+        )
+        ._get_local_tensor("cpu")
+        .numel()
+    )
     rng = random.Random(1000 + rank)  # per-rank inputs
     shared = random.Random(7)  # decisions both ranks must take identically
     mismatches, stats = [], {"masked": 0, "idle_rank": 0, "health": 0, "modes": set(), "coop": 0}
@@ -96,7 +109,9 @@ def _tier_worker(rank: int, port: int, session: str, iters: int) -> dict:
         stock(planner, batch=a, local_tier_num_tokens=tier)
         hardened(planner, batch=b, local_tier_num_tokens=tier)
         ra, rb = a.global_spec_verify_tier_num_tokens, b.global_spec_verify_tier_num_tokens
-        if (type(ra), ra) != (type(rb), rb) or (isinstance(ra, list) and [type(x) for x in ra] != [type(x) for x in rb]):
+        if (type(ra), ra) != (type(rb), rb) or (
+            isinstance(ra, list) and [type(x) for x in ra] != [type(x) for x in rb]
+        ):
             if len(mismatches) < 5:
                 mismatches.append((i, ra, rb))
     # a tier below -1 is refused (and poisons the channel for both ranks)
@@ -175,3 +190,49 @@ def test_a_live_peer_stalling_past_the_timeout_does_not_fail_the_hot_path():
     r0, r1 = run_pair(_stall_worker, (), timeout=800)
     assert r0["mismatches"] == [] and r1["mismatches"] == [], (r0, r1)
     assert r0["stalls"] >= 2 and r1["stalls"] == 0, (r0, r1)
+
+
+def _odd_values_worker(rank: int, port: int, session: str, iters: int) -> dict:
+    """Odd-typed rows: floats (refused by ``struct``: the ``int()`` slow path), numpy scalars (taken by
+    ``struct`` through ``__index__``); raw ``Channel.exchange`` calls on the same channel in between rebind
+    the native handle to their own buffer and back. Everything must equal stock. Mutations red: the slow
+    path converting differently; ``Channel.exchange`` not rebinding."""
+    import numpy as np
+
+    w = init_worker(rank, port, session)
+    dp_attn, group = w.dp_attn, w.group
+    stock = dp_attn.MLPSyncBatchInfo.all_gather
+    rng = random.Random(77 + rank)
+    mismatches, raw_bad, odd = [], [], 0
+    for i in range(iters):
+        info = random_info(dp_attn, rng, rank)
+        kind = i % 4
+        if kind == 1:
+            info.num_tokens = np.int64(info.num_tokens)
+            info.can_run_decode_cuda_graph = np.bool_(info.can_run_decode_cuda_graph)
+        elif kind == 2:
+            info.num_tokens_for_logprob = float(info.num_tokens_for_logprob) + 0.5
+            info.attention_pairs = np.int32(info.attention_pairs % (1 << 30))
+        odd += kind in (1, 2)
+        a, b = copy.copy(info), copy.copy(info)
+        stock(a, "cpu", group)
+        w.sync(b, "cpu", group)
+        d = differences(a, b)
+        if d and len(mismatches) < 5:
+            mismatches.append((i, kind, d))
+        if kind == 3:  # a raw exchange on the MLP channel between two hardened calls
+            out = w.sync.channel.exchange([i] * w.sync.width)
+            if out != [i] * (2 * w.sync.width) and len(raw_bad) < 5:
+                raw_bad.append((i, out))
+    w.runtime.close_all()
+    w.dist.destroy_process_group()
+    return {"mismatches": mismatches, "raw_bad": raw_bad, "odd": odd}
+
+
+@pytest.mark.timeout(900)
+def test_hardened_all_gather_slow_path_values_and_interleaved_raw_exchanges_match():
+    results = run_pair(_odd_values_worker, (800,), timeout=800)
+    for rank, res in enumerate(results):
+        assert res["mismatches"] == [], f"rank {rank}: {res['mismatches']}"
+        assert res["raw_bad"] == [], f"rank {rank}: {res['raw_bad']}"
+        assert res["odd"] == 400

@@ -28,7 +28,7 @@ def _samples(text: str, name: str) -> dict:
     out = {}
     for line in text.splitlines():
         if line.startswith(name + "{"):
-            labels, value = line[len(name) + 1:].rsplit("} ", 1)
+            labels, value = line[len(name) + 1 :].rsplit("} ", 1)
             key = tuple(sorted(re.findall(r'(\w+)="([^"]*)"', labels)))
             out[key] = float(value)
     return out
@@ -61,8 +61,13 @@ def test_native_exchange_serves_a_real_dp2_server_and_cleans_up():
         enabled = _samples(text, "dspark_harden_dp2_exchange_enabled")
         assert {dict(k)["dp_rank"] for k, v in enabled.items() if v == 1 and dict(k)["channel"] == "mlp"} == {"0", "1"}
         bound = _samples(text, "dspark_harden_feature_bound")
-        assert any(dict(k).get("feature") == "dp2-native-exchange" and dict(k).get("role") == "scheduler"
-                   and dict(k).get("status") == "bound" and v == 1 for k, v in bound.items()), bound
+        assert any(
+            dict(k).get("feature") == "dp2-native-exchange"
+            and dict(k).get("role") == "scheduler"
+            and dict(k).get("status") == "bound"
+            and v == 1
+            for k, v in bound.items()
+        ), bound
         seconds = _samples(text, "dspark_harden_dp2_exchange_seconds_total")
         assert any(dict(k).get("phase") == "exchange_total" and v > 0 for k, v in seconds.items())
         log = server.log_text()

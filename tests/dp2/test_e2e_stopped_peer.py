@@ -28,8 +28,11 @@ pytestmark = pytest.mark.server
 
 PERIOD_MS = 3000
 STOP_MS = 40000
-CONFIG = DP2_CONFIG.with_env(SGLANG_DSPARK_DP2_SHM_MLP_SYNC="1", SGLANG_DSPARK_DP2_SHM_TIMEOUT_MS=str(PERIOD_MS),
-                             SGLANG_DSPARK_DP2_SHM_PEER_STOP_MS=str(STOP_MS))
+CONFIG = DP2_CONFIG.with_env(
+    SGLANG_DSPARK_DP2_SHM_MLP_SYNC="1",
+    SGLANG_DSPARK_DP2_SHM_TIMEOUT_MS=str(PERIOD_MS),
+    SGLANG_DSPARK_DP2_SHM_PEER_STOP_MS=str(STOP_MS),
+)
 CONFIG = type(CONFIG)(**{**CONFIG.__dict__, "name": "dp2-stopped-peer"})
 
 
@@ -60,8 +63,9 @@ def test_stopped_rank_1_is_named_by_health_then_fails_both_ranks():
             code, body = _health(server)
         assert (code, body.get("reason")) == (503, "dp2_stalled"), (body, server.log_tail())
         assert body["bad_ranks"] == [1], body
-        assert body["message"].startswith("DP rank 1 stalled: alive but not taking part in the scheduler steps; "
-                                          "DP rank 0 has waited"), body
+        assert body["message"].startswith(
+            "DP rank 1 stalled: alive but not taking part in the scheduler steps; DP rank 0 has waited"
+        ), body
         # named by the peer watch (rank 0 blocked in stock's per-iteration gloo control broadcast) or by the
         # exchange's own stall report (rank 0 waiting in the exchange): either names rank 1's pid and state
         assert f"(pid {pid1})" in body["message"] and "process state T" in body["message"], body
@@ -70,8 +74,10 @@ def test_stopped_rank_1_is_named_by_health_then_fails_both_ranks():
 
         # past the stop limit: rank 0 fails like a dead peer, the server exits with the scheduler code
         deadline = t0 + STOP_MS / 1000 + 120.0
-        pattern = re.compile(rf"peer died: rank 1 pid {pid1} is stopped \(state T\) for \d+\.\d s, longer than the "
-                             rf"limit of {STOP_MS} ms \(SGLANG_DSPARK_DP2_SHM_PEER_STOP_MS\)")
+        pattern = re.compile(
+            rf"peer died: rank 1 pid {pid1} is stopped \(state T\) for \d+\.\d s, longer than the "
+            rf"limit of {STOP_MS} ms \(SGLANG_DSPARK_DP2_SHM_PEER_STOP_MS\)"
+        )
         while not pattern.search(server.log_text()) and server.proc.poll() is None:
             assert time.monotonic() < deadline, server.log_tail()
             time.sleep(0.2)
@@ -83,8 +89,13 @@ def test_stopped_rank_1_is_named_by_health_then_fails_both_ranks():
         assert "Dp2Error" in log
         assert rc == 3, (rc, server.log_tail())
         # what each rank said (shown with -s): rank 0 the named error, rank 1 'poisoned' if it ran before teardown
-        sys.stderr.write("".join(line + "\n" for line in log.splitlines()
-                                 if re.search(r"peer died|channel poisoned|exiting with code|exit code", line)))
+        sys.stderr.write(
+            "".join(
+                line + "\n"
+                for line in log.splitlines()
+                if re.search(r"peer died|channel poisoned|exiting with code|exit code", line)
+            )
+        )
     finally:
         if pid1 is not None:
             try:

@@ -48,7 +48,9 @@ class Peer:
         e.update(env or {})
         self.proc = subprocess.Popen(
             [sys.executable, PEER, mode, session, str(rank), *map(str, args)],
-            stdout=subprocess.PIPE, text=True, env=e,
+            stdout=subprocess.PIPE,
+            text=True,
+            env=e,
         )
         self.lines: queue.Queue = queue.Queue()
         threading.Thread(target=self._pump, daemon=True).start()
@@ -219,8 +221,9 @@ def test_sequence_divergence_stops_both_ranks(publish, tmp_path):
     go = tmp_path / "go"
     # publish: the peer jumps 3 ahead (legal lead is 1); else only its local count diverges. It skips only
     # once we have read its last row (go file): jumping while we still copy that row is a different error
-    peer = Peer("exchange-then-skip", s, 1, 5, 3 if publish else 1, "1" if publish else "0",
-                env={"PEER_GO_FILE": str(go)})
+    peer = Peer(
+        "exchange-then-skip", s, 1, 5, 3 if publish else 1, "1" if publish else "0", env={"PEER_GO_FILE": str(go)}
+    )
     try:
         peer.event()
         for i in range(5):
@@ -404,8 +407,10 @@ def test_closed_handle_is_refused():
 # -- item 0 of "Fail closed and bounded everywhere": publish-then-close/die while the other rank waits --
 
 
-@pytest.mark.parametrize("mode,gone", [("exchange-then-close", "closed"), ("exchange-then-exit", "exiting"),
-                                       ("exchange-then-poison", "poisoned")])
+@pytest.mark.parametrize(
+    "mode,gone",
+    [("exchange-then-close", "closed"), ("exchange-then-exit", "exiting"), ("exchange-then-poison", "poisoned")],
+)
 def test_data_published_before_close_or_death_completes_the_exchange(mode, gone):
     """Deterministic: the waiter is held (native fault hook) between its stale read of the peer's
     sequence and its state checks until the peer has published the awaited sequence and closed (or
@@ -421,8 +426,11 @@ def test_data_published_before_close_or_death_completes_the_exchange(mode, gone)
         ch.debug_hold_until_peer_closed()
         assert ch.exchange([1] * W) == [1] * W + [1001] * W
         assert peer.event()["event"] == gone
-        want = {"closed": "closed the channel at sequence 2 while rank 0 waits for 3", "exiting": "peer died",
-                "poisoned": "channel poisoned: rank 1 published error 18"}[gone]
+        want = {
+            "closed": "closed the channel at sequence 2 while rank 0 waits for 3",
+            "exiting": "peer died",
+            "poisoned": "channel poisoned: rank 1 published error 18",
+        }[gone]
         with pytest.raises(Dp2Error, match=want):
             ch.exchange([2] * W)
     finally:
@@ -521,8 +529,9 @@ def test_creator_failing_after_init_fails_a_blocked_peer_at_once(tmp_path):
     subprocess.run([cc, "-shared", "-fPIC", str(src), "-o", str(lib)], check=True)
     inside = tmp_path / "inside"
     s = _session()
-    creator = Peer("exchange-then-close", s, 0, 0, env={"LD_PRELOAD": str(lib), "SHIM_INSIDE_FILE": str(inside)},
-                   timeout_ms=5000)
+    creator = Peer(
+        "exchange-then-close", s, 0, 0, env={"LD_PRELOAD": str(lib), "SHIM_INSIDE_FILE": str(inside)}, timeout_ms=5000
+    )
     try:
         deadline = time.monotonic() + 30
         while not inside.exists():

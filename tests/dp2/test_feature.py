@@ -27,8 +27,15 @@ def _args(**kw):
 def test_settings_are_strict():
     vals = load_settings(S.SETTINGS, {})
     assert vals[S.SWITCH] is False and vals[S.TIMEOUT_MS] == 30000 and vals[S.SESSION_ID] is None
-    for name, bad in [(S.SWITCH, "true"), (S.TIMEOUT_MS, "0"), (S.TIMEOUT_MS, "-5"), (S.SESSION_ID, "  "),
-                      (S.SPIN_US, "-1"), (S.METRICS, "yes"), (S.LIBRARY, "/tmp/x.so")]:
+    for name, bad in [
+        (S.SWITCH, "true"),
+        (S.TIMEOUT_MS, "0"),
+        (S.TIMEOUT_MS, "-5"),
+        (S.SESSION_ID, "  "),
+        (S.SPIN_US, "-1"),
+        (S.METRICS, "yes"),
+        (S.LIBRARY, "/tmp/x.so"),
+    ]:
         with pytest.raises(SettingsError, match=name):
             load_settings(S.SETTINGS, {name: bad})
 
@@ -77,10 +84,12 @@ _BIND_SCRIPT = textwrap.dedent(
 def _bind(case: dict, env: dict) -> dict:
     e = {k: v for k, v in os.environ.items() if not k.startswith("SGLANG_DSPARK_DP2")}
     e.update(env)
-    r = subprocess.run([sys.executable, "-c", _BIND_SCRIPT, json.dumps(case)], capture_output=True, text=True, env=e, timeout=600)
-    lines = [l for l in r.stdout.splitlines() if l.startswith("RESULT ")]
+    r = subprocess.run(
+        [sys.executable, "-c", _BIND_SCRIPT, json.dumps(case)], capture_output=True, text=True, env=e, timeout=600
+    )
+    lines = [ln for ln in r.stdout.splitlines() if ln.startswith("RESULT ")]
     assert lines, r.stdout[-2000:] + r.stderr[-4000:]
-    return json.loads(lines[-1][len("RESULT "):])
+    return json.loads(lines[-1][len("RESULT ") :])
 
 
 ON = {"SGLANG_DSPARK_DP2_SHM_MLP_SYNC": "1"}
@@ -115,8 +124,8 @@ def test_binding_good_geometry_opens_channels_and_skips_dspark_when_not_configur
 
 
 def test_disabled_by_default_binds_nothing():
-    from dspark_harden.dp2.feature import dspark_patches
     from dspark_harden.core.patch import Role
+    from dspark_harden.dp2.feature import dspark_patches
 
     settings = load_settings(S.SETTINGS, {})
     assert dspark_patches(role=Role.SCHEDULER, settings=settings) == []

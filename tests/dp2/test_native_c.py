@@ -22,8 +22,25 @@ pytestmark = pytest.mark.skipif(CC is None, reason="no C compiler")
 def test_compiles_alone_with_strict_warnings(tmp_path):
     out = tmp_path / "libdp2.so"
     r = subprocess.run(
-        [CC, "-std=c11", "-Wall", "-Wextra", "-Werror", "-O3", "-fPIC", "-shared", "-I", NATIVE, SRC, "-o", str(out), "-lrt"],
-        capture_output=True, text=True,
+        [
+            CC,
+            "-std=c11",
+            "-Wall",
+            "-Wextra",
+            "-Werror",
+            "-O3",
+            "-fPIC",
+            "-shared",
+            "-I",
+            NATIVE,
+            SRC,
+            "-o",
+            str(out),
+            "-lrt",
+            "-lpthread",
+        ],
+        capture_output=True,
+        text=True,
     )
     assert r.returncode == 0, r.stderr
     assert out.exists()
@@ -44,13 +61,33 @@ def test_two_process_harness_under_sanitizer(tmp_path, sanitizer):
         pytest.skip(f"{sanitizer} sanitizer runtime not available")
     exe = tmp_path / f"harness_{sanitizer}"
     r = subprocess.run(
-        [CC, "-std=c11", "-Wall", "-Wextra", "-Werror", "-O1", "-g", f"-fsanitize={sanitizer}",
-         "-fno-omit-frame-pointer", "-I", NATIVE, HARNESS, SRC, "-o", str(exe), "-lrt"],
-        capture_output=True, text=True,
+        [
+            CC,
+            "-std=c11",
+            "-Wall",
+            "-Wextra",
+            "-Werror",
+            "-O1",
+            "-g",
+            f"-fsanitize={sanitizer}",
+            "-fno-omit-frame-pointer",
+            "-I",
+            NATIVE,
+            HARNESS,
+            SRC,
+            "-o",
+            str(exe),
+            "-lrt",
+            "-lpthread",
+        ],
+        capture_output=True,
+        text=True,
     )
     assert r.returncode == 0, r.stderr
     env = dict(os.environ, ASAN_OPTIONS="detect_leaks=1:abort_on_error=1", TSAN_OPTIONS="halt_on_error=1")
-    run = subprocess.run([str(exe), f"san-{uuid.uuid4().hex}", "100000"], capture_output=True, text=True, env=env, timeout=880)
+    run = subprocess.run(
+        [str(exe), f"san-{uuid.uuid4().hex}", "100000"], capture_output=True, text=True, env=env, timeout=880
+    )
     assert run.returncode == 0, run.stdout + run.stderr
     assert "ok 100000 exchanges" in run.stdout
     assert "ERROR: AddressSanitizer" not in run.stderr and "WARNING: ThreadSanitizer" not in run.stderr

@@ -17,19 +17,34 @@ from dspark_harden.dp2.mlp_sync import SchemaError, live_schema  # noqa: E402
 def test_live_schema_matches_stock():
     cls = dp_attn.MLPSyncBatchInfo
     schema = live_schema(cls)
-    info = cls(num_dp_ranks=2, tp_size=1, cp_size=1, num_tokens=3, num_tokens_for_logprob=2,
-               can_run_decode_cuda_graph=True, can_run_draft_cuda_graph=False, can_run_prefill_cuda_graph=True,
-               is_extend_in_batch=True, local_can_run_tbo=False, local_forward_mode=2,
-               prefill_cuda_graph_max_prefix_len=9, is_health_check=True, attention_pairs=77)
+    info = cls(
+        num_dp_ranks=2,
+        tp_size=1,
+        cp_size=1,
+        num_tokens=3,
+        num_tokens_for_logprob=2,
+        can_run_decode_cuda_graph=True,
+        can_run_draft_cuda_graph=False,
+        can_run_prefill_cuda_graph=True,
+        is_extend_in_batch=True,
+        local_can_run_tbo=False,
+        local_forward_mode=2,
+        prefill_cuda_graph_max_prefix_len=9,
+        is_health_check=True,
+        attention_pairs=77,
+    )
     assert schema.width == info._get_local_tensor("cpu").numel() == 11
     assert [int(getattr(info, c)) for c in schema.columns] == info._get_local_tensor("cpu").tolist()
     assert list(schema.fallback) == info._get_fallback_tensor("cpu").tolist()
 
 
-@pytest.mark.parametrize("extra, message", [
-    (0, r"columns \[11\] of the 12-wide row come from fields this version of dspark-harden does not know"),
-    (5, r"an all-zero instance packs \[0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 5\]"),
-])
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (0, r"columns \[11\] of the 12-wide row come from fields this version of dspark-harden does not know"),
+        (5, r"an all-zero instance packs \[0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 5\]"),
+    ],
+)
 def test_extra_stock_column_is_refused(extra, message):
     @dataclasses.dataclass
     class Wider(dp_attn.MLPSyncBatchInfo):

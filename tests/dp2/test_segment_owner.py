@@ -71,8 +71,11 @@ def test_segment_with_group_or_world_access_is_refused():
     os.fchmod(fd, 0o666)
     os.close(fd)
     try:
-        with pytest.raises(Dp2Error, match=rf"/dev/shm{name} is not this server's: owner uid {os.geteuid()} mode 0666, "
-                                           r"expected uid \d+ mode 0600") as info:
+        with pytest.raises(
+            Dp2Error,
+            match=rf"/dev/shm{name} is not this server's: owner uid {os.geteuid()} mode 0666, "
+            r"expected uid \d+ mode 0600",
+        ) as info:
             _open(s)
         assert info.value.name == "owned"
         assert os.path.exists(path) and os.stat(path).st_size == 0

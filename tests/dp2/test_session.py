@@ -125,8 +125,12 @@ def _mlp_calls(server) -> dict:
 @pytest.mark.timeout(1800)
 def test_two_dp2_servers_side_by_side_without_a_session_id(monkeypatch):
     monkeypatch.delenv(SESSION_ID, raising=False)
-    configs = [type(DP2_CONFIG)(**{**DP2_CONFIG.with_env(SGLANG_DSPARK_DP2_SHM_MLP_SYNC="1").__dict__,
-                                   "name": f"dp2-auto-{i}"}) for i in (0, 1)]
+    configs = [
+        type(DP2_CONFIG)(
+            **{**DP2_CONFIG.with_env(SGLANG_DSPARK_DP2_SHM_MLP_SYNC="1").__dict__, "name": f"dp2-auto-{i}"}
+        )
+        for i in (0, 1)
+    ]
     assert all(SESSION_ID not in dict(c.env) for c in configs)
     servers = [SGLangServer(c) for c in configs]
     try:

@@ -25,7 +25,7 @@ from dspark_harden.dp2 import board as B
 from dspark_harden.dp2 import native
 from dspark_harden.dp2.channels import Dp2Runtime
 from dspark_harden.dp2.native import Dp2Error
-from tests.dp2.test_faults import W, Peer, _open, _session, no_shm_leftovers  # noqa: F401 - autouse fixture
+from tests.dp2.test_faults import Peer, W, _open, _session, no_shm_leftovers  # noqa: F401 - autouse fixture
 
 
 def _state(pid: int) -> str:
@@ -43,8 +43,9 @@ def test_stopped_peer_fails_both_ranks_like_a_dead_one():
     s = _session()
     stalls = []
     # (hard limit far above the stop limit: without the stop check this fails as a timeout, never hangs)
-    ch = _open(s, timeout_ms=300, hard_timeout_ms=30000, peer_stop_ms=1500,
-               on_stall=lambda msg, waited: stalls.append(msg))
+    ch = _open(
+        s, timeout_ms=300, hard_timeout_ms=30000, peer_stop_ms=1500, on_stall=lambda msg, waited: stalls.append(msg)
+    )
     peer = Peer("exchange-then-late", s, 1, 3, 4.0, timeout_ms=300)
     try:
         assert peer.event()["event"] == "opened"
@@ -54,8 +55,11 @@ def test_stopped_peer_fails_both_ranks_like_a_dead_one():
         os.kill(peer.proc.pid, signal.SIGSTOP)
         _wait_state(peer.proc.pid, "T")
         t0 = time.monotonic()
-        with pytest.raises(Dp2Error, match=r"peer died: rank 1 pid \d+ is stopped \(state T\) for 1\.\d s, longer "
-                                           r"than the limit of 1500 ms \(SGLANG_DSPARK_DP2_SHM_PEER_STOP_MS\)") as info:
+        with pytest.raises(
+            Dp2Error,
+            match=r"peer died: rank 1 pid \d+ is stopped \(state T\) for 1\.\d s, longer "
+            r"than the limit of 1500 ms \(SGLANG_DSPARK_DP2_SHM_PEER_STOP_MS\)",
+        ) as info:
             ch.exchange([9] * W)
         elapsed = time.monotonic() - t0
         assert info.value.name == "peer_died"
@@ -79,8 +83,9 @@ def test_stopped_peer_fails_both_ranks_like_a_dead_one():
 def test_peer_stopped_shorter_than_the_limit_completes_late():
     s = _session()
     stalls = []
-    ch = _open(s, timeout_ms=200, hard_timeout_ms=0, peer_stop_ms=20000,
-               on_stall=lambda msg, waited: stalls.append(msg))
+    ch = _open(
+        s, timeout_ms=200, hard_timeout_ms=0, peer_stop_ms=20000, on_stall=lambda msg, waited: stalls.append(msg)
+    )
     peer = Peer("exchange-then-late", s, 1, 2, 0.2, timeout_ms=200)
     try:
         assert peer.event()["event"] == "opened"
@@ -89,8 +94,9 @@ def test_peer_stopped_shorter_than_the_limit_completes_late():
         assert peer.event()["event"] == "ready"
         os.kill(peer.proc.pid, signal.SIGSTOP)
         _wait_state(peer.proc.pid, "T")
-        cont = subprocess.Popen([sys.executable, "-c", f"import os,signal,time; time.sleep(1.0); "
-                                                       f"os.kill({peer.proc.pid}, signal.SIGCONT)"])
+        cont = subprocess.Popen(
+            [sys.executable, "-c", f"import os,signal,time; time.sleep(1.0); os.kill({peer.proc.pid}, signal.SIGCONT)"]
+        )
         assert ch.exchange([5] * W) == [5] * W + [1002] * W
         cont.wait(timeout=30)
         assert any("process state T: stopped" in m for m in stalls), stalls
@@ -175,8 +181,9 @@ sys.stdin.readline()  # stay alive (a record of a dead writer is not current)
 def test_board_reached_through_proc_and_refused_when_not_ours():
     board = B.Board.create()
     try:
-        child = subprocess.Popen([sys.executable, "-c", BOARD_WRITER, board.spec], stdout=subprocess.PIPE,
-                                 stdin=subprocess.PIPE, text=True)
+        child = subprocess.Popen(
+            [sys.executable, "-c", BOARD_WRITER, board.spec], stdout=subprocess.PIPE, stdin=subprocess.PIPE, text=True
+        )
         try:
             seen_by_child = json.loads(child.stdout.readline())
             assert [r["message"] for r in seen_by_child] == ["from the child"]
@@ -231,8 +238,16 @@ def test_runtime_publishes_a_stopped_peer_on_the_board_and_clears_it(monkeypatch
     monkeypatch.setenv(B.ENV, board.spec)
     rt = Dp2Runtime()
     s = _session()
-    rt.configure(session_id=s, timeout_ms=300, spin_us=50, export=False, rank=0, dp_label="0",
-                 hard_timeout_ms=30000, peer_stop_ms=2500)
+    rt.configure(
+        session_id=s,
+        timeout_ms=300,
+        spin_us=50,
+        export=False,
+        rank=0,
+        dp_label="0",
+        hard_timeout_ms=30000,
+        peer_stop_ms=2500,
+    )
     assert rt.board is board
     ch = rt.open("mlp", width=W, digest=7)
     peer = Peer("exchange-then-late", s, 1, 2, 5.0, timeout_ms=300)
@@ -244,6 +259,7 @@ def test_runtime_publishes_a_stopped_peer_on_the_board_and_clears_it(monkeypatch
         assert peer.event()["event"] == "ready"
         os.kill(peer.proc.pid, signal.SIGSTOP)
         _wait_state(peer.proc.pid, "T")
+
         def watch():
             deadline = time.monotonic() + 60
             while time.monotonic() < deadline and not ch.closed:
@@ -302,8 +318,13 @@ def test_peer_watch_names_and_ends_a_rank_blocked_outside_the_exchange():
     board = B.Board.create()
     s = _session()
     env = dict(os.environ, **{B.ENV: board.spec})
-    rank0 = subprocess.Popen([sys.executable, "-c", WATCHED_RANK, s, "2000"], stdout=subprocess.PIPE,
-                             stderr=subprocess.PIPE, text=True, env=env)
+    rank0 = subprocess.Popen(
+        [sys.executable, "-c", WATCHED_RANK, s, "2000"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
     peer = Peer("exchange-then-late", s, 1, 2, 15.0, timeout_ms=300)
     try:
         assert peer.event()["event"] == "opened"

@@ -10,7 +10,6 @@ from __future__ import annotations
 import inspect
 
 import pytest
-
 import torch
 
 from dspark_testsupport import cpu_platform as C
@@ -36,17 +35,29 @@ def test_kv_copy_cpu_form_moves_rows_of_every_layer_reading_sources_first():
 
 def test_assign_req_to_token_pool_cpu_form():
     req_to_token = torch.zeros((3, 8), dtype=torch.int32)
-    C.assign_req_to_token_pool_cpu(torch.tensor([2, 0]), req_to_token, torch.tensor([1, 4]), torch.tensor([3, 7]),
-                                   torch.tensor([10, 11, 20, 21, 22]), 8)
+    C.assign_req_to_token_pool_cpu(
+        torch.tensor([2, 0]),
+        req_to_token,
+        torch.tensor([1, 4]),
+        torch.tensor([3, 7]),
+        torch.tensor([10, 11, 20, 21, 22]),
+        8,
+    )
     assert req_to_token[2, 1:3].tolist() == [10, 11] and req_to_token[0, 4:7].tolist() == [20, 21, 22]
     assert int(req_to_token.sum()) == 10 + 11 + 20 + 21 + 22
 
 
 def test_speculative_cache_locs_cpu_form():
     req_to_token = torch.arange(24, dtype=torch.int32).view(3, 8)
-    out = C.speculative_cache_locs_cpu(req_pool_indices=torch.tensor([1, 2]), req_to_token=req_to_token,
-                                       start_offset=torch.tensor([2, 5]), end_offset=torch.tensor([4, 7]),
-                                       batch_size=2, draft_token_num=2, device="cpu")
+    out = C.speculative_cache_locs_cpu(
+        req_pool_indices=torch.tensor([1, 2]),
+        req_to_token=req_to_token,
+        start_offset=torch.tensor([2, 5]),
+        end_offset=torch.tensor([4, 7]),
+        batch_size=2,
+        draft_token_num=2,
+        device="cpu",
+    )
     assert out.dtype == torch.int64 and out.tolist() == [10, 11, 21, 22]
 
 
@@ -71,7 +82,7 @@ def test_dspark_handler_cpu_form_replaces_exactly_the_device_gate(monkeypatch):
     form = H._handle_dspark
     assert form.__wrapped__ is stock and form.__dspark_cpu_form__
     src = inspect.getsource(stock)
-    assert ("DSpark speculative decoding only supports CUDA" in src)
+    assert "DSpark speculative decoding only supports CUDA" in src
     # the form's code differs from stock only by the gate: it now calls the out-of-tree check first
     assert "_check_oot_speculative_algorithm" in form.__code__.co_names
     assert "_check_oot_speculative_algorithm" not in stock.__code__.co_names
@@ -88,8 +99,17 @@ def _verify_setup(causal: bool, *, nq=4, nkv=2, hd=8, prefixes=(5, 3), n=4, seed
     from sglang.srt.speculative.draft_worker_common import make_draft_block_spec_info
 
     g = torch.Generator().manual_seed(seed)
-    pool = MHATokenToKVPool(size=64, page_size=1, dtype=torch.float32, head_num=nkv, head_dim=hd, layer_num=1,
-                            device="cpu", enable_memory_saver=False, enable_alt_stream=False)
+    pool = MHATokenToKVPool(
+        size=64,
+        page_size=1,
+        dtype=torch.float32,
+        head_num=nkv,
+        head_dim=hd,
+        layer_num=1,
+        device="cpu",
+        enable_memory_saver=False,
+        enable_alt_stream=False,
+    )
     req_to_token = torch.zeros((4, 32), dtype=torch.int32)
     rows, slot, out_cache_loc = [2, 0], 1, []
     for row, prefix in zip(rows, prefixes):
@@ -102,14 +122,33 @@ def _verify_setup(causal: bool, *, nq=4, nkv=2, hd=8, prefixes=(5, 3), n=4, seed
     pool.v_buffer[0].copy_(torch.randn(pool.v_buffer[0].shape, generator=g))
     bs = len(rows)
     layer = types.SimpleNamespace(
-        layer_id=0, tp_q_head_num=nq, tp_k_head_num=nkv, tp_v_head_num=nkv, qk_head_dim=hd, v_head_dim=hd,
-        head_dim=hd, scaling=hd ** -0.5, is_cross_attention=False, sliding_window_size=-1, logit_cap=0.0,
-        attn_type=AttentionType.DECODER if causal else AttentionType.ENCODER_ONLY, k_scale=None, v_scale=None)
+        layer_id=0,
+        tp_q_head_num=nq,
+        tp_k_head_num=nkv,
+        tp_v_head_num=nkv,
+        qk_head_dim=hd,
+        v_head_dim=hd,
+        head_dim=hd,
+        scaling=hd**-0.5,
+        is_cross_attention=False,
+        sliding_window_size=-1,
+        logit_cap=0.0,
+        attn_type=AttentionType.DECODER if causal else AttentionType.ENCODER_ONLY,
+        k_scale=None,
+        v_scale=None,
+    )
     fb = types.SimpleNamespace(
-        forward_mode=ForwardMode.TARGET_VERIFY, spec_info=make_draft_block_spec_info(draft_token_num=n, device="cpu"),
-        seq_lens=torch.tensor(prefixes), req_pool_indices=torch.tensor(rows), out_cache_loc=torch.cat(out_cache_loc))
-    backend = types.SimpleNamespace(token_to_kv_pool=pool, req_to_token_pool=types.SimpleNamespace(req_to_token=req_to_token),
-                                    swa_out_cache_loc=None)
+        forward_mode=ForwardMode.TARGET_VERIFY,
+        spec_info=make_draft_block_spec_info(draft_token_num=n, device="cpu"),
+        seq_lens=torch.tensor(prefixes),
+        req_pool_indices=torch.tensor(rows),
+        out_cache_loc=torch.cat(out_cache_loc),
+    )
+    backend = types.SimpleNamespace(
+        token_to_kv_pool=pool,
+        req_to_token_pool=types.SimpleNamespace(req_to_token=req_to_token),
+        swa_out_cache_loc=None,
+    )
     q = torch.randn((bs * n, nq * hd), generator=g)
     k = torch.randn((bs * n, nkv, hd), generator=g)  # RadixAttention.forward hands K/V over as [tokens, heads, dim]
     v = torch.randn((bs * n, nkv, hd), generator=g)
@@ -132,10 +171,20 @@ def test_target_verify_cpu_form_equals_stock_extend_sdpa_over_prefix_plus_block(
     assert torch.equal(backend.token_to_kv_pool.k_buffer[0][fb.out_cache_loc], k)
     want = torch.empty((q.shape[0], 4, 8))
     TorchNativeAttnBackend._run_sdpa_forward_extend(
-        object.__new__(TorchNativeAttnBackend), q.view(-1, 4, 8), want,
-        backend.token_to_kv_pool.get_key_buffer(0), backend.token_to_kv_pool.get_value_buffer(0),
-        backend.req_to_token_pool.req_to_token, fb.req_pool_indices, fb.seq_lens + n, fb.seq_lens,
-        torch.full_like(fb.seq_lens, n), scaling=layer.scaling, enable_gqa=True, causal=causal)
+        object.__new__(TorchNativeAttnBackend),
+        q.view(-1, 4, 8),
+        want,
+        backend.token_to_kv_pool.get_key_buffer(0),
+        backend.token_to_kv_pool.get_value_buffer(0),
+        backend.req_to_token_pool.req_to_token,
+        fb.req_pool_indices,
+        fb.seq_lens + n,
+        fb.seq_lens,
+        torch.full_like(fb.seq_lens, n),
+        scaling=layer.scaling,
+        enable_gqa=True,
+        causal=causal,
+    )
     torch.testing.assert_close(got.view(-1, 4, 8), want, rtol=1e-5, atol=1e-5)
     # the two masks really differ (the test would not see a mask mix-up otherwise)
     layer.attn_type = _verify_setup(not causal)[1].attn_type

@@ -26,8 +26,7 @@ pytestmark = [pytest.mark.server, pytest.mark.timeout(1200)]
 
 SCHEMA = {
     "type": "object",
-    "properties": {"ok": {"type": "boolean"}, "color": {"enum": ["red", "green", "blue"]},
-                   "size": {"enum": [1, 2, 3]}},
+    "properties": {"ok": {"type": "boolean"}, "color": {"enum": ["red", "green", "blue"]}, "size": {"enum": [1, 2, 3]}},
     "required": ["ok", "color", "size"],
     "additionalProperties": False,
 }
@@ -64,11 +63,13 @@ def test_constrained_requests_validate_and_every_verify_step_is_masked_natively(
     after_plain = _steps(dspark_dp2_server)
     assert after_plain.get((r, "masked")) == before.get((r, "masked")), "an unconstrained request counted mask steps"
 
-    out_re = dspark_dp2_server.generate("Answer:", max_new_tokens=16, routed_dp_rank=rank,
-                                        sampling_params={"regex": REGEX})
+    out_re = dspark_dp2_server.generate(
+        "Answer:", max_new_tokens=16, routed_dp_rank=rank, sampling_params={"regex": REGEX}
+    )
     assert re.fullmatch(REGEX, out_re["text"]), out_re["text"]
-    out_js = dspark_dp2_server.generate("Answer in JSON:", max_new_tokens=64, routed_dp_rank=rank,
-                                        sampling_params={"json_schema": json.dumps(SCHEMA)})
+    out_js = dspark_dp2_server.generate(
+        "Answer in JSON:", max_new_tokens=64, routed_dp_rank=rank, sampling_params={"json_schema": json.dumps(SCHEMA)}
+    )
     assert out_js["meta_info"]["finish_reason"]["type"] == "stop", out_js["meta_info"]["finish_reason"]
     jsonschema.validate(json.loads(out_js["text"]), SCHEMA)
     for out in (out_re, out_js):

@@ -91,7 +91,9 @@ def test_auto_refuses_when_the_native_engine_does_not_bind(monkeypatch):
         raise TraversalError("native traversal could not bind to xgrammar: simulated ABI 0.2")
 
     monkeypatch.setattr(ChainTraverser, "_open_native", refuse)
-    with pytest.raises(TraversalError, match=r"auto: neither .*could not bind to xgrammar: simulated ABI 0\.2.*=scalar"):
+    with pytest.raises(
+        TraversalError, match=r"auto: neither .*could not bind to xgrammar: simulated ABI 0\.2.*=scalar"
+    ):
         ChainTraverser("auto")
     with pytest.raises(TraversalError, match="^native traversal could not bind"):
         ChainTraverser("native")  # named: its own error, no auto wording
@@ -108,8 +110,10 @@ def test_the_feature_fails_at_bind_when_auto_has_no_fast_engine(no_native):
     report = bind(ON)
     assert not report.ok
     lines = report.failures()
-    assert any("[dspark-masks] enabled by DSPARK_HARDEN_DSPARK_MASKS=1 but unavailable" in line and NOT_BUILT in line
-               for line in lines), lines
+    assert any(
+        "[dspark-masks] enabled by DSPARK_HARDEN_DSPARK_MASKS=1 but unavailable" in line and NOT_BUILT in line
+        for line in lines
+    ), lines
     binder.revert_all()
     report = bind({**ON, F.ENGINE: "scalar"})
     assert report.ok, report.failures()
@@ -131,8 +135,11 @@ def test_startup_opens_the_engine_reports_it_and_sets_the_gauge(context):
     assert st.detail.startswith("engine native (DSPARK_HARDEN_GRAMMAR_TRAVERSAL=auto, 2 thread(s))"), st.detail
     assert "cpu (synchronous protocol)" in st.detail
     assert I._RUNTIME is not None and I._RUNTIME.traverser.engine == "native"  # opened at start-up
-    samples = {s.labels["engine"]: s.value
-               for s in metrics.get("dspark_harden_dspark_mask_engine").collect()[0].samples if s.labels["dp_rank"] == "1"}
+    samples = {
+        s.labels["engine"]: s.value
+        for s in metrics.get("dspark_harden_dspark_mask_engine").collect()[0].samples
+        if s.labels["dp_rank"] == "1"
+    }
     assert samples == {"native": 1.0, "batch": 0.0, "scalar": 0.0, "threads": 0.0, "level": 0.0}
     binder.revert_all()
 
@@ -145,16 +152,24 @@ def test_startup_with_scalar_named_reports_scalar(context):
     F.dspark_process_bound(role=Role.SCHEDULER, settings=binder.STATE.settings, report=report)
     st = next(f for f in report.features if f.name == F.FEATURE)
     assert st.detail.startswith("engine scalar (DSPARK_HARDEN_GRAMMAR_TRAVERSAL=scalar"), st.detail
-    samples = {s.labels["engine"]: s.value for s in metrics.get("dspark_harden_dspark_mask_engine").collect()[0].samples}
+    samples = {
+        s.labels["engine"]: s.value for s in metrics.get("dspark_harden_dspark_mask_engine").collect()[0].samples
+    }
     assert samples["scalar"] == 1.0 and samples["native"] == 0.0
     binder.revert_all()
 
 
 @pytest.mark.forked
-@pytest.mark.parametrize("device, needle", [
-    ("npu", "runs on CUDA (pinned slots, copy stream, events) or on the CPU (synchronous); the server's device is 'npu'"),
-    ("cuda", "the server's device is cuda but torch sees no CUDA device"),
-])
+@pytest.mark.parametrize(
+    "device, needle",
+    [
+        (
+            "npu",
+            "runs on CUDA (pinned slots, copy stream, events) or on the CPU (synchronous); the server's device is 'npu'",
+        ),
+        ("cuda", "the server's device is cuda but torch sees no CUDA device"),
+    ],
+)
 def test_startup_refuses_a_device_the_pipeline_cannot_serve(context, device, needle):
     if device == "cuda" and torch.cuda.is_available():
         pytest.skip("this host has a CUDA device")
@@ -193,7 +208,9 @@ def _warnings(caplog, context, server_args, **ctx):
     context(server_args, **ctx)
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="dspark_harden.dspark_masks"):
-        F.dspark_process_bound(role=Role.SCHEDULER, settings={F.SWITCH: False}, report=types.SimpleNamespace(features=[]))
+        F.dspark_process_bound(
+            role=Role.SCHEDULER, settings={F.SWITCH: False}, report=types.SimpleNamespace(features=[])
+        )
     return [r for r in caplog.records if r.levelno == logging.WARNING]
 
 

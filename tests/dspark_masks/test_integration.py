@@ -9,17 +9,16 @@ Stand-in: ``sampling_info`` is a namespace with the two attributes the function 
 
 from __future__ import annotations
 
+import importlib
+import sys
 import types
 
 import pluggy
 import pytest
-import torch
-
-import importlib
-import sys
-
 import sglang.srt.speculative.dspark_components.dspark_worker_v2 as W  # warm import for the forks
 import sglang.srt.speculative.spec_utils as SU
+import torch
+
 from dspark_harden.core import binder, hookspecs
 from dspark_harden.core.patch import Role
 from dspark_harden.dspark_masks import feature as F
@@ -37,9 +36,15 @@ def _importable(name):
         return None
 
 
-OTHER_ALGORITHMS = [m for m in (_importable("sglang.srt.speculative.eagle_worker_common"),
-                                _importable("sglang.srt.speculative.dflash_worker_v2"),
-                                _importable("sglang.srt.speculative.ngram_worker")) if m is not None]
+OTHER_ALGORITHMS = [
+    m
+    for m in (
+        _importable("sglang.srt.speculative.eagle_worker_common"),
+        _importable("sglang.srt.speculative.dflash_worker_v2"),
+        _importable("sglang.srt.speculative.ngram_worker"),
+    )
+    if m is not None
+]
 
 
 def manager():
@@ -132,8 +137,11 @@ def test_patched_worker_path_equals_stock_over_steps(factory):
         wl_ours = factory.workload(24, 6, seed=100 + step)
         wl_stock = factory.workload(24, 6, seed=100 + step)  # twin grammar objects, same states
         # the barrier advances one request's grammar by a valid token before the traversal reads it
-        target = next(i for i, r in enumerate(wl_ours.reqs)
-                      if type(r.grammar).__name__ == "XGrammarGrammar" and not r.grammar.is_terminated())
+        target = next(
+            i
+            for i, r in enumerate(wl_ours.reqs)
+            if type(r.grammar).__name__ == "XGrammarGrammar" and not r.grammar.is_terminated()
+        )
         m = torch.zeros((1, (V + 31) // 32), dtype=torch.int32)
         wl_ours.reqs[target].grammar.matcher.fill_next_token_bitmask(m, 0)
         token = next(t for t in range(V) if (int(m[0, t // 32]) >> (t % 32)) & 1)
@@ -143,14 +151,16 @@ def test_patched_worker_path_equals_stock_over_steps(factory):
 
         info_ours = types.SimpleNamespace(vocab_size=V, grammar_mask="leftover")
         tree = W.GrammarTree.from_linear_chain(wl_ours.draft.clone())
-        gm = W.build_grammar_vocab_mask(reqs=wl_ours.reqs, tree=tree, sampling_info=info_ours, device="cpu",
-                                        barrier=b_ours)
+        gm = W.build_grammar_vocab_mask(
+            reqs=wl_ours.reqs, tree=tree, sampling_info=info_ours, device="cpu", barrier=b_ours
+        )
         info_stock = types.SimpleNamespace(vocab_size=V, grammar_mask="leftover")
         nxt = torch.full((24, 6), -1, dtype=torch.int64)
         nxt[:, :-1] = torch.arange(1, 6)
         stock_tree = SU.GrammarTree.from_host(nxt, torch.full((24, 6), -1, dtype=torch.int64), wl_stock.draft)
-        want = SU.build_grammar_vocab_mask(reqs=wl_stock.reqs, tree=stock_tree, sampling_info=info_stock,
-                                           device="cpu", barrier=b_stock)
+        want = SU.build_grammar_vocab_mask(
+            reqs=wl_stock.reqs, tree=stock_tree, sampling_info=info_stock, device="cpu", barrier=b_stock
+        )
         assert calls_ours == calls_stock == ["barrier"]
         assert info_ours.grammar_mask is None and info_stock.grammar_mask is None
         got_mask = torch.full_like(want.vocab_mask, -1) if gm is None else gm.vocab_mask.clone()
@@ -164,8 +174,15 @@ def test_patched_worker_path_equals_stock_over_steps(factory):
         assert [matcher_state(r.grammar) for r in wl_ours.reqs] == [matcher_state(r.grammar) for r in wl_stock.reqs]
     rt = I.runtime()
     assert rt.outcomes["masked"] == 6
-    assert set(rt.last_phases) >= {"barrier", "buffer_wait", "draft_copy_wait", "resolution", "traversal",
-                                   "mask_upload", "total"}
+    assert set(rt.last_phases) >= {
+        "barrier",
+        "buffer_wait",
+        "draft_copy_wait",
+        "resolution",
+        "traversal",
+        "mask_upload",
+        "total",
+    }
     binder.revert_all()
 
 
@@ -180,18 +197,25 @@ def test_thinking_only_step_returns_no_mask_and_clears_the_leftover(factory):
     reqs = [Req("t", obj), Req("n", None)]
     draft = torch.tensor([[5, 6, 7, 8], [1, 2, 3, 4]], dtype=torch.int64)
     info = types.SimpleNamespace(vocab_size=V, grammar_mask="leftover")
-    gm = W.build_grammar_vocab_mask(reqs=reqs, tree=W.GrammarTree.from_linear_chain(draft), sampling_info=info,
-                                    device="cpu", barrier=None)
+    gm = W.build_grammar_vocab_mask(
+        reqs=reqs, tree=W.GrammarTree.from_linear_chain(draft), sampling_info=info, device="cpu", barrier=None
+    )
     assert gm is None and info.grammar_mask is None
     assert I.runtime().outcomes == {"masked": 0, "thinking_only": 1}
-    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
-               for s in metrics.get("dspark_harden_dspark_mask_steps_total").collect()[0].samples}
+    samples = {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for s in metrics.get("dspark_harden_dspark_mask_steps_total").collect()[0].samples
+    }
     assert samples[("dspark_harden_dspark_mask_steps_total", (("dp_rank", "none"), ("outcome", "thinking_only")))] == 1
     # the next step works (the slot was released)
     g = base.copy()
-    gm = W.build_grammar_vocab_mask(reqs=[Req("p", g), Req("n", None)],
-                                    tree=W.GrammarTree.from_linear_chain(torch.tensor([[5] + ids[:3], [1, 2, 3, 4]])),
-                                    sampling_info=info, device="cpu", barrier=None)
+    gm = W.build_grammar_vocab_mask(
+        reqs=[Req("p", g), Req("n", None)],
+        tree=W.GrammarTree.from_linear_chain(torch.tensor([[5] + ids[:3], [1, 2, 3, 4]])),
+        sampling_info=info,
+        device="cpu",
+        barrier=None,
+    )
     assert gm is not None
     gm.apply(torch.zeros((8, V)))
     binder.revert_all()
@@ -209,23 +233,42 @@ def test_fail_closed_paths_name_the_request_and_keep_the_pipeline_usable(factory
     draft = torch.tensor([[5] + ids[:3]], dtype=torch.int64)
     info = types.SimpleNamespace(vocab_size=V, grammar_mask=None)
     with pytest.raises(PipelineError, match="no request carries a grammar object"):
-        W.build_grammar_vocab_mask(reqs=[Req("empty-1", None)], tree=W.GrammarTree.from_linear_chain(draft),
-                                   sampling_info=info, device="cpu", barrier=None)
+        W.build_grammar_vocab_mask(
+            reqs=[Req("empty-1", None)],
+            tree=W.GrammarTree.from_linear_chain(draft),
+            sampling_info=info,
+            device="cpu",
+            barrier=None,
+        )
     with pytest.raises(UnsupportedGrammarError, match="request odd-2"):
-        W.build_grammar_vocab_mask(reqs=[Req("odd-2", InvalidGrammarObject("x"))],
-                                   tree=W.GrammarTree.from_linear_chain(draft), sampling_info=info, device="cpu",
-                                   barrier=None)
+        W.build_grammar_vocab_mask(
+            reqs=[Req("odd-2", InvalidGrammarObject("x"))],
+            tree=W.GrammarTree.from_linear_chain(draft),
+            sampling_info=info,
+            device="cpu",
+            barrier=None,
+        )
     with pytest.raises(PipelineError, match="GrammarTree patch .* is not live"):
-        W.build_grammar_vocab_mask(reqs=[Req("p", base.copy())], tree=SU.GrammarTree.from_host(draft, draft, draft),
-                                   sampling_info=info, device="cpu", barrier=None)
+        W.build_grammar_vocab_mask(
+            reqs=[Req("p", base.copy())],
+            tree=SU.GrammarTree.from_host(draft, draft, draft),
+            sampling_info=info,
+            device="cpu",
+            barrier=None,
+        )
     with pytest.raises(PipelineError, match="only linear-chain"):
         W.GrammarTree.from_device(draft, draft, draft)
     from dspark_harden.dspark_masks.pipeline import GeometryError
 
     with pytest.raises(GeometryError, match="chain length changed from 4 to 5"):
         W.GrammarTree.from_linear_chain(torch.zeros((1, 5), dtype=torch.int64))
-    gm = W.build_grammar_vocab_mask(reqs=[Req("ok", base.copy())], tree=W.GrammarTree.from_linear_chain(draft),
-                                    sampling_info=info, device="cpu", barrier=None)
+    gm = W.build_grammar_vocab_mask(
+        reqs=[Req("ok", base.copy())],
+        tree=W.GrammarTree.from_linear_chain(draft),
+        sampling_info=info,
+        device="cpu",
+        barrier=None,
+    )
     assert gm is not None
     gm.apply(torch.zeros((4, V)))
     binder.revert_all()

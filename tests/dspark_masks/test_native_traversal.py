@@ -54,35 +54,87 @@ def test_vendored_abi_header_matches_installed_tvm_ffi(tmp_path):
         ("dsh_TVMFFIObject", "TVMFFIObject", ["combined_ref_count", "type_index", "deleter"]),
         ("dsh_TVMFFIByteArray", "TVMFFIByteArray", ["data", "size"]),
         ("dsh_TVMFFIMethodInfo", "TVMFFIMethodInfo", ["name", "doc", "metadata", "flags", "method"]),
-        ("dsh_TVMFFITypeInfo", "TVMFFITypeInfo",
-         ["type_index", "type_depth", "type_key", "type_ancestors", "num_fields", "num_methods", "fields", "methods"]),
+        (
+            "dsh_TVMFFITypeInfo",
+            "TVMFFITypeInfo",
+            [
+                "type_index",
+                "type_depth",
+                "type_key",
+                "type_ancestors",
+                "num_fields",
+                "num_methods",
+                "fields",
+                "methods",
+            ],
+        ),
         ("dsh_TVMFFIVersion", "TVMFFIVersion", ["major", "minor", "patch"]),
     ]
-    lines = ['#include <stddef.h>', '#include "tvm/ffi/c_api.h"', '#include "tvm_ffi_abi.h"']
+    lines = ["#include <stddef.h>", '#include "tvm/ffi/c_api.h"', '#include "tvm_ffi_abi.h"']
     for ours, theirs, fields in checks:
-        lines.append(f"_Static_assert(sizeof({ours}) == sizeof({theirs}), \"size {ours}\");")
+        lines.append(f'_Static_assert(sizeof({ours}) == sizeof({theirs}), "size {ours}");')
         for f in fields:
-            lines.append(f"_Static_assert(offsetof({ours}, {f}) == offsetof({theirs}, {f}), \"{ours}.{f}\");")
+            lines.append(f'_Static_assert(offsetof({ours}, {f}) == offsetof({theirs}, {f}), "{ours}.{f}");')
     lines += [
-        "_Static_assert(offsetof(dsh_TVMFFIErrorCellPrefix, message) == offsetof(TVMFFIErrorCell, message), \"err\");",
-        *[f"_Static_assert((int)dsh_{k} == (int){k}, \"{k}\");" for k in
-          ("kTVMFFINone", "kTVMFFIInt", "kTVMFFIBool", "kTVMFFIFloat", "kTVMFFIDLTensorPtr",
-           "kTVMFFIStaticObjectBegin", "kTVMFFIError", "kTVMFFIFunction")],
+        '_Static_assert(offsetof(dsh_TVMFFIErrorCellPrefix, message) == offsetof(TVMFFIErrorCell, message), "err");',
+        *[
+            f'_Static_assert((int)dsh_{k} == (int){k}, "{k}");'
+            for k in (
+                "kTVMFFINone",
+                "kTVMFFIInt",
+                "kTVMFFIBool",
+                "kTVMFFIFloat",
+                "kTVMFFIDLTensorPtr",
+                "kTVMFFIStaticObjectBegin",
+                "kTVMFFIError",
+                "kTVMFFIFunction",
+            )
+        ],
         "_Static_assert(DSH_TVM_FFI_ABI_MAJOR == TVM_FFI_VERSION_MAJOR && DSH_TVM_FFI_ABI_MINOR == TVM_FFI_VERSION_MINOR,"
-        " \"ABI version\");",
+        ' "ABI version");',
         "int main(void) { return 0; }",
     ]
     src = tmp_path / "abi_check.c"
     src.write_text("\n".join(lines) + "\n")
-    res = subprocess.run(["gcc", "-std=c11", "-Wall", "-Werror", "-I", inc, "-I", dl, "-I", os.path.join(ROOT, "native"),
-                          "-o", str(tmp_path / "abi_check"), str(src)], capture_output=True, text=True)
+    res = subprocess.run(
+        [
+            "gcc",
+            "-std=c11",
+            "-Wall",
+            "-Werror",
+            "-I",
+            inc,
+            "-I",
+            dl,
+            "-I",
+            os.path.join(ROOT, "native"),
+            "-o",
+            str(tmp_path / "abi_check"),
+            str(src),
+        ],
+        capture_output=True,
+        text=True,
+    )
     assert res.returncode == 0, res.stderr
 
 
 def test_native_c_source_compiles_standalone_strict(tmp_path):
-    res = subprocess.run(["gcc", "-std=c11", "-O2", "-Wall", "-Wextra", "-Werror", "-c",
-                          os.path.join(ROOT, "native", "draft_traverse.c"), "-o", str(tmp_path / "t.o")],
-                         capture_output=True, text=True)
+    res = subprocess.run(
+        [
+            "gcc",
+            "-std=c11",
+            "-O2",
+            "-Wall",
+            "-Wextra",
+            "-Werror",
+            "-c",
+            os.path.join(ROOT, "native", "draft_traverse.c"),
+            "-o",
+            str(tmp_path / "t.o"),
+        ],
+        capture_output=True,
+        text=True,
+    )
     assert res.returncode == 0, res.stderr
 
 
@@ -166,8 +218,10 @@ def test_fail_closed_errors_name_the_request(factory):
 
 def test_bind_failures_are_specific(monkeypatch):
     monkeypatch.setattr(native, "tvm_ffi_library", lambda: "/nonexistent/libtvm_ffi.so")
-    with pytest.raises(TraversalError, match="could not bind to xgrammar: TVM FFI library /nonexistent/libtvm_ffi.so "
-                                             "is not loaded in this process"):
+    with pytest.raises(
+        TraversalError,
+        match="could not bind to xgrammar: TVM FFI library /nonexistent/libtvm_ffi.so is not loaded in this process",
+    ):
         native.NativeTraversal(2)
 
 
@@ -273,32 +327,46 @@ def test_a_step_wakes_and_waits_only_for_workers_with_jobs():
 
 def test_close_racing_a_running_step_waits_for_it():
     """Item 8: close() from another thread while a step runs waits for the step (the native pool is
-    not freed under it); the step's masks are complete and a later step fails clearly."""
+    not freed under it); the step's masks are complete and a later step fails clearly. The race is
+    made to happen, and shown: close() is called only once the step holds the traversal lock, and an
+    iteration counts as a race when the step ended after close() began (close waited for it)."""
     import threading
+    import time
 
     f = NativeFactory(vocab=2048, pad=64)
-    matchers, roots, draft = f.batch(64, 8, seed=11)
+    matchers, roots, draft = f.batch(256, 8, seed=11)
     V = f.vocab_size
-    want = torch.empty((64 * 8, _words(V)), dtype=torch.int32)
+    want = torch.empty((256 * 8, _words(V)), dtype=torch.int32)
     ChainTraverser("scalar").traverse(native_jobs(matchers, roots, draft, V), draft, want, V)
+    raced = 0
     for _ in range(20):
         t = ChainTraverser("native", threads=4)
         out = torch.empty_like(want)
-        errors = []
+        errors, marks = [], {}
 
         def step():
             try:
                 t.traverse(native_jobs(matchers, roots, draft, V), draft, out, V)
+                marks["end"] = time.perf_counter()
             except TraversalError as exc:
                 errors.append(str(exc))
 
         th = threading.Thread(target=step)
         th.start()
+        deadline = time.perf_counter() + 10
+        while not t._lock.locked() and th.is_alive() and time.perf_counter() < deadline:
+            pass
+        close_start = time.perf_counter()
         t.close()
+        close_end = time.perf_counter()
         th.join(30)
+        assert not th.is_alive()
         if errors:  # close won the race: the step refused to run, naming why
             assert all("closed" in e for e in errors)
         else:
             assert torch.equal(out, want)
+            assert marks["end"] <= close_end  # close returned only after the step ended
+            raced += int(marks["end"] > close_start)
         with pytest.raises(TraversalError, match="closed"):
             t.traverse(native_jobs(matchers, roots, draft, V), draft, out, V)
+    assert raced >= 10, f"close() overlapped a running step in only {raced} of 20 iterations"

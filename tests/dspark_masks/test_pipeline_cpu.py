@@ -87,14 +87,38 @@ def test_fill_error_leaves_the_pipeline_usable():
 def test_bench_traversal_json_contract():
     """The CLI prints exactly the issue's JSON shape (small sizes here: speed is not asserted)."""
     out = subprocess.run(
-        [sys.executable, "-m", "dspark_harden", "bench", "traversal", "--requests", "6", "--chain", "4",
-         "--vocab", "2048", "--steps", "2", "--json"],
-        capture_output=True, text=True, timeout=900,
+        [
+            sys.executable,
+            "-m",
+            "dspark_harden",
+            "bench",
+            "traversal",
+            "--requests",
+            "6",
+            "--chain",
+            "4",
+            "--vocab",
+            "2048",
+            "--steps",
+            "2",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=900,
     )
     assert out.returncode == 0, out.stderr[-3000:]
     result = json.loads(out.stdout.strip().splitlines()[-1])
-    assert set(result) == {"requests", "chain", "stock_ms", "harden_ms", "speedup", "identical",
-                           "stock_cpu_s_per_step", "harden_cpu_s_per_step"}
+    assert set(result) == {
+        "requests",
+        "chain",
+        "stock_ms",
+        "harden_ms",
+        "speedup",
+        "identical",
+        "stock_cpu_s_per_step",
+        "harden_cpu_s_per_step",
+    }
     assert result["stock_cpu_s_per_step"] > 0 and result["harden_cpu_s_per_step"] > 0
     assert result["requests"] == 6 and result["chain"] == 4 and result["identical"] is True
     assert isinstance(result["stock_ms"], float) and isinstance(result["harden_ms"], float)

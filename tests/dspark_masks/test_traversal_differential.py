@@ -186,8 +186,9 @@ def test_reasoning_in_grammar_and_no_inner_grammar(factory, traversers, engine):
     covered = ReasonerGrammarObject(g, think_end_ids=factory.think_end_ids)
     covered.maybe_init_reasoning(True)
     covered.set_reasoning_in_grammar()
-    empty = ReasonerGrammarObject(None, think_end_ids=factory.think_end_ids,
-                                  allocate_vocab_mask_fn=factory.backend.allocate_vocab_mask)
+    empty = ReasonerGrammarObject(
+        None, think_end_ids=factory.think_end_ids, allocate_vocab_mask_fn=factory.backend.allocate_vocab_mask
+    )
     empty.maybe_init_reasoning(True)
     never = ReasonerGrammarObject(_valid_chain(factory)[0], think_end_ids=factory.think_end_ids)  # no phase
     reqs = [Req("covered", covered), Req("empty", empty), Req("never", never)]
@@ -207,8 +208,9 @@ def test_unsupported_grammars_fail_closed_naming_the_request(factory):
     draft = torch.tensor([row], dtype=torch.int64)
     with pytest.raises(UnsupportedGrammarError, match="request bad-1: grammar object .*InvalidGrammarObject"):
         resolve_jobs([Req("bad-1", InvalidGrammarObject("nope"))], draft, V)
-    strict = ReasonerGrammarObject(g, think_end_ids=factory.think_end_ids, enable_token_filter=True,
-                                   think_excluded_token_ids=[5])
+    strict = ReasonerGrammarObject(
+        g, think_end_ids=factory.think_end_ids, enable_token_filter=True, think_excluded_token_ids=[5]
+    )
     strict.maybe_init_reasoning(True)
     with pytest.raises(UnsupportedGrammarError, match="request strict-2: the strict-thinking token filter"):
         resolve_jobs([Req("strict-2", strict)], draft, V)

@@ -8,7 +8,6 @@ import inspect
 import textwrap
 
 import pytest
-
 from sglang.srt.managers.scheduler_components import batch_result_processor as brp
 
 from dspark_harden import upstream as U
@@ -34,16 +33,27 @@ def test_probe_passes_on_stock():
 
 
 def test_probe_fails_without_the_idempotence_guard(monkeypatch):
-    monkeypatch.setattr(CLS, "advance_grammar_fsm", _mutant(
-        "advance_grammar_fsm", "if result.grammar_advanced or not batch.has_grammar:", "if not batch.has_grammar:"))
+    monkeypatch.setattr(
+        CLS,
+        "advance_grammar_fsm",
+        _mutant(
+            "advance_grammar_fsm", "if result.grammar_advanced or not batch.has_grammar:", "if not batch.has_grammar:"
+        ),
+    )
     present, detail = U._probe_advance_grammar_fsm_idempotent()
     assert not present and "not idempotent" in detail, detail
 
 
 def test_probe_fails_without_the_suffix_truncation(monkeypatch):
-    monkeypatch.setattr(CLS, "_accept_grammar_tokens", _mutant(
-        "_accept_grammar_tokens", "if req.grammar.is_terminated():\n                break",
-        "if False:\n                break"))
+    monkeypatch.setattr(
+        CLS,
+        "_accept_grammar_tokens",
+        _mutant(
+            "_accept_grammar_tokens",
+            "if req.grammar.is_terminated():\n                break",
+            "if False:\n                break",
+        ),
+    )
     present, detail = U._probe_advance_grammar_fsm_idempotent()
     assert not present and "truncated after <eos>" in detail, detail
 
@@ -71,7 +81,12 @@ def _bind_upstream_only():
 def test_binder_reports_upstream_on_stock_and_failed_on_a_mutant(monkeypatch):
     st = _bind_upstream_only()
     assert st.status == "upstream", (st.status, st.detail)
-    monkeypatch.setattr(CLS, "advance_grammar_fsm", _mutant(
-        "advance_grammar_fsm", "if result.grammar_advanced or not batch.has_grammar:", "if not batch.has_grammar:"))
+    monkeypatch.setattr(
+        CLS,
+        "advance_grammar_fsm",
+        _mutant(
+            "advance_grammar_fsm", "if result.grammar_advanced or not batch.has_grammar:", "if not batch.has_grammar:"
+        ),
+    )
     st = _bind_upstream_only()
     assert st.status == "failed" and "not idempotent" in st.detail, (st.status, st.detail)

@@ -22,7 +22,6 @@ import types
 
 import pytest
 import torch
-
 from sglang.srt.managers.schedule_batch import FINISH_LENGTH, Req, ScheduleBatch
 from sglang.srt.managers.scheduler import Scheduler
 from sglang.srt.managers.scheduler_components import batch_result_processor as brp
@@ -69,8 +68,12 @@ def processor(cls):
 
 def scheduler(materializer=None):
     """The attributes stock ``_copy_result_to_cpu`` reads (CPU device module)."""
-    s = types.SimpleNamespace(device_module=torch.cpu, copy_stream=torch.cpu.Stream(),
-                              forward_stream=torch.cpu.Stream(), enable_async_d2h_copy=False)
+    s = types.SimpleNamespace(
+        device_module=torch.cpu,
+        copy_stream=torch.cpu.Stream(),
+        forward_stream=torch.cpu.Stream(),
+        enable_async_d2h_copy=False,
+    )
     s.copy_stream_ctx = torch.cpu.stream(s.copy_stream)
     if materializer is not None:
         s.__dict__[I.ATTR] = materializer
@@ -106,15 +109,33 @@ class World:
             req.kv.kv_committed_len = 3
             self.reqs.append(req)
             self.instances.append(ids)
-        self.batch = ScheduleBatch(reqs=list(self.reqs), forward_mode=ForwardMode.DECODE,
-                                   spec_algorithm=SpeculativeAlgorithm.DSPARK,
-                                   has_grammar=any(r.grammar is not None for r in self.reqs), return_logprob=False)
+        self.batch = ScheduleBatch(
+            reqs=list(self.reqs),
+            forward_mode=ForwardMode.DECODE,
+            spec_algorithm=SpeculativeAlgorithm.DSPARK,
+            has_grammar=any(r.grammar is not None for r in self.reqs),
+            return_logprob=False,
+        )
 
     def state(self):
-        return [(r.rid, list(r.output_ids), r.kv.kv_committed_len, r.spec_verify_ct, r.spec_num_correct_drafts,
-                 list(r.spec_correct_drafts_histogram), r.spec_num_block_accept_tokens, r.spec_num_cap_tokens,
-                 list(r.spec_cap_lens_histogram), r.is_retracted, _finish(r.finished_reason), _finish(r.to_finish),
-                 matcher_state(r.grammar)) for r in self.reqs]
+        return [
+            (
+                r.rid,
+                list(r.output_ids),
+                r.kv.kv_committed_len,
+                r.spec_verify_ct,
+                r.spec_num_correct_drafts,
+                list(r.spec_correct_drafts_histogram),
+                r.spec_num_block_accept_tokens,
+                r.spec_num_cap_tokens,
+                list(r.spec_cap_lens_histogram),
+                r.is_retracted,
+                _finish(r.finished_reason),
+                _finish(r.to_finish),
+                matcher_state(r.grammar),
+            )
+            for r in self.reqs
+        ]
 
     def settle(self, predicted):
         """What process_batch_result_decode does with the result afterwards (finish state, output)."""
@@ -135,12 +156,12 @@ class World:
 def step_inputs(rng, world, factory, stride, cursors):
     V = factory.vocab_size
     tokens, accept = [], []
-    for i, req in enumerate(world.reqs):
+    for i in range(len(world.reqs)):
         ids = world.instances[i]
         if ids is None:
             row = [rng.randrange(V) for _ in range(stride)]
         else:
-            row = ids[cursors[i]:cursors[i] + stride]
+            row = ids[cursors[i] : cursors[i] + stride]
             row += [rng.randrange(V) for _ in range(stride - len(row))]
             if rng.random() < 0.12:
                 row[rng.randrange(stride)] = rng.randrange(V)  # an invalid token: the request aborts
@@ -154,16 +175,26 @@ def step_inputs(rng, world, factory, stride, cursors):
 
 
 def make_result(tokens, accept, block, cap, stride):
-    res = GenerationBatchResult(next_token_ids=torch.tensor(tokens), accept_lens=torch.tensor(accept, dtype=torch.int32),
-                                block_accept_lens=torch.tensor(block, dtype=torch.int32),
-                                cap_lens=torch.tensor(cap, dtype=torch.int32), speculative_num_draft_tokens=stride)
+    res = GenerationBatchResult(
+        next_token_ids=torch.tensor(tokens),
+        accept_lens=torch.tensor(accept, dtype=torch.int32),
+        block_accept_lens=torch.tensor(block, dtype=torch.int32),
+        cap_lens=torch.tensor(cap, dtype=torch.int32),
+        speculative_num_draft_tokens=stride,
+    )
     res.copy_done = torch.cpu.Event()  # the overlap loop sets it right before _copy_result_to_cpu
     return res
 
 
 def result_view(res):
-    return (res.num_correct_drafts_per_req_cpu, res.num_correct_drafts, res.num_block_accept_tokens,
-            res.num_cap_tokens, res.grammar_advanced, res.grammar_retained_tokens)
+    return (
+        res.num_correct_drafts_per_req_cpu,
+        res.num_correct_drafts,
+        res.num_block_accept_tokens,
+        res.num_cap_tokens,
+        res.grammar_advanced,
+        res.grammar_retained_tokens,
+    )
 
 
 @pytest.mark.parametrize("seed", range(8))
@@ -253,17 +284,28 @@ def test_logprob_lists_identical_to_stock(factory):
             g = torch.Generator().manual_seed(world_seed)
             res = make_result([5] * (bs * stride), [stride] * bs, [0] * bs, [0] * bs, stride)
             res.logits_output = LogitsProcessorOutput(
-                next_token_logits=None, next_token_logprobs=torch.rand(bs, stride, generator=g),
+                next_token_logits=None,
+                next_token_logprobs=torch.rand(bs, stride, generator=g),
                 next_token_top_logprobs_val=[torch.rand(2, generator=g) for _ in range(bs * stride)],
                 next_token_top_logprobs_idx=[torch.arange(2) for _ in range(bs * stride)],
-                next_token_token_ids_logprobs_val=[torch.rand(1, generator=g) for _ in range(bs * stride)])
+                next_token_token_ids_logprobs_val=[torch.rand(1, generator=g) for _ in range(bs * stride)],
+            )
             copy(scheduler(mat), res, w.batch)
             proc = processor(cls)
-            ids, lps = cls._normalize_decode_outputs(proc, batch=w.batch, result=res, logits_output=res.logits_output,
-                                                     next_token_ids=res.next_token_ids)
+            ids, lps = cls._normalize_decode_outputs(
+                proc, batch=w.batch, result=res, logits_output=res.logits_output, next_token_ids=res.next_token_ids
+            )
             lo = res.logits_output
-            outs.append((ids, lps, lo.next_token_top_logprobs_val, lo.next_token_top_logprobs_idx,
-                         lo.next_token_token_ids_logprobs_val, w.state()))
+            outs.append(
+                (
+                    ids,
+                    lps,
+                    lo.next_token_top_logprobs_val,
+                    lo.next_token_top_logprobs_idx,
+                    lo.next_token_token_ids_logprobs_val,
+                    w.state(),
+                )
+            )
             assert mat.shutdown(2.0)
         assert outs[1] == outs[0]
 
@@ -271,7 +313,10 @@ def test_logprob_lists_identical_to_stock(factory):
 def test_non_dspark_and_extend_results_run_stock(factory):
     """Only DSpark decode results are materialized: an EAGLE decode result and a DSpark extend result go
     through the stock methods untouched (no record, no step number, copy_done stays the event)."""
-    for spec, mode in ((SpeculativeAlgorithm.EAGLE, ForwardMode.DECODE), (SpeculativeAlgorithm.DSPARK, ForwardMode.EXTEND)):
+    for spec, mode in (
+        (SpeculativeAlgorithm.EAGLE, ForwardMode.DECODE),
+        (SpeculativeAlgorithm.DSPARK, ForwardMode.EXTEND),
+    ):
         w = World(factory, 3, 2)
         w.batch.spec_algorithm, w.batch.forward_mode = spec, mode
         mat = Materializer(queue_size=2, timeout_s=10.0, done_cls=I._done_cls())
@@ -286,8 +331,10 @@ def test_missing_record_raises_naming_the_consumer(factory):
     w = World(factory, 5, 3)
     res = make_result([7] * 6, [1, 2, 1], [0] * 3, [0] * 3, 2)
     STOCK_COPY(scheduler(), res, w.batch)  # a DSpark decode result that bypassed the wrapper
-    with pytest.raises(MaterializerError, match="_resolve_spec_v2_tokens: a DSpark decode result reached the "
-                                                "consumer without a materializer step"):
+    with pytest.raises(
+        MaterializerError,
+        match="_resolve_spec_v2_tokens: a DSpark decode result reached the consumer without a materializer step",
+    ):
         Hardened._resolve_spec_v2_tokens(processor(Hardened), res, w.batch)
     with pytest.raises(MaterializerError, match="advance_grammar_fsm"):
         Hardened.advance_grammar_fsm(processor(Hardened), res, w.batch)

@@ -9,7 +9,6 @@ import time
 import types
 
 import pytest
-
 from sglang.srt.managers.async_d2h_copy_worker import HostCopyDone
 
 from dspark_harden.dspark_results import integration as I
@@ -31,9 +30,14 @@ class Event:
 def result():
     import torch
 
-    return types.SimpleNamespace(next_token_ids=torch.tensor([1, 2, 3, 4]), accept_lens=torch.tensor([2, 1]),
-                                 block_accept_lens=None, cap_lens=torch.tensor([1, 0]), logits_output=None,
-                                 copy_done=None)
+    return types.SimpleNamespace(
+        next_token_ids=torch.tensor([1, 2, 3, 4]),
+        accept_lens=torch.tensor([2, 1]),
+        block_accept_lens=None,
+        cap_lens=torch.tensor([1, 0]),
+        logits_output=None,
+        copy_done=None,
+    )
 
 
 def within(fn, bound=5.0):
@@ -72,7 +76,12 @@ def test_done_is_stock_host_copy_done_and_record_arrives():
     assert exc is None
     rec = getattr(res, RECORD_ATTR)
     assert (rec.seq, rec.next_token_ids, rec.accept_lens, rec.block_accept_lens, rec.cap_lens) == (
-        1, [1, 2, 3, 4], [2, 1], None, [1, 0])
+        1,
+        [1, 2, 3, 4],
+        [2, 1],
+        None,
+        [1, 0],
+    )
     assert done.query() and counts == ["materialized"]
     assert mat.shutdown(2.0)
 
@@ -167,4 +176,90 @@ def test_in_flight_steps_keep_their_own_records():
     for i, r in enumerate(results):
         rec = record_of(r, "c")
         assert rec.seq == i + 1 and rec.next_token_ids == [1 + 10 * i, 2 + 10 * i, 3 + 10 * i, 4 + 10 * i]
+    assert mat.shutdown(2.0)
+
+
+class QueryEvent(Event):
+    """A copy event that also answers ``query()`` (complete once released), like a CUDA event."""
+
+    def query(self):
+        return self.ready.is_set()
+
+
+def test_copy_event_that_raises_reraises_naming_the_step():
+    class Broken(Event):
+        def synchronize(self):
+            raise RuntimeError("CUDA error: injected copy failure")
+
+    mat, counts = materializer()
+    res = result()
+    mat.submit(res, Broken(), False)
+    _, exc = within(res.copy_done.synchronize)
+    assert isinstance(
+        exc, MaterializerError
+    ) and "step 1: the materializer failed: RuntimeError: CUDA error: injected" in str(exc)
+    assert counts == ["failed"]
+    assert mat.shutdown(2.0)
+
+
+def test_consumer_converts_a_complete_step_the_thread_has_not_reached_and_nothing_converts_twice():
+    """The thread is stuck on step 1's copy; step 2's copy is complete: its consumer converts it on the
+    spot (the thread would need the GIL the scheduler holds) instead of waiting. When step 1 completes,
+    the thread converts it and skips step 2 (claimed): two steps, two conversions, both records right."""
+    from dspark_harden.dspark_results.materializer import convert_result
+
+    conversions = []
+
+    def counting(res, seq, lp):
+        conversions.append(seq)
+        return convert_result(res, seq, lp)
+
+    mat, counts = materializer(convert=counting)
+    first, second = result(), result()
+    gate = QueryEvent(ready=False)
+    mat.submit(first, gate, False)
+    mat.submit(second, QueryEvent(), False)
+    _, exc = within(lambda: record_of(second, "consumer"))
+    assert exc is None and getattr(second, RECORD_ATTR).seq == 2
+    assert conversions == [2] and counts == ["converted_by_consumer"]
+    gate.ready.set()
+    # no consumer asks for step 1 until the thread is done with it (else the consumer may take it: the
+    # thread's conversion is what this step is about)
+    deadline = time.monotonic() + 5.0
+    while not first.copy_done.query() and time.monotonic() < deadline:
+        time.sleep(0.005)
+    assert first.copy_done.query(), "the thread did not convert step 1 within 5 s of its copy completing"
+    _, exc = within(lambda: record_of(first, "consumer"))
+    assert exc is None and getattr(first, RECORD_ATTR).seq == 1
+    third = result()  # the thread took step 2 off the queue, skipped it, and still runs
+    mat.submit(third, Event(), False)
+    assert within(lambda: record_of(third, "consumer"))[1] is None
+    assert mat.shutdown(2.0)
+    assert sorted(conversions) == [1, 2, 3] and sorted(counts) == [
+        "converted_by_consumer",
+        "materialized",
+        "materialized",
+    ]
+
+
+def test_consumer_waits_while_the_thread_converts_a_step_it_took():
+    """The thread has claimed step 1 and is converting it (slowly); the consumer arrives with the copy
+    complete: it waits for the thread's record instead of converting a second time."""
+    from dspark_harden.dspark_results.materializer import convert_result
+
+    conversions, started, gate = [], threading.Event(), threading.Event()
+
+    def slow(res, seq, lp):
+        conversions.append(seq)
+        started.set()
+        gate.wait(5.0)
+        return convert_result(res, seq, lp)
+
+    mat, counts = materializer(convert=slow)
+    res = result()
+    mat.submit(res, QueryEvent(), False)
+    assert started.wait(5.0)
+    threading.Timer(0.3, gate.set).start()
+    elapsed, exc = within(lambda: record_of(res, "consumer"))
+    assert exc is None and conversions == [1] and counts == ["materialized"], (conversions, counts)
     assert mat.shutdown(2.0)

@@ -11,12 +11,12 @@ import pytest
 import torch
 
 from dspark_harden.core.patch import Role
+from dspark_harden.core.patch import source_text_fingerprint as source_fingerprint
 from dspark_harden.core.settings import SettingsError, load_settings
 from dspark_harden.dsv4_memory import feature as F
 from dspark_harden.dsv4_memory import planner as PL
 from dspark_harden.dsv4_memory import settings as S
 from dspark_harden.dsv4_memory.pool import SparsePrefillPool, SparsePrefillPoolError, reservation_bytes
-from dspark_harden.core.patch import source_text_fingerprint as source_fingerprint
 
 from ..plugin._proc import run_py
 
@@ -27,19 +27,42 @@ def _settings(**env):
 
 def test_declared_fingerprints_match_the_installed_sources():
     """Read from the source text: the FlashMLA wrapper module loads the CUDA extension at import."""
-    for target, fp in [(S.FLASH_MLA_TARGET, S.FLASH_MLA_FINGERPRINT), (S.BACKEND_INIT_TARGET, S.BACKEND_INIT_FINGERPRINT),
-                       (S.Q_B_TARGET, S.Q_B_FINGERPRINT), (S.PREFILL_PLAN_TARGET, S.PREFILL_PLAN_FINGERPRINT),
-                       (S.DECODE_PLAN_TARGET, S.DECODE_PLAN_FINGERPRINT)]:
+    for target, fp in [
+        (S.FLASH_MLA_TARGET, S.FLASH_MLA_FINGERPRINT),
+        (S.Q8KV8_TARGET, S.Q8KV8_FINGERPRINT),
+        (S.BACKEND_INIT_TARGET, S.BACKEND_INIT_FINGERPRINT),
+        (S.Q_B_TARGET, S.Q_B_FINGERPRINT),
+        (S.PREFILL_PLAN_TARGET, S.PREFILL_PLAN_FINGERPRINT),
+        (S.DECODE_PLAN_TARGET, S.DECODE_PLAN_FINGERPRINT),
+    ]:
         assert source_fingerprint(target) == fp, target
     patched = F.patches(Role.SCHEDULER, _settings(**{S.POOL: 1, S.QNORM: 1, S.GUARDS: 1}))
-    assert sorted(p.target for p in patched) == sorted([S.FLASH_MLA_TARGET, S.BACKEND_INIT_TARGET, S.Q_B_TARGET,
-                                                         S.PREFILL_PLAN_TARGET, S.DECODE_PLAN_TARGET])
+    assert sorted(p.target for p in patched) == sorted(
+        [
+            S.FLASH_MLA_TARGET,
+            S.Q8KV8_TARGET,
+            S.BACKEND_INIT_TARGET,
+            S.Q_B_TARGET,
+            S.PREFILL_PLAN_TARGET,
+            S.DECODE_PLAN_TARGET,
+        ]
+    )
     assert F.patches(Role.SCHEDULER, _settings()) == [] and F.patches(Role.MAIN, _settings(**{S.POOL: 1})) == []
 
 
-@pytest.mark.parametrize("name,bad", [(S.POOL, "yes"), (S.QNORM, "2"), (S.GUARDS, "on"), (S.POOL_TOKENS, "0"),
-                                      (S.POOL_TOKENS, "-8"), (S.POOL_TOKENS, "8k"), (S.POOL_SLOTS, "0"),
-                                      (S.POOL_SLOTS, "5")])
+@pytest.mark.parametrize(
+    "name,bad",
+    [
+        (S.POOL, "yes"),
+        (S.QNORM, "2"),
+        (S.GUARDS, "on"),
+        (S.POOL_TOKENS, "0"),
+        (S.POOL_TOKENS, "-8"),
+        (S.POOL_TOKENS, "8k"),
+        (S.POOL_SLOTS, "0"),
+        (S.POOL_SLOTS, "5"),
+    ],
+)
 def test_bad_values_are_rejected_by_name(name, bad):
     with pytest.raises(SettingsError, match=name):
         _settings(**{name: bad})
@@ -68,8 +91,11 @@ def test_importable_patches_bind_verify_and_revert_on_real_sglang():
     first test checks from its source) binds with its fingerprint, verifies live, and reverts exactly."""
     from dspark_harden.core.patch import raw_attr, resolve_owner
 
-    ps = [p for p in F.patches(Role.SCHEDULER, _settings(**{S.POOL: 1, S.QNORM: 1, S.GUARDS: 1}))
-          if p.target != S.FLASH_MLA_TARGET]
+    ps = [
+        p
+        for p in F.patches(Role.SCHEDULER, _settings(**{S.POOL: 1, S.QNORM: 1, S.GUARDS: 1}))
+        if p.target != S.FLASH_MLA_TARGET
+    ]
     before = {p.target: raw_attr(*resolve_owner(p.target)) for p in ps}
     for p in ps:
         p.apply()
@@ -112,10 +138,17 @@ def _valid_prefill(rng: random.Random, device="cpu"):
     n_full = 4096
     r2t = torch.randint(0, n_full, (rows, cols), dtype=torch.int32)
     f2s = torch.arange(n_full, dtype=torch.int64)
-    return dict(compress_ratio=rng.choice([4, 128]), req_pool_indices=torch.tensor(rid, dtype=torch.int64),
-                seq_lens=torch.tensor(seq, dtype=torch.int64), extend_lens=torch.tensor(ext, dtype=torch.int64),
-                req_to_token=r2t, full_to_state=f2s, swa_page_size=256, ring_size=128 if rng.random() < 0.5 else 256,
-                num_q_tokens=sum(ext))
+    return dict(
+        compress_ratio=rng.choice([4, 128]),
+        req_pool_indices=torch.tensor(rid, dtype=torch.int64),
+        seq_lens=torch.tensor(seq, dtype=torch.int64),
+        extend_lens=torch.tensor(ext, dtype=torch.int64),
+        req_to_token=r2t,
+        full_to_state=f2s,
+        swa_page_size=256,
+        ring_size=128 if rng.random() < 0.5 else 256,
+        num_q_tokens=sum(ext),
+    )
 
 
 def test_planner_guard_passes_every_valid_geometry_and_names_each_violation():
@@ -125,22 +158,35 @@ def test_planner_guard_passes_every_valid_geometry_and_names_each_violation():
         if g["ring_size"] % g["compress_ratio"]:
             g["ring_size"] = 128 if g["compress_ratio"] == 4 else 256
         assert PL.prefill_problems(**g) == [], g
-        d = dict(compress_ratio=g["compress_ratio"], req_pool_indices=g["req_pool_indices"],
-                 req_to_token=g["req_to_token"], full_to_state=g["full_to_state"], seq_lens=g["seq_lens"],
-                 swa_page_size=256, ring_size=g["ring_size"])
+        d = dict(
+            compress_ratio=g["compress_ratio"],
+            req_pool_indices=g["req_pool_indices"],
+            req_to_token=g["req_to_token"],
+            full_to_state=g["full_to_state"],
+            seq_lens=g["seq_lens"],
+            swa_page_size=256,
+            ring_size=g["ring_size"],
+        )
         assert PL.decode_problems(**d) == []
     g = _valid_prefill(random.Random(1))
     g["compress_ratio"], g["ring_size"] = 4, 128
     cases = {
         "more than num_q_tokens": dict(num_q_tokens=g["num_q_tokens"] - 1),
-        "extend length is <= 0": dict(extend_lens=torch.where(torch.arange(len(g["seq_lens"])) == 0,
-                                                              torch.zeros_like(g["extend_lens"]), g["extend_lens"])),
+        "extend length is <= 0": dict(
+            extend_lens=torch.where(
+                torch.arange(len(g["seq_lens"])) == 0, torch.zeros_like(g["extend_lens"]), g["extend_lens"]
+            )
+        ),
         "outside req_to_token's": dict(req_pool_indices=g["req_pool_indices"] + 1000),
-        "columns": dict(seq_lens=g["seq_lens"] + 1000, extend_lens=g["extend_lens"] + 1000,
-                        num_q_tokens=g["num_q_tokens"] + 1000 * len(g["seq_lens"])),
+        "columns": dict(
+            seq_lens=g["seq_lens"] + 1000,
+            extend_lens=g["extend_lens"] + 1000,
+            num_q_tokens=g["num_q_tokens"] + 1000 * len(g["seq_lens"]),
+        ),
         "outside full_to_state": dict(full_to_state=g["full_to_state"][:8]),
-        "must be the same 1-D batch": dict(extend_lens=g["extend_lens"][:-1] if len(g["seq_lens"]) > 1
-                                           else g["extend_lens"].repeat(2)),
+        "must be the same 1-D batch": dict(
+            extend_lens=g["extend_lens"][:-1] if len(g["seq_lens"]) > 1 else g["extend_lens"].repeat(2)
+        ),
         "not nested": dict(ring_size=96),
     }
     for frag, change in cases.items():
@@ -155,8 +201,20 @@ def test_guarded_generate_refuses_before_the_planner_launches():
     gen = PL.unwrap(PL.build_prefill_generate(lambda *a: launched.append(a) or "plan", lambda ok: None))
     g = _valid_prefill(random.Random(3))
     g["compress_ratio"], g["ring_size"] = 4, 128
-    args = [g[k] for k in ("compress_ratio", "req_pool_indices", "seq_lens", "extend_lens", "req_to_token",
-                           "full_to_state", "swa_page_size", "ring_size", "num_q_tokens")]
+    args = [
+        g[k]
+        for k in (
+            "compress_ratio",
+            "req_pool_indices",
+            "seq_lens",
+            "extend_lens",
+            "req_to_token",
+            "full_to_state",
+            "swa_page_size",
+            "ring_size",
+            "num_q_tokens",
+        )
+    ]
     assert gen(*args) == "plan" and len(launched) == 1
     args[8] = g["num_q_tokens"] - 1
     with pytest.raises(PL.PlannerBoundsError, match="refused before launch.*more than num_q_tokens"):
@@ -178,3 +236,163 @@ def test_check_lists_the_features_with_their_reservation_sizes():
     assert pool["status"] == "disabled" and "reserves 1 x --chunked-prefill-size tokens" in pool["detail"], pool
     assert str(reservation_bytes(8192, 128, 512)) in pool["detail"]
     assert "8k tokens 1073741824 bytes" in qn["detail"], qn
+
+
+def test_planner_guard_checks_exactly_the_positions_the_plan_reads():
+    """c_plan.cuh reads ``req_to_token[rid, p]`` for decode only at ``p = seq-1`` and
+    ``max(seq-1-ratio, 0)``, and for prefill only inside ``[max(prefix-ratio, 0), seq)``. One bad full
+    location planted at a position the plan reads must be refused; planted at a position it never
+    reads it must not be (a guard that scanned the whole row -- the batch x columns temporaries it
+    used to build -- would refuse valid batches whose unused slots hold stale locations)."""
+    rng = random.Random(11)
+    n_full = 4096
+    for it in range(90):
+        b = rng.randint(1, 6)
+        rows, cols = b + 2, 512
+        seq = [rng.randint(16, cols - 1) for _ in range(b)]
+        ext = [rng.randint(1, s) for s in seq]
+        rid = rng.sample(range(rows), b)
+        r2t = torch.randint(0, n_full, (rows, cols), dtype=torch.int32)
+        f2s = torch.arange(n_full, dtype=torch.int64)
+        base = dict(
+            req_pool_indices=torch.tensor(rid, dtype=torch.int64),
+            req_to_token=r2t,
+            full_to_state=f2s,
+            swa_page_size=256,
+            ring_size=128,
+        )
+        i = b - 1 if it % 2 else rng.randrange(b)  # the last request borders the unused flattened slots
+        if it % 3 == 0:
+            ext[i] = seq[i]  # no prefix: the window is clipped at position 0
+        s, e = seq[i], ext[i]
+
+        def planted(pos):
+            t = r2t.clone()
+            t[rid[i], pos] = n_full + 5
+            return t
+
+        pre = dict(
+            base, compress_ratio=4, seq_lens=torch.tensor(seq), extend_lens=torch.tensor(ext), num_q_tokens=sum(ext)
+        )
+        assert PL.prefill_problems(**pre) == []
+        lo = max(s - e - 4, 0)
+        for pos in (s - 1, lo, rng.randrange(lo, s)):  # read
+            assert any(
+                "outside full_to_state" in p for p in PL.prefill_problems(**{**pre, "req_to_token": planted(pos)})
+            ), pos
+        for pos in [p for p in (lo - 1, s, rng.randrange(s, cols)) if 0 <= p < cols]:  # never read
+            assert PL.prefill_problems(**{**pre, "req_to_token": planted(pos)}) == [], (pos, lo, s)
+        dec = dict(base, compress_ratio=4, seq_lens=torch.tensor(seq))
+        assert PL.decode_problems(**dec) == []
+        for pos in (s - 1, s - 5):  # read
+            assert any(
+                "outside full_to_state" in p for p in PL.decode_problems(**{**dec, "req_to_token": planted(pos)})
+            ), pos
+        for pos in (s - 2, s - 3, s - 4, s - 6, s):  # never read by decode
+            if 0 <= pos < cols:
+                assert PL.decode_problems(**{**dec, "req_to_token": planted(pos)}) == [], pos
+        # ratio 128 (and the request ring) read no full location: nothing planted can be refused
+        assert (
+            PL.decode_problems(**{**dec, "compress_ratio": 128, "ring_size": 256, "req_to_token": planted(s - 1)}) == []
+        )
+
+
+def test_q8kv8_reservation_hands_out_slices_refuses_held_slots_and_bad_geometry():
+    """The Q8KV8 kernel needs SM90 (tests/gpu runs the real one); here ``stock`` is a recorder standing in
+    for it, and the reservation's buffers are CPU tensors, to show which outputs each call gets."""
+    from dspark_harden.dsv4_memory.pool import Q8KV8Reservation, _storage_uses
+
+    calls = []
+
+    def stock(q, kv, idx, scale, qs, ks, d_v=512, sink=None, lens=None, *, out=None, max_logits=None, lse=None):
+        calls.append(
+            tuple(t.shape[0] if t is not None else None for t in (out, max_logits, lse))
+        )  # shapes only: holding them would hold the slot
+        return out, max_logits, lse
+
+    res = Q8KV8Reservation(tokens=64, heads=128, d_v=512, device="cpu", slots=2)
+    res.bufs = [
+        (torch.empty(64, 128, 512, dtype=torch.bfloat16), torch.empty(64, 128), torch.empty(64, 128)) for _ in range(2)
+    ]
+    res.baseline = [tuple(_storage_uses(t) for t in slot) for slot in res.bufs]
+    q = torch.zeros(48, 128, 576)
+    o1 = res.run(stock, q, None, None, 1.0, None, None)[0][:, :100]  # the caller keeps a head slice (a view)
+    assert o1.untyped_storage().data_ptr() == res.bufs[0][0].untyped_storage().data_ptr() and calls[-1] == (48, 48, 48)
+    o2 = res.run(stock, q, None, None, 1.0, None, None)[0]
+    assert o2.data_ptr() == res.bufs[1][0].data_ptr()  # slot 0 is held: slot 1
+    with pytest.raises(SparsePrefillPoolError, match="all 2 reserved output slot"):
+        res.run(stock, q, None, None, 1.0, None, None)
+    del o1
+    assert res.run(stock, q, None, None, 1.0, None, None)[0].data_ptr() == res.bufs[0][0].data_ptr()
+    with pytest.raises(
+        SparsePrefillPoolError, match="65 tokens x 128 heads x d_v 512 does not fit the reserved 64 tokens"
+    ):
+        res.run(stock, torch.zeros(65, 128, 576), None, None, 1.0, None, None)
+    with pytest.raises(SparsePrefillPoolError, match="64 heads"):
+        res.run(stock, torch.zeros(8, 64, 576), None, None, 1.0, None, None)
+    mine = torch.empty(48, 128, 512)
+    assert res.run(stock, q, None, None, 1.0, None, None, out=mine)[0] is mine  # caller-owned: untouched
+    assert (res.served, res.refused) == (3, 3)
+    del o2
+
+
+def test_captured_decode_plans_record_the_device_guard_and_eager_checks_read_its_flag(monkeypatch):
+    """Routing only (the guarded kernel itself runs in tests/gpu against SGLang's JIT): while a CUDA graph
+    is being captured the decode guard records ``device_generate`` instead of stock, and afterwards every
+    eager guarded plan reads the device flag (here a recorder standing in for the CUDA read) before it
+    launches, so a flag a replay set fails the next eager plan naming the reason."""
+    from dspark_harden.dsv4_memory import planner_device
+
+    recorded, launched = [], []
+    monkeypatch.setattr(PL, "CALLS", dict(PL.CALLS, device_guarded_captures=0))
+    gen = PL.unwrap(
+        PL.build_decode_generate(
+            lambda *a: launched.append(a) or "stock-plan",
+            lambda ok: None,
+            device_generate=lambda *a: recorded.append(a) or "guarded-plan",
+        )
+    )
+    g = _valid_prefill(random.Random(5))
+    args = [4, g["req_pool_indices"], g["req_to_token"], g["full_to_state"], g["seq_lens"], 256, 128]
+    monkeypatch.setattr(PL, "_capturing", lambda: True)
+    assert gen(*args) == "guarded-plan" and len(recorded) == 1 and not launched
+    monkeypatch.setattr(PL, "_capturing", lambda: False)
+    flag = {"set": True}
+
+    def check(device=None):
+        if flag.pop("set", False):
+            raise PL.PlannerBoundsError("device-side guard: a req_to_token read outside its allocation")
+
+    monkeypatch.setattr(planner_device, "check", check)
+    with pytest.raises(PL.PlannerBoundsError, match="device-side guard"):
+        gen(*args)
+    assert not launched
+    assert gen(*args) == "stock-plan" and len(launched) == 1
+
+
+@pytest.mark.forked
+def test_pool_capacity_covers_the_largest_prefill_graph_bucket_of_the_published_config():
+    """A real resolved DP2 ServerArgs published in this (forked) process with prefill CUDA graphs on
+    (``prefill_graph.world.publish_runtime``: buckets up to 12,288 tokens, chunk 8,192): the reader finds
+    stock's largest capture bucket; the default capacity rises from the chunk to it; an explicit capacity
+    below it stops start-up naming both; prefill graphs off leaves the chunk."""
+    from types import SimpleNamespace
+
+    from sglang.srt.model_executor.runner.prefill_cuda_graph_runner import get_prefill_num_tokens_to_capture
+
+    from dspark_harden.dsv4_memory.pool import SparsePrefillPoolError
+    from dspark_harden.prefill_graph import runner as R
+    from dspark_harden.prefill_graph import world as W
+
+    cfg = R.CaptureConfig(buckets=(512, 1024, 4096, 12288), slots=16, chunked_prefill=8192)
+    W.publish_runtime(cfg, backend="full", spec="none")
+    want = max(get_prefill_num_tokens_to_capture([512, 1024, 4096, 12288]))
+    assert F.prefill_graph_bucket_max() == want >= 12288
+    sa = SimpleNamespace(chunked_prefill_size=8192, max_prefill_tokens=16384)
+    assert F.pool_capacity(_settings(**{S.POOL: 1}), sa, F.prefill_graph_bucket_max()) == want
+    assert F.pool_capacity(_settings(**{S.POOL: 1}), sa, None) == 8192  # prefill graphs off: the chunk
+    assert F.pool_capacity(_settings(**{S.POOL: 1, S.POOL_TOKENS: 20000}), sa, want) == 20000
+    with pytest.raises(
+        SparsePrefillPoolError, match=f"=8192 cannot hold the largest prefill CUDA-graph bucket \\({want} tokens\\)"
+    ):
+        F.pool_capacity(_settings(**{S.POOL: 1, S.POOL_TOKENS: 8192}), sa, want)

@@ -13,6 +13,24 @@ from dspark_harden.devtools.e2e import serve, soak, trace
 pytestmark = pytest.mark.server
 
 
+def test_soak_load_helpers_exact():
+    answer = {
+        "loads": [
+            {"dp_rank": 0, "num_running_reqs": 3, "num_waiting_reqs": 2, "timestamp": 10.0},
+            {"dp_rank": 1, "num_running_reqs": 1, "timestamp": 11.0},
+        ]
+    }
+    ranks = soak.rank_loads(answer)
+    assert ranks == {"0": (3, 2, 10.0), "1": (1, 0, 11.0)}
+    later = {"0": (0, 4, 12.0), "1": (2, 0, 12.0)}
+    assert soak.max_active([(0.0, ranks), (1.0, later)]) == {"0": 5, "1": 2}
+    empty = {"0": (0, 0, 20.0), "1": (0, 0, 20.0)}
+    assert soak.drained(empty, 19.0, 2)
+    assert not soak.drained(empty, 20.0, 2)  # snapshots not newer than the last answer
+    assert not soak.drained({"0": (0, 0, 20.0)}, 19.0, 2)  # a rank missing
+    assert not soak.drained({**empty, "1": (0, 1, 20.0)}, 19.0, 2)  # one waiting request left
+
+
 @pytest.mark.timeout(1500)
 def test_serve_gates_hold_on_a_tiny_trace(dp2_server):
     entries = trace.generate(seed=5, requests=14, rate=20.0, batches=1, burst=3, schemas=4)
@@ -48,3 +66,7 @@ def test_soak_checks_run_against_the_plugin_server(dp2_server):
     assert rep["metrics_scrapes"]["total"] >= 2 and rep["metrics_scrapes"]["failed"] == 0
     assert {"scheduler", "main", "controller", "detokenizer"} <= set(rep["rss"])
     assert rep["grammar"]["memory_bytes_max"] is not None
+    # per-rank active requests seen by /v1/loads, and empty queues on both ranks once every answer came back
+    assert rep["active_requests"]["polls"] >= 5 and set(rep["active_requests"]["max_per_rank"]) == {"0", "1"}
+    drain = rep["queues_drained"]
+    assert drain["ok"] and drain["ranks"] == {r: {"running": 0, "waiting": 0} for r in ("0", "1")}, drain

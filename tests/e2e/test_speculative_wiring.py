@@ -38,12 +38,16 @@ def test_dspark_server_configs():
     assert dict(plugin.env)["DSPARK_HARDEN_DSPARK_MASKS"] == "1"
     assert off_feature == "dspark-masks" and dict(ablated.env)["DSPARK_HARDEN_DSPARK_MASKS"] == "0"
     # without --speculative: the DeepseekV3 DP2 servers of the plain bench, no draft
-    assert serve.stock_config().arch == "deepseek_v3" and "--speculative-algorithm" not in serve.stock_config().extra_args
+    assert (
+        serve.stock_config().arch == "deepseek_v3" and "--speculative-algorithm" not in serve.stock_config().extra_args
+    )
 
 
 def test_constrained_mix_and_default_trace_unchanged():
     assert trace.generate(seed=3, requests=60) == trace.generate(seed=3, requests=60, mix=trace.DEFAULT_MIX)
-    kinds = trace.describe(trace.generate(seed=0, requests=200, batches=0, burst=0, mix=trace.CONSTRAINED_MIX))["by_kind"]
+    kinds = trace.describe(trace.generate(seed=0, requests=200, batches=0, burst=0, mix=trace.CONSTRAINED_MIX))[
+        "by_kind"
+    ]
     constrained = kinds.get("json", 0) + kinds.get("regex", 0) + kinds.get("ebnf", 0)
     assert constrained >= 0.7 * sum(kinds.values()), kinds
     with pytest.raises(ValueError):
@@ -55,16 +59,25 @@ def test_corpus_entries_and_draft_checks(monkeypatch, tmp_path):
     (d4 / "draft4").mkdir(parents=True)
     (d4 / "draft3").mkdir(parents=True)
     (d4 / "draft4" / "maximum.json").write_text(
-        '[{"schema": {"maximum": 3, "exclusiveMaximum": true}}, {"schema": {"type": "boolean"}}, {"schema": true}]')
+        '[{"schema": {"maximum": 3, "exclusiveMaximum": true}}, {"schema": {"type": "boolean"}}, {"schema": true}]'
+    )
     (d4 / "draft3" / "required.json").write_text(
-        '[{"schema": {"properties": {"a": {"required": true}}}}, {"schema": {"type": "boolean"}}]')
+        '[{"schema": {"properties": {"a": {"required": true}}}}, {"schema": {"type": "boolean"}}]'
+    )
     monkeypatch.setenv("DSPARK_HARDEN_NPM_PREFIX", str(tmp_path))
     base = trace.generate(seed=0, requests=10)
     entries, info = trace.corpus_entries(10, base, compiles=lambda s: "maximum" not in s)
     # left out: draft4 maximum#0 (not compiled, here by the stand-in predicate) and draft3 required#0
     # (a boolean "required", which xgrammar does not apply)
-    assert info == {"corpus_schemas": 3, "usable": 1, "drawn": 1, "left_out": {
-        "draft-3 keywords xgrammar does not apply": 1, "not held by the server's grammar (usable_reason)": 1}}
+    assert info == {
+        "corpus_schemas": 3,
+        "usable": 1,
+        "drawn": 1,
+        "left_out": {
+            "draft-3 keywords xgrammar does not apply": 1,
+            "not held by the server's grammar (usable_reason)": 1,
+        },
+    }
     assert [e["corpus"] for e in entries] == ["draft4/maximum#1"] and entries[0]["kind"] == "corpus"
     assert all(0 <= e["t"] <= max(b["t"] for b in base) for e in entries)
     assert entries[0]["check"]["draft"] == "draft4"
@@ -72,8 +85,9 @@ def test_corpus_entries_and_draft_checks(monkeypatch, tmp_path):
     d3 = {"type": "json_schema", "schema": {"properties": {"a": {"required": True}}}, "draft": "draft3"}
     assert trace.check_output(d3, "{}")
     assert trace.check_output(d3, '{"a": 1}') is None
-    assert trace.check_output({"type": "json_schema", "schema": {"maximum": 3, "exclusiveMaximum": True},
-                               "draft": "draft4"}, "3")
+    assert trace.check_output(
+        {"type": "json_schema", "schema": {"maximum": 3, "exclusiveMaximum": True}, "draft": "draft4"}, "3"
+    )
     monkeypatch.setenv("DSPARK_HARDEN_NPM_PREFIX", str(tmp_path / "nowhere"))
     with pytest.raises(trace.TraceError, match="install.sh"):
         trace.corpus_entries(1, base)
@@ -108,8 +122,15 @@ def test_a_truncated_output_is_checked_as_a_prefix_the_constraint_accepts():
 
     tok_dir = tiny_models.ensure_model("qwen3")
     tok = AutoTokenizer.from_pretrained(tok_dir)
-    check = {"type": "json_schema", "schema": {"type": "object", "properties": {"name": {"type": "string"}},
-                                               "required": ["name"], "additionalProperties": False}}
+    check = {
+        "type": "json_schema",
+        "schema": {
+            "type": "object",
+            "properties": {"name": {"type": "string"}},
+            "required": ["name"],
+            "additionalProperties": False,
+        },
+    }
     ids = tok.encode('{"name": "abcdefgh', add_special_tokens=False)
     assert trace.check_output(check, tok.decode(ids))  # not a complete document
     assert trace.check_prefix(check, ids, tok_dir) is None
@@ -134,13 +155,18 @@ def test_a_schema_whose_grammar_admits_documents_the_validator_rejects_is_found(
 
 
 def test_accept_length_in_the_summary():
-    entries = [{"id": "a", "kind": "json", "check": None, "body": {"text": "x"}}, {"id": "b", "kind": "plain", "check": None, "body": {"text": "y"}}]
+    entries = [
+        {"id": "a", "kind": "json", "check": None, "body": {"text": "x"}},
+        {"id": "b", "kind": "plain", "check": None, "body": {"text": "y"}},
+    ]
     ra, rb = client.Result(id="a", kind="json", status=200), client.Result(id="b", kind="plain", status=200)
     client._absorb(ra, entries[0], [{"meta_info": {"completion_tokens": 12, "spec_verify_ct": 6}, "output_ids": [1]}])
     client._absorb(rb, entries[1], [{"meta_info": {"completion_tokens": 4, "spec_verify_ct": 4}, "output_ids": [2]}])
     s = client.summarize([ra, rb], 1.0, entries)
     assert s["spec_verify_ct"] == 10 and s["accept_length_mean"] == 1.6
-    assert "accept_length_mean" not in client.summarize([client.Result(id="a", kind="json", status=200)], 1.0, entries[:1])
+    assert "accept_length_mean" not in client.summarize(
+        [client.Result(id="a", kind="json", status=200)], 1.0, entries[:1]
+    )
 
 
 METRICS = """\
@@ -154,17 +180,23 @@ dspark_harden_dspark_mask_steps_total{dp_rank="1",outcome="no_grammar"} 2.0
 
 
 def test_mask_state_and_speculative_report():
-    assert serve.mask_state(METRICS) == {"engine_by_rank": {"0": "native", "1": "native"},
-                                         "steps": {"masked": 12, "no_grammar": 2}}
+    assert serve.mask_state(METRICS) == {
+        "engine_by_rank": {"0": "native", "1": "native"},
+        "steps": {"masked": 12, "no_grammar": 2},
+    }
 
     class _Srv:
         def metrics_text(self):
             return METRICS
 
     calls = []
-    plugin = types.SimpleNamespace(server=_Srv(), resume=lambda: calls.append("resume"), pause=lambda: calls.append("pause"))
-    report = {n: {"median": {"accept_length_mean": v}, "spread": {"accept_length_mean": [v, v]}}
-              for n, v in (("stock", 1.1), ("plugin", 1.2))}
+    plugin = types.SimpleNamespace(
+        server=_Srv(), resume=lambda: calls.append("resume"), pause=lambda: calls.append("pause")
+    )
+    report = {
+        n: {"median": {"accept_length_mean": v}, "spread": {"accept_length_mean": [v, v]}}
+        for n, v in (("stock", 1.1), ("plugin", 1.2))
+    }
     sp = serve.speculative_report("dspark", report, plugin)
     assert sp["algorithm"] == "DSPARK" and sp["accept_length_mean"] == {"stock": 1.1, "plugin": 1.2}
     assert sp["mask_engine"] == "native" and sp["mask_steps"] == {"masked": 12, "no_grammar": 2}
@@ -174,8 +206,12 @@ def test_mask_state_and_speculative_report():
 def test_ok_gates_the_mask_ablation():
     seq = {"checked": 2, "identical": 2, "failed_requests": []}
     side = {"errors": 0, "constrained_invalid": 0}
-    r = {"identical_sequential": seq, "stock": side, "plugin": side,
-         "speculative": {"ablation": {"errors": 0, "constrained_invalid": 0}}}
+    r = {
+        "identical_sequential": seq,
+        "stock": side,
+        "plugin": side,
+        "speculative": {"ablation": {"errors": 0, "constrained_invalid": 0}},
+    }
     assert serve.ok(r)
     r["speculative"]["ablation"]["constrained_invalid"] = 1
     assert not serve.ok(r)
@@ -210,8 +246,14 @@ def test_run_speculative_flow_with_fake_servers(monkeypatch):
     def fake_pass(p, entries, *, sequential=False):
         passes.append((p.name, sequential))
         s = {k: 1.0 for k in serve.SUMMARY_KEYS}
-        s.update(errors=0, constrained_invalid=0, constrained_truncated=0, cpu_s_by_role={"scheduler": 1.0},
-                 cpu_s_total=1.0, accept_length_mean=1.05 if "stock" in p.name else 1.1)
+        s.update(
+            errors=0,
+            constrained_invalid=0,
+            constrained_truncated=0,
+            cpu_s_by_role={"scheduler": 1.0},
+            cpu_s_total=1.0,
+            accept_length_mean=1.05 if "stock" in p.name else 1.1,
+        )
         return {"summary": s, "outputs": {e["id"]: ((1, 2),) for e in entries}, "results": []}
 
     monkeypatch.setattr(serve, "start", fake_start)

@@ -69,18 +69,26 @@ def test_checks_validate_constrained_outputs():
 def test_sequential_subset_covers_every_single_kind():
     entries = trace.generate(seed=0)
     seq = trace.sequential_subset(entries, 30)
-    assert len(seq) == 30 and all(e["body"]["sampling_params"]["max_new_tokens"] <= 16 for e in seq) and {e["kind"] for e in seq} == {"json", "regex", "ebnf", "plain", "routed", "burst"}
+    assert (
+        len(seq) == 30
+        and all(e["body"]["sampling_params"]["max_new_tokens"] <= 16 for e in seq)
+        and {e["kind"] for e in seq} == {"json", "regex", "ebnf", "plain", "routed", "burst"}
+    )
 
 
 def test_percentiles_and_identical_fraction():
     assert client.pct([1, 2, 3, 4, 5], 0.5) == 3 and client.pct([], 0.5) is None
-    assert client.identical_fraction({"a": ((1, 2),), "b": ((3,), (4,))}, {"a": ((1, 2),), "b": ((3,), (5,))}) == round(2 / 3, 4)
+    assert client.identical_fraction({"a": ((1, 2),), "b": ((3,), (4,))}, {"a": ((1, 2),), "b": ((3,), (5,))}) == round(
+        2 / 3, 4
+    )
 
 
 def test_cli_parses_serve_and_soak():
     from dspark_harden.cli import build_parser
 
-    args = build_parser().parse_args(["bench", "serve", "--json", "--rounds", "4", "--rate", "2.5", "--requests", "50", "--ablate"])
+    args = build_parser().parse_args(
+        ["bench", "serve", "--json", "--rounds", "4", "--rate", "2.5", "--requests", "50", "--ablate"]
+    )
     assert (args.rounds, args.rate, args.requests, args.ablate) == (4, 2.5, 50, True)
     args = build_parser().parse_args(["bench", "soak", "--minutes", "0.5", "--adversarial"])
     assert args.minutes == 0.5 and args.adversarial

@@ -11,8 +11,10 @@ phase, the cffi-built shared-memory/futex exchange, real processes, real CUDA st
 
 Per rank: (1) 200 steps with real grammar masks, every mask equal to the synchronous CPU path;
 (2) 10,000 steps of the slot-overwrite stress (a side-stream consumer reading late), the exchange on
-every step, every peer row checked; (3) 10,000 exchanges with no GPU work (the idle figure, same run).
-Exchange p50/p99 of (2) and (3) are printed and written to $OUT/dp2_two_ranks.json.
+every step, every peer row and every entry of every draft copy checked, then its own negative control:
+2,000 steps that release the slot on the compute stream before the late (up to ~1 ms) side-stream
+consumer read it must show overwritten masks on both ranks; (3) 10,000 exchanges with no GPU work (the idle figure, same run).
+Exchange p50/p99/p99.9/max of (2) and (3) are printed and written to $OUT/dp2_two_ranks.json.
 """
 
 from __future__ import annotations
@@ -101,53 +103,84 @@ def _rank(rank: int, session: str, stress_steps: int) -> dict:
     pipe.close()
     traverser.close()
 
-    # (2) slot-overwrite stress, exchange on every step
-    rng = random.Random(rank)
-    sbs, schain, vocab = 4, 4, 32 * 64
-    words, rows = (vocab + 31) // 32, sbs * schain
-    pipe = MaskPipeline(dev, capacity=sbs)
-    results = torch.empty((stress_steps, rows, words), dtype=torch.int32, device=dev)
-    sverify = torch.empty((sbs, schain), dtype=torch.int64, device=dev)
-    base_ids = torch.arange(rows, dtype=torch.int64, device=dev).view(sbs, schain)
-    row_ids = torch.arange(rows, dtype=torch.int32).view(rows, 1)
-    col_ids = torch.arange(words, dtype=torch.int32).view(1, words)
-    compute, side = torch.cuda.current_stream(dev), torch.cuda.Stream(dev)
-    busy_ns, bad_drafts = [], []
-    for step in range(stress_steps):
-        if rng.random() < 0.5:
-            torch.cuda._sleep(rng.randrange(40_000))
-        torch.add(base_ids, step * 1000, out=sverify)
-        ticket = pipe.begin(sverify)
-        busy_ns.append(exchange(200 + step))  # while this rank's GPU streams are busy
+    # (2) slot-overwrite stress, exchange on every step; then its negative control on the same ranks:
+    # the slot released before the late side-stream consumer read it must show overwritten masks
+    def stress(steps: int, early_release: bool, step0: int, sleep_max: int = 40_000):
+        rng = random.Random(rank + 17 * early_release)
+        sbs, schain, vocab = 4, 4, 32 * 64
+        words, rows = (vocab + 31) // 32, sbs * schain
+        pipe = MaskPipeline(dev, capacity=sbs)
+        results = torch.empty((steps, rows, words), dtype=torch.int32, device=dev)
+        sverify = torch.empty((sbs, schain), dtype=torch.int64, device=dev)
+        base_ids = torch.arange(rows, dtype=torch.int64, device=dev).view(sbs, schain)
+        base_cpu = base_ids.cpu()
+        row_ids = torch.arange(rows, dtype=torch.int32).view(rows, 1)
+        col_ids = torch.arange(words, dtype=torch.int32).view(1, words)
+        compute, side = torch.cuda.current_stream(dev), torch.cuda.Stream(dev)
+        busy, bad = [], []
+        for step in range(steps):
+            if rng.random() < 0.5:
+                torch.cuda._sleep(rng.randrange(sleep_max))
+            torch.add(base_ids, step * 1000, out=sverify)
+            ticket = pipe.begin(sverify)
+            busy.append(exchange(step0 + step))  # while this rank's GPU streams are busy
 
-        def sfill(host_draft, host_mask, step=step):
-            if int(host_draft[0, 0]) != step * 1000:
-                bad_drafts.append(step)
-            torch.add(row_ids * 131 + col_ids, step * 7919, out=host_mask)
-            return True
+            def sfill(host_draft, host_mask, step=step):
+                if not torch.equal(host_draft, base_cpu + step * 1000):  # every draft entry, not one
+                    bad.append(step)
+                torch.add(row_ids * 131 + col_ids, step * 7919, out=host_mask)
+                return True
 
-        mask = pipe.finish(ticket, sfill, vocab)
-        with torch.cuda.stream(side):
-            side.wait_stream(compute)
-            torch.cuda._sleep(rng.randrange(40_000))
-            results[step].copy_(mask)
-            pipe.consumed(ticket)
-    torch.cuda.synchronize(dev)
-    expected = (row_ids * 131 + col_ids).to(dev)
-    got = results - torch.arange(stress_steps, dtype=torch.int32, device=dev).view(stress_steps, 1, 1) * 7919
-    overwritten = (got != expected).flatten(1).any(1).nonzero().flatten().tolist()
-    pipe.close()
+            mask = pipe.finish(ticket, sfill, vocab)
+            if early_release:
+                pipe.consumed(ticket)  # released on the compute stream before the side stream read it
+            with torch.cuda.stream(side):
+                side.wait_stream(compute)
+                torch.cuda._sleep(rng.randrange(sleep_max))
+                results[step].copy_(mask)
+                if not early_release:
+                    pipe.consumed(ticket)
+        torch.cuda.synchronize(dev)
+        expected = (row_ids * 131 + col_ids).to(dev)
+        got = results - torch.arange(steps, dtype=torch.int32, device=dev).view(steps, 1, 1) * 7919
+        pipe.close()
+        return (got != expected).flatten(1).any(1).nonzero().flatten().tolist(), bad, busy
+
+    overwritten, bad_drafts, busy_ns = stress(stress_steps, False, 200)
+    # (a late consumer: up to 2M cycles, ~1 ms, as in the single-rank negative control)
+    neg_overwritten, _, _ = stress(2_000, True, 200 + stress_steps, sleep_max=2_000_000)
+    stress_steps_total = stress_steps + 2_000
 
     # (3) idle exchanges, same processes
-    idle_ns = [exchange(200 + stress_steps + i) for i in range(10_000)]
+    idle_ns = [exchange(200 + stress_steps_total + i) for i in range(10_000)]
     ch.close()
     us = lambda v, p: round(_pct(v, p) / 1e3, 2)  # noqa: E731
     return {
-        "rank": rank, "device": str(dev), "devices_visible": n_dev, "mask_steps": 200, "mask_mismatches": mask_mismatch,
-        "stress_steps": stress_steps, "overwritten": overwritten[:20], "n_overwritten": len(overwritten),
-        "bad_drafts": bad_drafts[:20], "bad_rows": bad_rows[:20], "n_bad_rows": len(bad_rows),
-        "exchange_us_under_gpu_load": {"p50": us(busy_ns, 0.5), "p99": us(busy_ns, 0.99), "max": us(busy_ns, 1.0)},
-        "exchange_us_idle": {"p50": us(idle_ns, 0.5), "p99": us(idle_ns, 0.99), "max": us(idle_ns, 1.0)},
+        "rank": rank,
+        "device": str(dev),
+        "devices_visible": n_dev,
+        "mask_steps": 200,
+        "mask_mismatches": mask_mismatch,
+        "stress_steps": stress_steps,
+        "overwritten": overwritten[:20],
+        "n_overwritten": len(overwritten),
+        "negative_control_steps": 2_000,
+        "negative_control_overwritten": len(neg_overwritten),
+        "bad_drafts": bad_drafts[:20],
+        "bad_rows": bad_rows[:20],
+        "n_bad_rows": len(bad_rows),
+        "exchange_us_under_gpu_load": {
+            "p50": us(busy_ns, 0.5),
+            "p99": us(busy_ns, 0.99),
+            "p99.9": us(busy_ns, 0.999),
+            "max": us(busy_ns, 1.0),
+        },
+        "exchange_us_idle": {
+            "p50": us(idle_ns, 0.5),
+            "p99": us(idle_ns, 0.99),
+            "p99.9": us(idle_ns, 0.999),
+            "max": us(idle_ns, 1.0),
+        },
     }
 
 
@@ -171,5 +204,6 @@ def test_two_ranks_mask_pipeline_with_native_dp2_exchange_every_step():
     for r in results:
         assert r["mask_mismatches"] == [], r
         assert r["n_overwritten"] == 0 and r["bad_drafts"] == [], r
+        assert r["negative_control_overwritten"] > 0, r  # the check can see an overwrite on these ranks
         assert r["n_bad_rows"] == 0, r
     assert all(p.exitcode == 0 for p in procs)

@@ -40,19 +40,18 @@ def test_pipeline_masks_equal_cpu_path_while_compute_stream_is_busy(native, engi
     Every mask and every masked logit row equals the synchronous CPU path."""
     import xgrammar as xgr
 
-    from dspark_harden.dspark_masks.workload import native_jobs
+    from dspark_harden.dspark_masks.workload import native_jobs, reference_masks
 
     bs, chain, V = 64, 8, native.vocab_size
     traverser = ChainTraverser(engine, threads=4)
-    reference = ChainTraverser("scalar")
     pipe = MaskPipeline(DEV, capacity=16)  # grows to 64 on the first step
     verify = torch.full((bs, chain), -7, dtype=torch.int64, device=DEV)
     seen, want = [], []
     stream = torch.cuda.current_stream(DEV)
     for step in range(30):
         matchers, roots, draft = native.batch(bs, chain, seed=step)
-        ref = torch.empty((bs * chain, (V + 31) // 32), dtype=torch.int32)
-        reference.traverse(native_jobs(matchers, roots, draft, V), draft, ref, V)
+        # the independent reference (plain xgrammar calls in stock's order), not one of the engines
+        ref = reference_masks(matchers, roots, draft, V)
         src = draft.to(DEV)
         torch.cuda._sleep(SLEEP)
         verify.copy_(src)  # ordered after the sleep on the compute stream
@@ -86,8 +85,9 @@ def test_pipeline_masks_equal_cpu_path_while_compute_stream_is_busy(native, engi
     traverser.close()
 
 
-def _stress(pipe: MaskPipeline, steps: int, *, side_consumer: bool, bs=4, chain=4, vocab=32 * 64, seed=0,
-            sleep_max=40_000):
+def _stress(
+    pipe: MaskPipeline, steps: int, *, side_consumer: bool, bs=4, chain=4, vocab=32 * 64, seed=0, sleep_max=40_000
+):
     """Step-specific ids and masks; the consumer reads after a random delay, either on the compute
     stream or on a side stream (e.g. a sampling stream: then begin()'s wait on the compute stream
     does not order the next uploads after it, only mask_consumed does). Returns the steps whose

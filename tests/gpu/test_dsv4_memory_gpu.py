@@ -60,16 +60,18 @@ def _norm_rope():
     return fused_q_norm_rope
 
 
-SHAPES = [(1, 64), (7, 64), (128, 128), (1024, 64), (4096, 64), (4096, 128), (8192, 128), (16384, 64)]
+# the sampled shapes (9 of them, not every shape): up to DSV4's prefill chunk of 16,384 tokens x 128 heads
+SHAPES = [(1, 64), (7, 64), (128, 128), (1024, 64), (4096, 64), (4096, 128), (8192, 128), (16384, 64), (16384, 128)]
 
 
+@pytest.mark.parametrize("pos_dtype", [torch.int32, torch.int64], ids=["int32", "int64"])
 @pytest.mark.parametrize("eps", [1e-6, None], ids=["norm", "no-norm"])
 @pytest.mark.parametrize("tokens,heads", SHAPES)
-def test_fused_q_norm_rope_in_place_is_bit_identical(freqs, tokens, heads, eps):
+def test_fused_q_norm_rope_in_place_is_bit_identical(freqs, tokens, heads, eps, pos_dtype):
     fn = _norm_rope()
     torch.manual_seed(tokens * 131 + heads)
     q = torch.randn((tokens, heads, HEAD_DIM), dtype=torch.bfloat16, device=DEV)
-    pos = torch.randint(0, MAX_POS, (tokens,), device=DEV, dtype=torch.int64 if tokens % 2 else torch.int32)
+    pos = torch.randint(0, MAX_POS, (tokens,), device=DEV, dtype=pos_dtype)
     ref = torch.empty_like(q)
     fn(q.clone(), ref, eps, freqs, pos)
     inplace = q.clone()
@@ -101,9 +103,16 @@ def test_negative_control_an_offset_overlap_is_detected(freqs):
 
 def _layer(heads: int, freqs, q_lora: int = 1024):
     torch.manual_seed(heads)
-    w = (torch.randn((q_lora, heads * HEAD_DIM), dtype=torch.bfloat16, device=DEV) / q_lora ** 0.5)
-    return SimpleNamespace(wq_b=lambda x: (x @ w, None), n_local_heads=heads, head_dim=HEAD_DIM,
-                           use_mega_attention=False, q_head_norm=True, eps=1e-6, freqs_cis=freqs)
+    w = torch.randn((q_lora, heads * HEAD_DIM), dtype=torch.bfloat16, device=DEV) / q_lora**0.5
+    return SimpleNamespace(
+        wq_b=lambda x: (x @ w, None),
+        n_local_heads=heads,
+        head_dim=HEAD_DIM,
+        use_mega_attention=False,
+        q_head_norm=True,
+        eps=1e-6,
+        freqs_cis=freqs,
+    )
 
 
 def _stock_q_head_norm(self, q, positions, q_out=None):
@@ -143,8 +152,12 @@ def test_in_place_compute_q_b_matches_stock_and_saves_one_buffer_per_call(freqs)
     assert n >= 3
     layer = _layer(64, freqs)
     fp8_out = torch.empty((16, 64, HEAD_DIM), dtype=torch.float8_e4m3fn, device=DEV)
-    ours(layer, torch.randn((16, 1024), dtype=torch.bfloat16, device=DEV),
-         torch.zeros(16, dtype=torch.int64, device=DEV), fp8_out)
+    ours(
+        layer,
+        torch.randn((16, 1024), dtype=torch.bfloat16, device=DEV),
+        torch.zeros(16, dtype=torch.int64, device=DEV),
+        fp8_out,
+    )
     assert CALLS["inplace"] == n  # a caller-provided output (the FP8 branch) goes to stock untouched
     _report("q_norm_rope_saved_bytes_per_layer_call_128_heads", saved)
 
@@ -167,32 +180,33 @@ def _segments() -> tuple:
     return s.get("segment.all.current", 0), s.get("num_alloc_retries", 0), s.get("num_ooms", 0)
 
 
-def test_reserved_pool_serves_what_a_fragmented_default_pool_cannot():
+@pytest.mark.parametrize("tokens", [8192, 16384])
+def test_reserved_pool_serves_what_a_fragmented_default_pool_cannot(tokens):
+    import flash_mla
     from sglang.kernels.ops.attention.flash_mla_interface import flash_mla_sparse_fwd as stock
 
     from dspark_harden.dsv4_memory.pool import SparsePrefillPool, caller_owned_output_supported
 
-    import flash_mla
-
     assert not caller_owned_output_supported(flash_mla.flash_mla_sparse_fwd)  # 1.0.0: allocating API only
-    tokens, heads = 8192, 128
+    heads = 128
     q, kv, idx, lens, sink = _sparse_inputs(tokens, heads)
     kwargs = dict(d_v=512, attn_sink=sink, topk_length=lens)
-    ref = [t.clone() for t in stock(q, kv, idx, HEAD_DIM ** -0.5, **kwargs)]
+    ref = [t.clone() for t in stock(q, kv, idx, HEAD_DIM**-0.5, **kwargs)]
     pool = SparsePrefillPool(tokens=tokens, heads=heads, d_v=512, device=torch.device(DEV)).reserve()
-    assert pool.reserved_bytes == (1 << 30) + 8 * (1 << 20)
+    # out bf16 [tokens, 128, 512] + max_logits and lse fp32 [tokens, 128]: 1 GiB + 8 MiB at 8k, 2 GiB + 16 MiB at 16k
+    assert pool.reserved_bytes == (tokens // 8192) * ((1 << 30) + 8 * (1 << 20))
 
     def pooled():
         """(outputs identical to the unreserved call, allocator counters before and after the call alone:
         the comparison itself allocates, so it runs outside the measured window)"""
         torch.cuda.synchronize()
         before = _segments()
-        out = pool.run(stock, q, kv, idx, HEAD_DIM ** -0.5, **kwargs)
+        out = pool.run(stock, q, kv, idx, HEAD_DIM**-0.5, **kwargs)
         torch.cuda.synchronize()
         after = _segments()
         # compared in 512-token slices: a whole-tensor torch.equal needs a temporary larger than the slack
         # the memory-fraction cap leaves in the fragmented phases
-        same = all(torch.equal(a[i:i + 512], b[i:i + 512]) for a, b in zip(out, ref) for i in range(0, tokens, 512))
+        same = all(torch.equal(a[i : i + 512], b[i : i + 512]) for a, b in zip(out, ref) for i in range(0, tokens, 512))
         del out
         return same, before, after
 
@@ -208,9 +222,9 @@ def test_reserved_pool_serves_what_a_fragmented_default_pool_cannot():
         torch.cuda.set_per_process_memory_fraction(min(1.0, (torch.cuda.memory_reserved() + (512 << 20)) / total))
         seg0, retry0, oom0 = _segments()
         with pytest.raises(torch.OutOfMemoryError):
-            torch.empty((tokens, heads, 512), dtype=torch.bfloat16, device=DEV)  # a fresh 1 GiB block
+            torch.empty((tokens, heads, 512), dtype=torch.bfloat16, device=DEV)  # a fresh 1 or 2 GiB block
         seg1, retry1, oom1 = _segments()
-        figures["default_pool_fresh_1GiB"] = {"oom": oom1 - oom0, "alloc_retries": retry1 - retry0}
+        figures["default_pool_fresh_output_block"] = {"oom": oom1 - oom0, "alloc_retries": retry1 - retry0}
         assert oom1 - oom0 == 1 and seg1 == seg0
         for phase in ("fragmented", "after_empty_cache", "after_graph_capture"):
             if phase == "after_empty_cache":
@@ -230,8 +244,11 @@ def test_reserved_pool_serves_what_a_fragmented_default_pool_cannot():
                 del b
             same, before, after = pooled()
             assert same, phase
-            figures[phase] = {"new_segments": after[0] - before[0], "alloc_retries": after[1] - before[1],
-                              "ooms": after[2] - before[2]}
+            figures[phase] = {
+                "new_segments": after[0] - before[0],
+                "alloc_retries": after[1] - before[1],
+                "ooms": after[2] - before[2],
+            }
             assert after == before, (phase, before, after)
     finally:
         torch.cuda.set_per_process_memory_fraction(1.0)
@@ -239,7 +256,7 @@ def test_reserved_pool_serves_what_a_fragmented_default_pool_cannot():
         torch.cuda.empty_cache()
     figures["served"] = pool.served
     figures["reserved_bytes"] = pool.reserved_bytes
-    _report("sparse_prefill_pool", figures)
+    _report(f"sparse_prefill_pool_{tokens}x128", figures)
 
 
 def test_pool_refuses_a_call_larger_than_the_reservation_naming_both_sizes():
@@ -250,17 +267,163 @@ def test_pool_refuses_a_call_larger_than_the_reservation_naming_both_sizes():
     pool = SparsePrefillPool(tokens=1024, heads=64, d_v=512, device=torch.device(DEV)).reserve()
     q, kv, idx, lens, _ = _sparse_inputs(1025, 64)
     with pytest.raises(SparsePrefillPoolError, match="1025 tokens x 64 heads x d_v 512 does not fit the reserved 1024"):
-        pool.run(stock, q, kv, idx, HEAD_DIM ** -0.5, d_v=512, topk_length=lens)
+        pool.run(stock, q, kv, idx, HEAD_DIM**-0.5, d_v=512, topk_length=lens)
     q, kv, idx, lens, _ = _sparse_inputs(512, 64)
-    half = pool.run(stock, q, kv, idx, HEAD_DIM ** -0.5, d_v=512, topk_length=lens)
-    again = pool.run(stock, q, kv, idx, HEAD_DIM ** -0.5, d_v=512, topk_length=lens)  # the other half of the block
+    half = pool.run(stock, q, kv, idx, HEAD_DIM**-0.5, d_v=512, topk_length=lens)
+    again = pool.run(stock, q, kv, idx, HEAD_DIM**-0.5, d_v=512, topk_length=lens)  # the other half of the block
     del half, again
     q, kv, idx, lens, _ = _sparse_inputs(1024, 64)
-    first = pool.run(stock, q, kv, idx, HEAD_DIM ** -0.5, d_v=512, topk_length=lens)  # kept alive: fills the slot
+    first = pool.run(stock, q, kv, idx, HEAD_DIM**-0.5, d_v=512, topk_length=lens)  # kept alive: fills the slot
     with pytest.raises(SparsePrefillPoolError, match="did not come from the reservation"):
-        pool.run(stock, q, kv, idx, HEAD_DIM ** -0.5, d_v=512, topk_length=lens)
+        pool.run(stock, q, kv, idx, HEAD_DIM**-0.5, d_v=512, topk_length=lens)
     del first
     assert pool.refused == 2 and pool.served == 3
+
+
+def test_pool_serves_calls_on_another_stream_than_its_reservation_and_orders_block_reuse():
+    """SGLang's overlap scheduler runs the forward on its own ``forward_stream`` while the reservation
+    is made at backend init: the caching allocator never hands a block cached on one stream to an
+    allocation on another. Calls from a side stream are served from the reservation (run on its
+    stream, ordered both ways), bit-identical; a consumer queued on the side stream behind a long
+    kernel still reads the earlier output after the next call reused its block."""
+    from sglang.kernels.ops.attention.flash_mla_interface import flash_mla_sparse_fwd as stock
+
+    from dspark_harden.dsv4_memory.pool import SparsePrefillPool
+
+    tokens, heads = 4096, 128
+    scale = HEAD_DIM**-0.5
+    pool = SparsePrefillPool(tokens=tokens, heads=heads, d_v=512, device=torch.device(DEV)).reserve()
+    side = torch.cuda.Stream()
+    seen, refs = [], []
+    for i in range(3):
+        q, kv, idx, lens, sink = _sparse_inputs(tokens, heads)
+        q.mul_(1 + 0.5 * i)  # each call's output differs from the previous one's
+        kw = dict(d_v=512, attn_sink=sink, topk_length=lens)
+        refs.append(stock(q, kv, idx, scale, **kw)[0][:64].clone())
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            out = pool.run(stock, q, kv, idx, scale, **kw)
+            torch.cuda._sleep(20_000_000)  # the consumer is late on the side stream ...
+            seen.append(out[0][:64].clone())  # ... and reads this output after it
+            del out  # the next call reuses the block: its kernels must wait for this consumer
+    torch.cuda.synchronize()
+    assert pool.cross_stream == 3 and pool.served == 3 and pool.refused == 0
+    assert all(torch.equal(a, b) for a, b in zip(seen, refs))
+    assert not torch.equal(refs[0], refs[1])
+    _report("pool_cross_stream", {"served": pool.served, "cross_stream": pool.cross_stream})
+
+
+_CAPTURE_PROBE = r"""
+import json, torch
+from sglang.kernels.ops.attention.flash_mla_interface import flash_mla_sparse_fwd as stock
+from dspark_harden.dsv4_memory.pool import SparsePrefillPool
+torch.manual_seed(11)
+T, H, D = 4096, 128, 512
+q = torch.randn((T, H, D), dtype=torch.bfloat16, device="cuda")
+kv = torch.randn((4096, 1, D), dtype=torch.bfloat16, device="cuda")
+idx = torch.randint(0, 4096, (T, 1, 256), dtype=torch.int32, device="cuda")
+lens = torch.randint(1, 257, (T,), dtype=torch.int32, device="cuda")
+kw = dict(d_v=D, topk_length=lens)
+ref = [t.clone() for t in stock(q, kv, idx, D ** -0.5, **kw)]
+pool = SparsePrefillPool(tokens=T, heads=H, d_v=D, device=torch.device("cuda")).reserve()
+res = {}
+try:
+    g = torch.cuda.CUDAGraph()
+    s = torch.cuda.Stream(); s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        stock(q, kv, idx, D ** -0.5, **kw)
+    torch.cuda.current_stream().wait_stream(s); torch.cuda.synchronize()
+    with torch.cuda.graph(g):
+        with torch.cuda.use_mem_pool(pool.pool):  # the pool as it was before the capture rule
+            out = stock(q, kv, idx, D ** -0.5, **kw)
+    g.replay(); torch.cuda.synchronize()
+    res["captured"] = True
+    res["outputs_inside_our_pool"] = [pool._inside(t) for t in out]
+    res["replay_equals_eager"] = all(torch.equal(a, b) for a, b in zip(out, ref))
+except Exception as exc:
+    res["captured"] = False
+    res["error"] = f"{type(exc).__name__}: {exc}"[:400]
+print("PROBE " + json.dumps(res))
+"""
+
+
+def test_which_pool_wins_when_a_captured_call_runs_inside_use_mem_pool():
+    """The finding behind the capture rule (run in a child process: a failed capture can leave the
+    CUDA context unusable): capture stock's call inside ``use_mem_pool(our pool)`` and report where
+    its outputs landed."""
+    import subprocess
+    import sys
+
+    r = subprocess.run(
+        [sys.executable, "-c", _CAPTURE_PROBE], capture_output=True, text=True, timeout=300, env=os.environ.copy()
+    )
+    lines = [ln for ln in r.stdout.splitlines() if ln.startswith("PROBE ")]
+    assert lines, (r.returncode, r.stdout[-2000:], r.stderr[-3000:])
+    probe = json.loads(lines[-1][6:])
+    _report("capture_inside_use_mem_pool", probe)
+    assert "captured" in probe
+
+
+def test_pool_leaves_captured_calls_to_the_graph_pool_and_no_eager_output_aliases_a_captured_one():
+    """A prefill-sized call (4,096 tokens x 128 heads) captured through the pool's ``run`` goes to stock
+    (counted ``captured``), so its outputs live in the graph's private pool: they overlap no reserved
+    block and no later eager (pool-served) output; a replay after an eager call leaves the eager
+    outputs untouched and reproduces the eager reference bit for bit."""
+    from sglang.kernels.ops.attention.flash_mla_interface import flash_mla_sparse_fwd as stock
+
+    from dspark_harden.dsv4_memory.pool import SparsePrefillPool
+
+    tokens, heads = 4096, 128
+    q, kv, idx, lens, sink = _sparse_inputs(tokens, heads)
+    kw = dict(d_v=512, attn_sink=sink, topk_length=lens)
+    scale = HEAD_DIM**-0.5
+    ref = [t.clone() for t in stock(q, kv, idx, scale, **kw)]
+    pool = SparsePrefillPool(tokens=tokens, heads=heads, d_v=512, device=torch.device(DEV)).reserve()
+
+    def ranges(ts):
+        return [(t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()) for t in ts]
+
+    def overlap(a, b):
+        return any(lo < hi2 and lo2 < hi for lo, hi in a for lo2, hi2 in b)
+
+    g = torch.cuda.CUDAGraph()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        warm = pool.run(stock, q, kv, idx, scale, **kw)  # eager warm-up, served from the pool
+        del warm
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    served = pool.served
+    with torch.cuda.graph(g):
+        cap = pool.run(stock, q, kv, idx, scale, **kw)
+    assert pool.captured == 1 and pool.served == served
+    g.replay()
+    torch.cuda.synchronize()
+    assert all(torch.equal(a, b) for a, b in zip(cap, ref))
+    cap_ranges = ranges(cap)
+    assert not overlap(cap_ranges, pool.ranges), "a captured output sits in a reserved block"
+    torch.manual_seed(99)
+    q2 = torch.randn_like(q)
+    eager = pool.run(stock, q2, kv, idx, scale, **kw)
+    eager_ref = [t.clone() for t in eager]
+    assert pool.served == served + 1
+    assert not overlap(ranges(eager), cap_ranges), "an eager output aliases a captured one"
+    for _ in range(3):
+        g.replay()
+    torch.cuda.synchronize()
+    assert all(torch.equal(a, b) for a, b in zip(eager, eager_ref)), "a replay wrote into an eager output"
+    assert all(torch.equal(a, b) for a, b in zip(cap, ref))
+    _report(
+        "pool_under_capture",
+        {
+            "captured": pool.captured,
+            "served": pool.served,
+            "tokens": tokens,
+            "heads": heads,
+            "captured_outputs_in_reservation": False,
+        },
+    )
 
 
 # --- (c) planner guards --------------------------------------------------------------------------
@@ -275,18 +438,34 @@ def _plan_inputs(rng, *, gpu_lens: bool):
         ext = [min(e, 64) for e in ext]
     ratio = rng.choice([4, 128])
     lens_dev = DEV if gpu_lens else "cpu"
-    return dict(compress_ratio=ratio,
-                req_pool_indices=torch.tensor(rng.sample(range(rows), b), dtype=torch.int64, device=DEV),
-                seq_lens=torch.tensor(seq, dtype=torch.int64, device=lens_dev),
-                extend_lens=torch.tensor(ext, dtype=torch.int64, device=lens_dev),
-                req_to_token=torch.randint(0, n_full, (rows, cols), dtype=torch.int32, device=DEV),
-                full_to_state=torch.randperm(n_full, device=DEV),
-                swa_page_size=256, ring_size=128 if ratio == 4 else 256, num_q_tokens=sum(ext))
+    return dict(
+        compress_ratio=ratio,
+        req_pool_indices=torch.tensor(rng.sample(range(rows), b), dtype=torch.int64, device=DEV),
+        seq_lens=torch.tensor(seq, dtype=torch.int64, device=lens_dev),
+        extend_lens=torch.tensor(ext, dtype=torch.int64, device=lens_dev),
+        req_to_token=torch.randint(0, n_full, (rows, cols), dtype=torch.int32, device=DEV),
+        full_to_state=torch.randperm(n_full, device=DEV),
+        swa_page_size=256,
+        ring_size=128 if ratio == 4 else 256,
+        num_q_tokens=sum(ext),
+    )
 
 
 def _gen_args(g):
-    return [g[k] for k in ("compress_ratio", "req_pool_indices", "seq_lens", "extend_lens", "req_to_token",
-                           "full_to_state", "swa_page_size", "ring_size", "num_q_tokens")]
+    return [
+        g[k]
+        for k in (
+            "compress_ratio",
+            "req_pool_indices",
+            "seq_lens",
+            "extend_lens",
+            "req_to_token",
+            "full_to_state",
+            "swa_page_size",
+            "ring_size",
+            "num_q_tokens",
+        )
+    ]
 
 
 @pytest.mark.parametrize("gpu_lens", [False, True], ids=["cpu-lens", "gpu-lens"])
@@ -298,6 +477,7 @@ def test_planner_guards_pass_valid_plans_bit_for_bit_and_refuse_bad_ones(gpu_len
     stock = CompressorPrefillPlan.generate
     guarded = PL.unwrap(PL.build_prefill_generate(stock, lambda ok: None))
     rng = random.Random(17 + gpu_lens)
+
     def rows(t):  # the GPU-input planner appends entries with atomicAdd: their order is not deterministic
         return sorted(bytes(r) for r in t.cpu().numpy()) if gpu_lens else t
 
@@ -347,3 +527,291 @@ def test_decode_planner_guard():
     args[4] = g["seq_lens"] + 4096
     with pytest.raises(PL.PlannerBoundsError, match="columns"):
         guarded(*args)
+
+
+def _peak_and_time(fn, args, reps=20):
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    fn(*args)
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - base
+    times = []
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn(*args)
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    return peak, statistics.median(times) * 1e6
+
+
+def test_planner_guards_at_production_shapes_bounded_temporaries():
+    """b=256 with a 256 x 131,072 int32 ``req_to_token`` (128 MiB) and 4M full locations: the decode
+    plan (c4, GPU lengths) and a prefill plan (c4, 64 requests, host lengths, 1..256-token extends at
+    contexts up to 131,072). The guard's extra peak (``max_memory_allocated`` above the stock call's)
+    stays O(num_q_tokens + batch), far below one batch x columns int64 temporary (256 MiB here);
+    plans bit-identical to stock; time per call guard on / off reported."""
+    from sglang.kernels.ops.attention.dsv4.compress import CompressorDecodePlan, CompressorPrefillPlan
+
+    from dspark_harden.dsv4_memory import planner as PL
+
+    rng = random.Random(256)
+    b, cols, n_full = 256, 131072, 1 << 22
+    r2t = torch.randint(0, n_full, (b, cols), dtype=torch.int32, device=DEV)
+    f2s = torch.randperm(n_full, device=DEV)
+    rid = torch.tensor(rng.sample(range(b), b), dtype=torch.int64, device=DEV)
+    seq = torch.tensor([rng.randint(1, cols) for _ in range(b)], dtype=torch.int64, device=DEV)
+    figures = {}
+    dec_stock = CompressorDecodePlan.generate
+    dec_guard = PL.unwrap(PL.build_decode_generate(dec_stock, lambda ok: None))
+    dargs = [4, rid, r2t, f2s, seq, 256, 128]
+    assert torch.equal(dec_stock(*dargs).plan_d, dec_guard(*dargs).plan_d)
+    ps, ts = _peak_and_time(dec_stock, dargs)
+    pg, tg = _peak_and_time(dec_guard, dargs)
+    figures["decode_b256"] = {
+        "stock_peak_bytes": ps,
+        "guard_peak_bytes": pg,
+        "stock_us": round(ts, 1),
+        "guard_us": round(tg, 1),
+    }
+    assert pg - ps <= 1 << 20, figures  # 2 x 256 positions: KBs, not 256 MiB
+    pb = 64
+    pseq = [rng.randint(256, cols) for _ in range(pb)]
+    pext = [rng.randint(1, 256) for _ in range(pb)]
+    n = sum(pext)
+    pargs = [
+        4,
+        rid[:pb],
+        torch.tensor(pseq, dtype=torch.int64),
+        torch.tensor(pext, dtype=torch.int64),
+        r2t,
+        f2s,
+        256,
+        128,
+        n,
+    ]
+    pre_stock = CompressorPrefillPlan.generate
+    pre_guard = PL.unwrap(PL.build_prefill_generate(pre_stock, lambda ok: None))
+    a, g = pre_stock(*pargs), pre_guard(*pargs)
+    torch.cuda.synchronize()
+    assert torch.equal(a.plan_c, g.plan_c) and torch.equal(a.plan_w, g.plan_w)
+    ps, ts = _peak_and_time(pre_stock, pargs)
+    pg, tg = _peak_and_time(pre_guard, pargs)
+    figures["prefill_b64"] = {
+        "num_q_tokens": n,
+        "stock_peak_bytes": ps,
+        "guard_peak_bytes": pg,
+        "stock_us": round(ts, 1),
+        "guard_us": round(tg, 1),
+    }
+    assert pg - ps <= 64 * (n + 4 * pb) * 8 + (1 << 20), figures
+    _report("planner_guards_production_shapes", figures)
+
+
+# --- (d) Q8KV8 sparse prefill (SM90; the H200's own prefill path) ----------------------------------
+
+
+def _q8_inputs(tokens, heads=128, s_kv=4096, topk=512):
+    g = torch.Generator(device=DEV).manual_seed(23)
+    q = (torch.randn((tokens, heads, HEAD_DIM), device=DEV, generator=g) * 0.5).to(torch.float8_e4m3fn)
+    kv = (torch.randn((s_kv + 1, 1, HEAD_DIM), device=DEV, generator=g) * 0.5).to(torch.float8_e4m3fn)
+    idx = torch.randint(0, s_kv + 1, (tokens, 1, topk), dtype=torch.int32, device=DEV, generator=g)
+    lens = torch.randint(1, topk + 1, (tokens,), dtype=torch.int32, device=DEV, generator=g)
+    sink = torch.randn((heads,), dtype=torch.float32, device=DEV, generator=g)
+    one = torch.ones((), dtype=torch.float32, device=DEV)
+    return (q, kv, idx, HEAD_DIM**-0.5, one, one), dict(d_v=512, attn_sink=sink, topk_length=lens)
+
+
+@pytest.mark.parametrize("tokens", [8192, 16384])
+def test_q8kv8_prefill_from_the_reservation_is_bit_identical_and_allocates_nothing(tokens):
+    """The real SM90 Q8KV8 kernel (sglang/kernels/ops/attention/sparse_mla_q8kv8_prefill_sm90.py, JIT):
+    fp8 q [tokens, 128, 512], kv [4097, 1, 512], top-k 512 int32, sink and lengths; outputs from the
+    reservation's slices equal the allocating call bit for bit, and in a default pool fragmented so that
+    a fresh output block OOMs the reserved call makes 0 new segments, 0 retries, 0 OOMs. Oversize and
+    held-slot calls are refused naming both sizes."""
+    from sglang.kernels.ops.attention.sparse_mla_q8kv8_prefill_sm90 import sparse_mla_q8kv8_prefill_fwd as stock
+
+    from dspark_harden.dsv4_memory.pool import Q8KV8Reservation, SparsePrefillPoolError
+
+    args, kw = _q8_inputs(tokens)
+    ref = [t.clone() for t in stock(*args, **kw)]
+    torch.cuda.synchronize()
+    res = Q8KV8Reservation(tokens=tokens, heads=128, d_v=512, device=torch.device(DEV)).reserve()
+    out = res.run(stock, *args, **kw)
+    torch.cuda.synchronize()
+    assert all(torch.equal(a, b) for a, b in zip(out, ref))
+    assert out[0].data_ptr() == res.bufs[0][0].data_ptr()
+    held = out[0][:, :100]  # what the backend returns (o[:, :active_heads]) holds the slot
+    del out
+    with pytest.raises(SparsePrefillPoolError, match="still held by earlier outputs"):
+        res.run(stock, *args, **kw)
+    del held
+    torch.cuda.empty_cache()
+    total = torch.cuda.get_device_properties(0).total_memory
+    big = torch.empty(6 << 30, dtype=torch.uint8, device=DEV)
+    del big
+    blocks = [torch.empty(256 << 20, dtype=torch.uint8, device=DEV) for _ in range(24)]
+    del blocks[::2]
+    figures = {}
+    try:
+        torch.cuda.set_per_process_memory_fraction(min(1.0, (torch.cuda.memory_reserved() + (512 << 20)) / total))
+        seg0, retry0, oom0 = _segments()
+        # any cached free block that could still hold a fresh output is pinned first, so that the
+        # precondition (a fresh output block OOMs) holds by construction, not by luck
+        pinned = []
+        for _ in range(16):
+            try:
+                pinned.append(torch.empty((tokens, 128, 512), dtype=torch.bfloat16, device=DEV))
+            except torch.OutOfMemoryError:
+                break
+        else:
+            pytest.fail("16 fresh output blocks fit under the cap: the harness did not fragment anything")
+        seg1, retry1, oom1 = _segments()
+        before = _segments()
+        out = res.run(stock, *args, **kw)
+        torch.cuda.synchronize()
+        after = _segments()
+        same = all(torch.equal(a[i : i + 512], b[i : i + 512]) for a, b in zip(out, ref) for i in range(0, tokens, 512))
+        del out
+        figures = {
+            "default_pool_fresh_output_block": {
+                "oom": oom1 - oom0,
+                "alloc_retries": retry1 - retry0,
+                "cached_blocks_pinned_first": len(pinned),
+            },
+            "reserved_call": {
+                "new_segments": after[0] - before[0],
+                "alloc_retries": after[1] - before[1],
+                "ooms": after[2] - before[2],
+            },
+            "identical": same,
+        }
+        assert oom1 - oom0 == 1 and same and after == before, figures
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0)
+        del blocks
+        pinned = None
+        torch.cuda.empty_cache()
+    bigger, bkw = _q8_inputs(tokens + 64)
+    with pytest.raises(
+        SparsePrefillPoolError,
+        match=f"{tokens + 64} tokens x 128 heads x d_v 512 does not fit the reserved {tokens} tokens",
+    ):
+        res.run(stock, *bigger, **bkw)
+    figures.update(served=res.served, refused=res.refused, reserved_bytes=res.reserved_bytes)
+    assert (res.served, res.refused) == (2, 2)
+    _report(f"q8kv8_reservation_{tokens}x128", figures)
+
+
+# --- (e) device-side guard of the decode planner, eager and under graph replay ---------------------
+
+
+def test_device_guarded_decode_plan_bit_identical_eager_and_replayed_and_catches_bad_geometry_in_replay():
+    """``dsv4_memory/csrc/guarded_c_plan.cuh`` through SGLang's JIT: (1) eager, 40 random geometries
+    (b 1..16, 2048 columns, c4 and c128) and b=256 x 131,072 columns, zero-length entries (seq_len 0 on
+    rows >= 1: stock reads the previous row's last entry, in bounds) and repeated lengths: plan_d equal
+    to stock's bit for bit, flag clear; (2) captured in a CUDA graph with static inputs, replayed with new
+    valid inputs: equal to stock eagerly on the same inputs; then out-of-bounds geometry written into the
+    static inputs (sequence past the columns of the last row; locations past full_to_state) is caught by
+    the flag after the replay, naming the reason; (3) per-plan time stock vs guarded, eager and replayed."""
+    from sglang.kernels.ops.attention.dsv4.compress import CompressorDecodePlan
+
+    from dspark_harden.dsv4_memory import planner_device as PD
+    from dspark_harden.dsv4_memory.planner import PlannerBoundsError
+
+    stock = CompressorDecodePlan.generate
+    rng = random.Random(41)
+    for i in range(42):
+        if i < 40:
+            g = _plan_inputs(rng, gpu_lens=True)
+            ratio = g["compress_ratio"]
+            args = [
+                ratio,
+                g["req_pool_indices"],
+                g["req_to_token"],
+                g["full_to_state"],
+                g["seq_lens"],
+                256,
+                128 if ratio == 4 else 256,
+            ]
+        else:
+            b, cols, n_full = 256, 131072, 1 << 22
+            r2t = torch.randint(0, n_full, (b, cols), dtype=torch.int32, device=DEV)
+            seq = torch.tensor([rng.randint(1, cols) for _ in range(b)], dtype=torch.int64, device=DEV)
+            if i == 41:  # zero-length entries (not on row 0) and repeated lengths
+                seq[1::7] = 0
+                seq[2::5] = 4096
+            rid = torch.tensor(rng.sample(range(b), b), dtype=torch.int64, device=DEV)
+            if i == 41:
+                rid[seq == 0] = torch.arange(1, int((seq == 0).sum()) + 1, device=DEV)
+            args = [4, rid, r2t, torch.randperm(n_full, device=DEV), seq, 256, 128]
+        assert torch.equal(stock(*args).plan_d, PD.generate_decode(*args).plan_d), i
+        PD.check()
+    # (2) replay
+    b, rows, cols, n_full = 64, 80, 4096, 1 << 18
+    s_rid = torch.zeros(b, dtype=torch.int64, device=DEV)
+    s_r2t = torch.zeros((rows, cols), dtype=torch.int32, device=DEV)
+    s_f2s = torch.zeros(n_full, dtype=torch.int64, device=DEV)
+    s_seq = torch.ones(b, dtype=torch.int64, device=DEV)
+
+    def fill(valid=True):
+        s_rid.copy_(torch.tensor(rng.sample(range(rows), b), dtype=torch.int64))
+        s_r2t.copy_(torch.randint(0, n_full, (rows, cols), dtype=torch.int32))
+        s_f2s.copy_(torch.randperm(n_full))
+        s_seq.copy_(torch.randint(1, cols + 1, (b,), dtype=torch.int64))
+
+    fill()
+    gargs = [4, s_rid, s_r2t, s_f2s, s_seq, 256, 128]
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        PD.generate_decode(*gargs)
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = PD.generate_decode(*gargs)
+    for _ in range(5):
+        fill()
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(captured.plan_d, stock(*gargs).plan_d)
+        PD.check()
+    fill()
+    last = int(s_rid.argmax())  # the request on the last row: its sequence runs past the allocation
+    s_rid[last] = rows - 1
+    s_seq[last] = cols + 10
+    graph.replay()
+    with pytest.raises(PlannerBoundsError, match="req_to_token read outside its allocation"):
+        PD.check()
+    PD.check()  # cleared
+    fill()
+    s_r2t[int(s_rid[3])].fill_(n_full + 7)  # every location of one request past full_to_state
+    graph.replay()
+    with pytest.raises(PlannerBoundsError, match="full_to_state read outside its allocation"):
+        PD.check()
+    # (3) time per plan
+    times = {"stock_eager": [], "guarded_eager": [], "stock_replay": [], "guarded_replay": []}
+    sgraph = torch.cuda.CUDAGraph()
+    fill()
+    with torch.cuda.stream(side):
+        stock(*gargs)
+    torch.cuda.synchronize()
+    with torch.cuda.graph(sgraph):
+        stock(*gargs)
+    for _ in range(5):
+        for name, fn in (
+            ("stock_eager", lambda: stock(*gargs)),
+            ("guarded_eager", lambda: PD.generate_decode(*gargs)),
+            ("stock_replay", sgraph.replay),
+            ("guarded_replay", graph.replay),
+        ):
+            for _ in range(50):
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                fn()
+                torch.cuda.synchronize()
+                times[name].append(time.perf_counter() - t0)
+    PD.check()
+    _report("device_guarded_decode_plan_us", {k: round(statistics.median(v) * 1e6, 1) for k, v in times.items()})

@@ -23,13 +23,13 @@ def peak_rss() -> int:
 
 def main() -> None:
     cache_dir, overrides, requests = sys.argv[1], json.loads(sys.argv[2]), json.loads(sys.argv[3])
+    from sglang.srt.constrained.xgrammar_backend import XGrammarGrammarBackend
     from transformers import AutoTokenizer
 
     from dspark_harden.core.settings import load_settings
     from dspark_harden.devtools.tiny_models import ensure_tokenizer
     from dspark_harden.grammar import feature as F
     from dspark_harden.grammar.service import GrammarService
-    from sglang.srt.constrained.xgrammar_backend import XGrammarGrammarBackend
 
     tok = AutoTokenizer.from_pretrained(ensure_tokenizer(2048))
     env = {F.DISK_DIR: cache_dir, **{k: str(v) for k, v in overrides.items()}}
@@ -37,8 +37,13 @@ def main() -> None:
     backend = XGrammarGrammarBackend(tok, vocab_size=len(tok), model_eos_token_ids=[tok.eos_token_id])
     F.install_persistent_compiler(backend, settings)
     pc = backend.grammar_compiler
-    service = GrammarService(backend, workers=settings[F.WORKERS], max_bytes=settings[F.CACHE_BYTES],
-                             max_entries=settings[F.CACHE_ENTRIES], timeout_s=None)
+    service = GrammarService(
+        backend,
+        workers=settings[F.WORKERS],
+        max_bytes=settings[F.CACHE_BYTES],
+        max_entries=settings[F.CACHE_ENTRIES],
+        timeout_s=None,
+    )
     # warm-up: the xgrammar machinery and one small compile + its publication
     v, _ = service.lookup(("regex", "warm-[a-z]{1,3}"), False)
     v.result(timeout=120)
@@ -49,12 +54,14 @@ def main() -> None:
     results = []
     for key, fut in futures:
         value = fut.result(timeout=600)
-        results.append({
-            "key_type": key[0],
-            "served_s": time.monotonic() - t0,
-            "invalid": getattr(value, "error_message", None),
-            "source": getattr(fut, "source", None),
-        })
+        results.append(
+            {
+                "key_type": key[0],
+                "served_s": time.monotonic() - t0,
+                "invalid": getattr(value, "error_message", None),
+                "source": getattr(fut, "source", None),
+            }
+        )
     served_all_s = time.monotonic() - t0
     burst_peak = peak_rss()
     pc.flush()
@@ -68,14 +75,28 @@ def main() -> None:
         if os.sep + "locks" + os.sep in target:
             lock_fds.append(target)
     outcomes = {k: {kk: vv for kk, vv in r.items() if kk != "phases"} for k, r in pc.persister.outcomes.items()}
-    print(json.dumps({
-        "before": before, "burst_peak": burst_peak, "after": after, "served_all_s": served_all_s,
-        "persisted_s": time.monotonic() - t0, "results": results, "outcomes": outcomes,
-        "skipped": pc.persister.skipped, "peak_running": pc.slots.peak_running, "pauses": pc.slots.pauses,
-        "slot_limit": pc.slots.limit, "helper_starts": pc.persister.helper.starts,
-        "helper_limit": pc.persister.helper.limit_bytes, "lock_fds": lock_fds,
-        "native_compiles": pc.native_compiles,
-    }), flush=True)
+    print(
+        json.dumps(
+            {
+                "before": before,
+                "burst_peak": burst_peak,
+                "after": after,
+                "served_all_s": served_all_s,
+                "persisted_s": time.monotonic() - t0,
+                "results": results,
+                "outcomes": outcomes,
+                "skipped": pc.persister.skipped,
+                "peak_running": pc.slots.peak_running,
+                "pauses": pc.slots.pauses,
+                "slot_limit": pc.slots.limit,
+                "helper_starts": pc.persister.helper.starts,
+                "helper_limit": pc.persister.helper.limit_bytes,
+                "lock_fds": lock_fds,
+                "native_compiles": pc.native_compiles,
+            }
+        ),
+        flush=True,
+    )
     pc.close()
     service.shutdown()
 

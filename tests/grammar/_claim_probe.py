@@ -27,13 +27,13 @@ def hold(root: str, scope: str, key_hex: str, estimate: str) -> None:
 
 
 def serve(cache_dir: str, go_file: str, key: str) -> None:
+    from sglang.srt.constrained.xgrammar_backend import XGrammarGrammarBackend
     from transformers import AutoTokenizer
 
     from dspark_harden.core.settings import load_settings
     from dspark_harden.devtools.tiny_models import ensure_tokenizer
     from dspark_harden.grammar import feature as F
     from dspark_harden.grammar.service import GrammarService
-    from sglang.srt.constrained.xgrammar_backend import XGrammarGrammarBackend
 
     tok = AutoTokenizer.from_pretrained(ensure_tokenizer(2048))
     settings = load_settings(F.dspark_settings(), environ={F.DISK_DIR: cache_dir, F.DISK_CLAIMS: "1"})
@@ -57,9 +57,19 @@ def serve(cache_dir: str, go_file: str, key: str) -> None:
     assert value is not None and type(value).__name__ != "InvalidGrammarObject", value
     pc.flush()
     claims = {k: v - base_claims[k] for k, v in pc.claim_outcomes.items()}
-    print(json.dumps({"source": fut.source, "native_compiles": pc.native_compiles - base, "seconds": seconds,
-                      "claims": claims, "waits": list(pc.claim_waits),
-                      "estimate_s": pc.persister.publish_estimate()}), flush=True)
+    print(
+        json.dumps(
+            {
+                "source": fut.source,
+                "native_compiles": pc.native_compiles - base,
+                "seconds": seconds,
+                "claims": claims,
+                "waits": list(pc.claim_waits),
+                "estimate_s": pc.persister.publish_estimate(),
+            }
+        ),
+        flush=True,
+    )
     pc.close()
 
 

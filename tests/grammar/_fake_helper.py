@@ -31,8 +31,12 @@ def main() -> None:
         if first and mode == "garbage":
             out.write("Compiling grammar... done\n")
         else:
-            out.write(json.dumps({**tag, "status": "published", "stored": "serialized", "reason": "", "total": 1,
-                                  "pruned": 0}) + "\n")
+            out.write(
+                json.dumps(
+                    {**tag, "status": "published", "stored": "serialized", "reason": "", "total": 1, "pruned": 0}
+                )
+                + "\n"
+            )
         out.flush()
         first = False
 

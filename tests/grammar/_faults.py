@@ -128,8 +128,10 @@ def private_mount_namespace() -> None:
 
 
 def mount_tmpfs(path: str, options: str, readonly: bool = False) -> None:
-    _check(_libc.mount(b"tmpfs", path.encode(), b"tmpfs", MS_RDONLY if readonly else 0, options.encode()),
-           f"mount tmpfs {path}")
+    _check(
+        _libc.mount(b"tmpfs", path.encode(), b"tmpfs", MS_RDONLY if readonly else 0, options.encode()),
+        f"mount tmpfs {path}",
+    )
 
 
 def in_child(fn: Callable[[], Any], *, uid: Optional[int] = None, timeout: float = 120) -> Any:

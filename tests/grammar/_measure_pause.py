@@ -20,13 +20,13 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 def main() -> None:
     import xgrammar as xg
+    from _faults import PausingSlots, proc_state, wait_for
+    from test_persist_helper import blowup_schema
     from transformers import AutoTokenizer
 
-    from _faults import PausingSlots, proc_state, wait_for
     from dspark_harden.devtools.tiny_models import ensure_tokenizer
     from dspark_harden.grammar import disk, xgr
     from dspark_harden.grammar.persist import PersistSettings
-    from test_persist_helper import blowup_schema
 
     tok = AutoTokenizer.from_pretrained(ensure_tokenizer(2048))
     info = xg.TokenizerInfo.from_huggingface(tok, vocab_size=len(tok), stop_token_ids=[tok.eos_token_id])
@@ -34,9 +34,14 @@ def main() -> None:
     root = tempfile.mkdtemp(prefix="dspark-measure-")
     ns = disk.Namespace(root, scope, max_bytes=1 << 40)
     slots = PausingSlots(1, pause=0)
-    pc = xgr.PersistentCompiler(xg.GrammarCompiler(info, cache_enabled=False), info, ns,
-                                xgr.Policy(load_ratio=1e9), slots=slots,
-                                persist=PersistSettings(memory_limit_bytes=4 << 30, deadline_s=600))
+    pc = xgr.PersistentCompiler(
+        xg.GrammarCompiler(info, cache_enabled=False),
+        info,
+        ns,
+        xgr.Policy(load_ratio=1e9),
+        slots=slots,
+        persist=PersistSettings(memory_limit_bytes=4 << 30, deadline_s=600),
+    )
     # handshake cost over small jobs
     for i in range(20):
         pc.compile_regex(f"hs-{i}-[a-z]{{1,{i % 5 + 1}}}")
@@ -59,11 +64,17 @@ def main() -> None:
         pc.flush()
     phases = [r.get("phases", {}) for r in pc.persister.outcomes.values() if r.get("memory_bytes", 0) > 100000]
     pc.close()
-    print(json.dumps({
-        "handshake_s": {"median": statistics.median(hs), "max": hs[-1], "n": len(hs)},
-        "sigstop_to_state_T_s": {"median": statistics.median(stops), "max": max(stops), "n": len(stops)},
-        "anyof40_phase_s": {k: round(statistics.median(p[k] for p in phases), 4) for k in phases[0]} if phases else {},
-    }))
+    print(
+        json.dumps(
+            {
+                "handshake_s": {"median": statistics.median(hs), "max": hs[-1], "n": len(hs)},
+                "sigstop_to_state_T_s": {"median": statistics.median(stops), "max": max(stops), "n": len(stops)},
+                "anyof40_phase_s": {k: round(statistics.median(p[k] for p in phases), 4) for k in phases[0]}
+                if phases
+                else {},
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -29,10 +29,16 @@ def make_settings(cache_dir, **overrides):
     return load_settings(F.dspark_settings(), environ=env)
 
 
+# stock backends the running test built: their executors are joined at its teardown
+_STOCK_BACKENDS: list = []
+
+
 def stock_backend(tok, **kw):
     from sglang.srt.constrained.xgrammar_backend import XGrammarGrammarBackend
 
-    return XGrammarGrammarBackend(tok, vocab_size=len(tok), model_eos_token_ids=[tok.eos_token_id], **kw)
+    backend = XGrammarGrammarBackend(tok, vocab_size=len(tok), model_eos_token_ids=[tok.eos_token_id], **kw)
+    _STOCK_BACKENDS.append(backend)
+    return backend
 
 
 def counting_backend(tok):
@@ -63,3 +69,41 @@ def cache_dir(tmp_path):
     d = tmp_path / "grammar-cache"
     d.mkdir()
     return d
+
+
+@pytest.fixture(autouse=True)
+def _grammar_parts_closed(monkeypatch):
+    """Every GrammarService and PersistentCompiler a test builds is closed at its teardown and its
+    threads joined: the suite's process forks for later tests (pytest-forked), and a fork taken while
+    a worker is inside xgrammar's compiler or a persister thread is alive copies their locks held into
+    the child (one CI run hung 30 min in the next forked test, test_set_cache). tests/conftest.py
+    fails (``DSPARK_TEST_STRICT_FORK=0``: reports) a forked test forked while threads still run."""
+    from dspark_harden.grammar.service import GrammarService
+    from dspark_harden.grammar.xgr import PersistentCompiler
+
+    made: list = []
+    for cls in (GrammarService, PersistentCompiler):
+
+        def init(self, *args, __stock=cls.__init__, **kwargs):
+            __stock(self, *args, **kwargs)
+            made.append(self)
+
+        monkeypatch.setattr(cls, "__init__", init)
+    yield
+    stock, _STOCK_BACKENDS[:] = list(_STOCK_BACKENDS), []
+    close_parts(*stock, *reversed(made))
+
+
+def close_parts(*parts) -> None:
+    """Close grammar parts and join their threads: a GrammarService (its workers), a PersistentCompiler
+    (persister thread, helper-output reader), a stock backend (its executor)."""
+    from dspark_harden.grammar.service import GrammarService
+    from dspark_harden.grammar.xgr import PersistentCompiler
+
+    for part in parts:
+        if isinstance(part, GrammarService):
+            part.shutdown(wait=True)
+        elif isinstance(part, PersistentCompiler):
+            part.close(join_s=15.0)
+        elif getattr(part, "executor", None) is not None:
+            part.executor.shutdown(wait=True)

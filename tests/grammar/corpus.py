@@ -19,8 +19,11 @@ DRAFTS = ("draft4", "draft3")
 
 
 def npm_prefix() -> str:
-    return os.path.abspath(os.path.expanduser(
-        os.environ.get("DSPARK_HARDEN_NPM_PREFIX", os.path.join("~", ".cache", "dspark-harden", "npm"))))
+    return os.path.abspath(
+        os.path.expanduser(
+            os.environ.get("DSPARK_HARDEN_NPM_PREFIX", os.path.join("~", ".cache", "dspark-harden", "npm"))
+        )
+    )
 
 
 def suite_dir() -> str:

@@ -17,8 +17,9 @@ SCHEMAS = all_test_schemas()
 def compiler(hf_tokenizer):
     import xgrammar as xg
 
-    info = xg.TokenizerInfo.from_huggingface(hf_tokenizer, vocab_size=len(hf_tokenizer),
-                                             stop_token_ids=[hf_tokenizer.eos_token_id])
+    info = xg.TokenizerInfo.from_huggingface(
+        hf_tokenizer, vocab_size=len(hf_tokenizer), stop_token_ids=[hf_tokenizer.eos_token_id]
+    )
     return xg.GrammarCompiler(info, cache_enabled=False)
 
 
@@ -72,13 +73,38 @@ def test_non_json_key_types_and_any_sentinel_untouched():
 
 
 STRUCTURAL_TAGS = [
-    {"type": "structural_tag", "format": {"type": "triggered_tags", "triggers": ["<f="],
-     "tags": [{"type": "tag", "begin": "<f=a>", "end": "</f>",
-               "content": {"type": "json_schema", "json_schema": {"type": "object",
-                           "properties": {"z": {"type": "integer"}, "a": {"type": "string"}}, "required": ["z"]}}}]}},
-    {"structures": [{"begin": "<tool=x>", "end": "</tool>",
-                     "schema": {"properties": {"q": {"type": "string"}, "b": {"type": "boolean"}}, "type": "object"}}],
-     "triggers": ["<tool="]},
+    {
+        "type": "structural_tag",
+        "format": {
+            "type": "triggered_tags",
+            "triggers": ["<f="],
+            "tags": [
+                {
+                    "type": "tag",
+                    "begin": "<f=a>",
+                    "end": "</f>",
+                    "content": {
+                        "type": "json_schema",
+                        "json_schema": {
+                            "type": "object",
+                            "properties": {"z": {"type": "integer"}, "a": {"type": "string"}},
+                            "required": ["z"],
+                        },
+                    },
+                }
+            ],
+        },
+    },
+    {
+        "structures": [
+            {
+                "begin": "<tool=x>",
+                "end": "</tool>",
+                "schema": {"properties": {"q": {"type": "string"}, "b": {"type": "boolean"}}, "type": "object"},
+            }
+        ],
+        "triggers": ["<tool="],
+    },
 ]
 
 
@@ -94,8 +120,9 @@ def _reverse(node):
 def test_structural_tags_canonical_key_yields_identical_grammar(hf_tokenizer, tag):
     from sglang.srt.constrained.xgrammar_backend import XGrammarGrammarBackend
 
-    backend = XGrammarGrammarBackend(hf_tokenizer, vocab_size=len(hf_tokenizer),
-                                     model_eos_token_ids=[hf_tokenizer.eos_token_id])
+    backend = XGrammarGrammarBackend(
+        hf_tokenizer, vocab_size=len(hf_tokenizer), model_eos_token_ids=[hf_tokenizer.eos_token_id]
+    )
     spellings = [json.dumps(tag), json.dumps(tag, indent=3), json.dumps(_reverse(tag))]
     keys = {canonical_string("structural_tag", s) for s in spellings}
     assert len(keys) == 1

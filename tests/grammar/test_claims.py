@@ -6,7 +6,9 @@ Mutations run against these tests (each turned the named test red, then reverted
 - ``claim.wait`` ignoring its deadline -> test_stopped_claimant (never returns in time);
 - the half-of-the-deadline cap removed from ``PersistentCompiler._claim`` -> test_request_timeout;
 - ``claim.read_path`` without its mode check -> test_untrusted_claim_is_ignored[world-writable];
-- ``PersistentCompiler._claim`` returning at once (no claim) -> test_two_processes_compile_once.
+- ``PersistentCompiler._claim`` returning at once (no claim) -> test_two_processes_compile_once;
+- no disk re-check after a successful claim (the CI failure of 2026-12-02: both processes compiled)
+  -> test_peer_that_claims_after_the_publication_loads_the_entry.
 """
 
 from __future__ import annotations
@@ -38,8 +40,11 @@ def _key_hex(pc, regex: str) -> str:
 
 def _holder(pc, key_hex: str, estimate: float) -> subprocess.Popen:
     """A real process that claims ``key_hex`` and then sleeps (a claimant in mid-compile)."""
-    proc = subprocess.Popen([sys.executable, PROBE, "hold", pc.ns.root, json.dumps(pc.ns.scope), key_hex,
-                             str(estimate)], stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, PROBE, "hold", pc.ns.root, json.dumps(pc.ns.scope), key_hex, str(estimate)],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     line = json.loads(proc.stdout.readline())
     assert line["claimed"], line
     return proc
@@ -87,11 +92,27 @@ def test_two_processes_compile_once(cache_dir, tmp_path):
     """Two scheduler-shaped processes miss the same new key at the same moment: one compiles it,
     the other waits on its claim and loads the published entry. Host-wide compiles: 1."""
     go = tmp_path / "go"
-    key = json.dumps(["json", json.dumps({"type": "object", "properties": {
-        "a": {"type": "string", "maxLength": 12}, "b": {"type": "array", "items": {"type": "integer"}}},
-        "required": ["a", "b"]})])
-    procs = [subprocess.Popen([sys.executable, PROBE, "serve", str(cache_dir), str(go), key],
-                              stdout=subprocess.PIPE, text=True) for _ in range(2)]
+    key = json.dumps(
+        [
+            "json",
+            json.dumps(
+                {
+                    "type": "object",
+                    "properties": {
+                        "a": {"type": "string", "maxLength": 12},
+                        "b": {"type": "array", "items": {"type": "integer"}},
+                    },
+                    "required": ["a", "b"],
+                }
+            ),
+        ]
+    )
+    procs = [
+        subprocess.Popen(
+            [sys.executable, PROBE, "serve", str(cache_dir), str(go), key], stdout=subprocess.PIPE, text=True
+        )
+        for _ in range(2)
+    ]
     try:
         for p in procs:
             assert "ready" in json.loads(p.stdout.readline())
@@ -109,6 +130,38 @@ def test_two_processes_compile_once(cache_dir, tmp_path):
     # the entry without meeting the claim at all
     assert claimed == 1 and hits in (0, 1), results
     assert not os.listdir(os.path.join(_only_namespace(cache_dir), "claims")), "a claim outlived its job"
+
+
+def test_peer_that_claims_after_the_publication_loads_the_entry(hf_tokenizer, cache_dir, pc):
+    """The window the two-process test hit on a loaded CI host: this process misses the disk, the
+    other publishes and releases its claim, then this process's claim succeeds. It must re-check the
+    disk after claiming and load the entry, not compile it a second time. The window is opened
+    deterministically: another real PersistentCompiler publishes the entry while this one's first
+    disk read is answered as a miss (the read taken before the publication)."""
+    other = persistent_backend(hf_tokenizer, cache_dir, DSPARK_HARDEN_GRAMMAR_DISK_CLAIMS=1).grammar_compiler
+    try:
+        other.compile_regex(REGEX)
+        other.flush()
+        assert other.native_compiles == 1
+    finally:
+        other.close()
+    key_hex = _key_hex(pc, REGEX)
+    assert os.path.lexists(pc.ns.entry_path(key_hex)) and not os.path.lexists(claim.claim_path(pc.ns, key_hex))
+    real_read, calls = pc._read, []
+
+    def read_missing_first(k, t0):
+        calls.append(k)
+        return (None, None) if len(calls) == 1 else real_read(k, t0)
+
+    pc._read = read_missing_first
+    from dspark_harden.grammar import xgr
+
+    pc.compile_regex(REGEX)
+    res = xgr.take_resolution()
+    assert len(calls) >= 2, calls
+    assert pc.native_compiles == 0 and res.source == "disk", (pc.native_compiles, res)
+    assert pc.claim_outcomes["hit"] == 1 and pc.claim_outcomes["claimed"] == 0, pc.claim_outcomes
+    assert not os.path.lexists(claim.claim_path(pc.ns, key_hex)), "the late claim was not released"
 
 
 def _only_namespace(cache_dir) -> str:
@@ -143,8 +196,15 @@ def test_pid_reuse_is_a_dead_claimant(pc):
     """A claim naming a live pid whose start time differs (the pid was reused) is dead."""
     key_hex = _key_hex(pc, REGEX)
     me = claim.identity(os.getpid())
-    doc = {"v": 1, "key": key_hex, "pid": os.getpid(), "start": me + 1, "nonce": "0" * 16,
-           "estimate_s": 60.0, "created": time.time()}
+    doc = {
+        "v": 1,
+        "key": key_hex,
+        "pid": os.getpid(),
+        "start": me + 1,
+        "nonce": "0" * 16,
+        "estimate_s": 60.0,
+        "created": time.time(),
+    }
     path = claim.claim_path(pc.ns, key_hex)
     with open(path, "w") as fh:
         json.dump(doc, fh)
@@ -169,7 +229,7 @@ def test_stopped_claimant_waiter_compiles_after_the_bound(pc):
     assert out["resolution"].source == "compile" and pc.native_compiles == 1
     assert bound * 0.9 <= out["seconds"] < bound + 5, (out["seconds"], bound)
     assert pc.claim_outcomes["expired"] == 1, pc.claim_outcomes
-    (outcome, waited), = list(pc.claim_waits)
+    ((outcome, waited),) = list(pc.claim_waits)
     assert outcome == "expired" and waited >= bound * 0.9
 
 
@@ -195,13 +255,20 @@ def test_request_timeout_caps_the_wait(hf_tokenizer, cache_dir):
         service.shutdown()
         pc.close()
     assert 3.5 <= seconds < 8.0, seconds
-    (outcome, waited), = list(pc.claim_waits)
+    ((outcome, waited),) = list(pc.claim_waits)
     assert outcome == "expired" and 3.5 <= waited <= 4.5, waited
 
 
 def _untrusted(kind: str, path: str, key_hex: str, live_pid: int) -> None:
-    good = {"v": 1, "key": key_hex, "pid": live_pid, "start": claim.identity(live_pid), "nonce": "a" * 16,
-            "estimate_s": 60.0, "created": time.time()}
+    good = {
+        "v": 1,
+        "key": key_hex,
+        "pid": live_pid,
+        "start": claim.identity(live_pid),
+        "nonce": "a" * 16,
+        "estimate_s": 60.0,
+        "created": time.time(),
+    }
     if kind == "symlink":
         os.symlink("/etc/passwd", path)
     elif kind == "fifo":
@@ -254,8 +321,18 @@ def test_foreign_uid_claim_is_ignored(pc):
     key_hex = _key_hex(pc, REGEX)
     path = claim.claim_path(pc.ns, key_hex)
     with open(path, "w") as fh:
-        json.dump({"v": 1, "key": key_hex, "pid": 1, "start": claim.identity(1), "nonce": "b" * 16,
-                   "estimate_s": 60.0, "created": time.time()}, fh)
+        json.dump(
+            {
+                "v": 1,
+                "key": key_hex,
+                "pid": 1,
+                "start": claim.identity(1),
+                "nonce": "b" * 16,
+                "estimate_s": 60.0,
+                "created": time.time(),
+            },
+            fh,
+        )
     os.chmod(path, 0o600)
     os.chown(path, 65534, 65534)
     with pytest.raises(claim.InvalidClaim, match="owned by uid 65534"):

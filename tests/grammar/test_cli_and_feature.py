@@ -13,12 +13,17 @@ import pytest
 
 from dspark_harden.grammar import disk
 
-from .conftest import make_settings, persistent_backend, service_for
+from .conftest import make_settings, persistent_backend
 
 
 def _cli(*args, env=None):
-    proc = subprocess.run([sys.executable, "-m", "dspark_harden", "grammar-cache", *args],
-                          capture_output=True, text=True, timeout=300, env=env)
+    proc = subprocess.run(
+        [sys.executable, "-m", "dspark_harden", "grammar-cache", *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
     return proc.returncode, proc.stdout, proc.stderr
 
 
@@ -95,8 +100,11 @@ def test_declared_patches_bind_cover_reasoner_and_revert(hf_tokenizer, cache_dir
 
     patches = F.patches(Role.SCHEDULER, make_settings(cache_dir, DSPARK_HARDEN_GRAMMAR_WORKERS=2))
     assert {p.target.rsplit(":", 1)[1] for p in patches} == {
-        "BaseGrammarBackend.__init__", "BaseGrammarBackend.get_cached_or_future_value",
-        "BaseGrammarBackend.set_cache", "XGrammarGrammarBackend.__init__"}
+        "BaseGrammarBackend.__init__",
+        "BaseGrammarBackend.get_cached_or_future_value",
+        "BaseGrammarBackend.set_cache",
+        "XGrammarGrammarBackend.__init__",
+    }
     assert F.patches(Role.MAIN, make_settings(cache_dir)) == []
     assert F.patches(Role.SCHEDULER, make_settings(cache_dir, DSPARK_HARDEN_GRAMMAR=0)) == []
     stock_get = BaseGrammarBackend.get_cached_or_future_value
@@ -106,8 +114,9 @@ def test_declared_patches_bind_cover_reasoner_and_revert(hf_tokenizer, cache_dir
         p.apply()  # idempotent
         assert p.live_check() is None
     try:
-        inner = XGrammarGrammarBackend(hf_tokenizer, vocab_size=len(hf_tokenizer),
-                                       model_eos_token_ids=[hf_tokenizer.eos_token_id])
+        inner = XGrammarGrammarBackend(
+            hf_tokenizer, vocab_size=len(hf_tokenizer), model_eos_token_ids=[hf_tokenizer.eos_token_id]
+        )
         assert isinstance(inner.grammar_compiler, PersistentCompiler)
         # host-wide claims are opt-in on a server (a waiter may wait longer than a compile: docs/grammar.md)
         assert inner.grammar_compiler.claims_enabled is False
@@ -135,6 +144,7 @@ def test_declared_patches_bind_cover_reasoner_and_revert(hf_tokenizer, cache_dir
         for p in reversed(patches):
             p.revert()
     assert BaseGrammarBackend.get_cached_or_future_value is stock_get
-    plain = XGrammarGrammarBackend(hf_tokenizer, vocab_size=len(hf_tokenizer),
-                                   model_eos_token_ids=[hf_tokenizer.eos_token_id])
+    plain = XGrammarGrammarBackend(
+        hf_tokenizer, vocab_size=len(hf_tokenizer), model_eos_token_ids=[hf_tokenizer.eos_token_id]
+    )
     assert not hasattr(plain, "_dspark_grammar") and not isinstance(plain.grammar_compiler, PersistentCompiler)

@@ -37,14 +37,16 @@ from dspark_harden.grammar.schemas import variants
 from dspark_harden.grammar.settings import DISK_QUEUE
 
 from . import corpus
-from .conftest import persistent_backend, service_for, stock_backend
+from .conftest import close_parts, persistent_backend, service_for, stock_backend
 
 try:
     from hypothesis import HealthCheck, given, settings
     from hypothesis_jsonschema import from_schema
 except ImportError as exc:  # a missing test dependency fails, never skips
-    pytest.fail(f"{exc}: the corpus property tests need hypothesis and hypothesis-jsonschema: run "
-                f"scripts/install.sh", pytrace=False)
+    pytest.fail(
+        f"{exc}: the corpus property tests need hypothesis and hypothesis-jsonschema: run scripts/install.sh",
+        pytrace=False,
+    )
 
 EXAMPLES = 25  # hypothesis examples per schema (derandomized: the same instances every run)
 MIN_CORPUS = 100  # distinct schemas expected from the suite (drafts 3 + 4)
@@ -54,7 +56,7 @@ MIN_PROPERTY_SCHEMAS = 55  # accepted draft-4 schemas that get generated instanc
 # identical for stock and for us): suite schema name -> measured reason.
 KNOWN_XGRAMMAR_GAPS: dict[str, str] = {
     "draft4/properties#1": 'xgrammar 0.2.7 compiles {"type": "array", "maxItems": 3} without "items" to the '
-                           'empty array only (measured: "[]" accepted, "[1]" rejected)',
+    'empty array only (measured: "[]" accepted, "[1]" rejected)',
 }
 _LOG_STAMP = re.compile(r"^\[\d\d:\d\d:\d\d\] ")  # xgrammar prefixes its messages with the time
 
@@ -92,8 +94,11 @@ def world(hf_tokenizer, schemas, tmp_path_factory):
     """Stock results, a concurrent burst of the whole corpus through our service, and a restart."""
     cache = tmp_path_factory.mktemp("corpus-cache")
     # every entry serialized (huge load ratio) and a publication queue that holds the whole burst
-    knobs = {"DSPARK_HARDEN_GRAMMAR_DISK_LOAD_RATIO": "1e9", "DSPARK_HARDEN_GRAMMAR_COMPILER_THREADS": 1,
-             DISK_QUEUE: 4096}
+    knobs = {
+        "DSPARK_HARDEN_GRAMMAR_DISK_LOAD_RATIO": "1e9",
+        "DSPARK_HARDEN_GRAMMAR_COMPILER_THREADS": 1,
+        DISK_QUEUE: 4096,
+    }
     stock = stock_backend(hf_tokenizer)
     stock_out = {name: stock._init_value_dispatch(("json", json.dumps(s)), False) for name, s in schemas}
 
@@ -117,9 +122,19 @@ def world(hf_tokenizer, schemas, tmp_path_factory):
     ours.grammar_compiler.flush()
 
     keys = {canonical_key(key) for _, key in requests}
-    restart = service_for(persistent_backend(hf_tokenizer, cache, **knobs))
-    return {"stock": stock_out, "served": served, "svc": svc, "backend": ours, "keys": keys,
-            "restart": restart, "requests": requests}
+    restart_backend = persistent_backend(hf_tokenizer, cache, **knobs)
+    restart = service_for(restart_backend)
+    yield {
+        "stock": stock_out,
+        "served": served,
+        "svc": svc,
+        "backend": ours,
+        "keys": keys,
+        "restart": restart,
+        "requests": requests,
+    }
+    # module-scoped: built before the per-test close-up (tests/grammar/conftest.py) is in force
+    close_parts(svc, restart, ours.grammar_compiler, restart_backend.grammar_compiler, stock)
 
 
 def test_corpus_is_installed_and_large(schemas):
@@ -129,8 +144,11 @@ def test_corpus_is_installed_and_large(schemas):
 def test_accept_reject_identical_to_stock_for_every_schema(world, schemas):
     stock = world["stock"]
     assert any(_is_invalid(v) for v in stock.values()) and any(not _is_invalid(v) for v in stock.values())
-    diffs = [(name, _outcome(stock[name]), _outcome(got)) for name, got in world["served"]
-             if _outcome(got) != _outcome(stock[name])]
+    diffs = [
+        (name, _outcome(stock[name]), _outcome(got))
+        for name, got in world["served"]
+        if _outcome(got) != _outcome(stock[name])
+    ]
     assert not diffs, diffs[:5]
     assert len(world["served"]) == 4 * len(schemas)
     # SGLang's own pre-check (validate_xgrammar_json_schema) is among the rejections, unchanged
@@ -233,8 +251,9 @@ def _instances(schema) -> tuple[list, str]:
     """Up to EXAMPLES valid instances (derandomized), or ([], why not)."""
     found: list = []
 
-    @settings(max_examples=EXAMPLES, derandomize=True, database=None, deadline=None,
-              suppress_health_check=list(HealthCheck))
+    @settings(
+        max_examples=EXAMPLES, derandomize=True, database=None, deadline=None, suppress_health_check=list(HealthCheck)
+    )
     @given(from_schema(xgrammar_view(schema)))
     def collect(instance):
         found.append(instance)
@@ -269,8 +288,14 @@ def _walk(matchers: dict, tokens: list, vocab: int, stop: int) -> dict:
                 return {"mismatch": (name, step, "mask differs"), "accepted": alive}
         decisions = {name: m.accept_token(token) for name, m in matchers.items() if alive[name]}
         if len(set(decisions.values())) > 1:
-            return {"mismatch": (next(n for n, d in decisions.items() if d != decisions["stock"]), step,
-                                 "accept decision differs"), "accepted": alive}
+            return {
+                "mismatch": (
+                    next(n for n, d in decisions.items() if d != decisions["stock"]),
+                    step,
+                    "accept decision differs",
+                ),
+                "accepted": alive,
+            }
         for name, ok in decisions.items():
             alive[name] = ok
     accepted = {name: alive[name] and m.is_terminated() for name, m in matchers.items()}
@@ -321,6 +346,9 @@ def test_masks_identical_to_stock_along_generated_instances(walks):
 def test_every_generated_instance_is_accepted(walks, schemas):
     names = {n for n, _ in schemas}
     assert set(KNOWN_XGRAMMAR_GAPS) <= names, "a listed xgrammar gap is no longer in the corpus"
-    rejected = [(r["schema"], r["text"][:160], r["accepted"]) for r in walks["records"]
-                if r["schema"] not in KNOWN_XGRAMMAR_GAPS and not all(r["accepted"].values())]
+    rejected = [
+        (r["schema"], r["text"][:160], r["accepted"])
+        for r in walks["records"]
+        if r["schema"] not in KNOWN_XGRAMMAR_GAPS and not all(r["accepted"].values())
+    ]
     assert not rejected, rejected[:8]

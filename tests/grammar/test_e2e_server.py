@@ -9,8 +9,8 @@ booleans, small integer ranges) and whitespace is disabled for the outputs to te
 from __future__ import annotations
 
 import json
-import time
 import re
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import jsonschema
@@ -21,12 +21,21 @@ from tests.harness.server import ServerConfig
 pytestmark = pytest.mark.server
 
 SCHEMAS = [
-    {"type": "object", "properties": {"ok": {"type": "boolean"}, "color": {"enum": ["red", "green", "blue"]}},
-     "required": ["ok", "color"]},
-    {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9},
-                                      "tag": {"enum": ["a", "b"]}}, "required": ["n", "tag"]},
-    {"type": "object", "properties": {"items": {"type": "array", "items": {"type": "boolean"}, "minItems": 1,
-                                                "maxItems": 3}}, "required": ["items"]},
+    {
+        "type": "object",
+        "properties": {"ok": {"type": "boolean"}, "color": {"enum": ["red", "green", "blue"]}},
+        "required": ["ok", "color"],
+    },
+    {
+        "type": "object",
+        "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}, "tag": {"enum": ["a", "b"]}},
+        "required": ["n", "tag"],
+    },
+    {
+        "type": "object",
+        "properties": {"items": {"type": "array", "items": {"type": "boolean"}, "minItems": 1, "maxItems": 3}},
+        "required": ["items"],
+    },
 ]
 
 
@@ -37,7 +46,7 @@ def _spellings(schema):
 def _lookups(server) -> dict:
     out = {}
     for line in server.metrics_text().splitlines():
-        m = re.match(r'dspark_harden_grammar_lookups_total\{([^}]*)\}\s+([0-9.e+]+)', line)
+        m = re.match(r"dspark_harden_grammar_lookups_total\{([^}]*)\}\s+([0-9.e+]+)", line)
         if m:
             source = re.search(r'source="([a-z_]+)"', m.group(1)).group(1)
             out[source] = out.get(source, 0.0) + float(m.group(2))
@@ -49,8 +58,14 @@ def _run_requests(server):
 
     def one(job):
         schema, text = job
-        r = server.post("/generate", {"text": "Answer in JSON:", "sampling_params": {
-            "max_new_tokens": 96, "temperature": 0.0, "json_schema": text}}, timeout=300)
+        r = server.post(
+            "/generate",
+            {
+                "text": "Answer in JSON:",
+                "sampling_params": {"max_new_tokens": 96, "temperature": 0.0, "json_schema": text},
+            },
+            timeout=300,
+        )
         assert r.status_code == 200, r.text[:2000]
         return schema, r.json()
 
@@ -66,8 +81,7 @@ def test_json_schema_requests_validate_and_restart_serves_from_disk(sglang_serve
     from dspark_harden.grammar import disk
 
     cache = tmp_path / "grammar-cache"
-    config = ServerConfig(arch="qwen3", name="grammar-e2e",
-                          env=(("DSPARK_HARDEN_GRAMMAR_DISK_DIR", str(cache)),))
+    config = ServerConfig(arch="qwen3", name="grammar-e2e", env=(("DSPARK_HARDEN_GRAMMAR_DISK_DIR", str(cache)),))
     first = sglang_server(config)
     assert "scheduler" in first.plugin_roles()
     _run_requests(first)

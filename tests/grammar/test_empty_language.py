@@ -16,8 +16,9 @@ from dspark_harden.grammar import xgr
 
 from .conftest import counting_backend, persistent_backend, service_for, stock_backend
 
-CYCLE = json.dumps({"$ref": "#/definitions/a", "definitions": {"a": {"$ref": "#/definitions/b"},
-                                                                "b": {"$ref": "#/definitions/a"}}})
+CYCLE = json.dumps(
+    {"$ref": "#/definitions/a", "definitions": {"a": {"$ref": "#/definitions/b"}, "b": {"$ref": "#/definitions/a"}}}
+)
 SELF = json.dumps({"$ref": "#"})
 VALID = [
     ("json", json.dumps({"type": "object", "properties": {"x": {"$ref": "#"}}})),  # recursive, has a base case

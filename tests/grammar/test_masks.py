@@ -4,7 +4,6 @@ stock backend's matcher accept/reject the same token sequences and fill identica
 
 from __future__ import annotations
 
-import json
 import random
 
 import pytest

@@ -18,7 +18,6 @@ import inspect
 import json
 import logging
 import os
-import random
 import signal
 import subprocess
 import sys
@@ -63,8 +62,9 @@ def _counter(name: str, *labels: str) -> float:
 
 def _namespace(root, scope, **kw) -> disk.Namespace:
     known = inspect.signature(disk.Namespace).parameters
-    return disk.Namespace(str(root), scope, max_bytes=kw.pop("max_bytes", 1 << 40),
-                          **{k: v for k, v in kw.items() if k in known})
+    return disk.Namespace(
+        str(root), scope, max_bytes=kw.pop("max_bytes", 1 << 40), **{k: v for k, v in kw.items() if k in known}
+    )
 
 
 def _info(tok):
@@ -77,8 +77,7 @@ def _scope(info, tok) -> dict:
     return xgr.scope_for(info, vocab_size=len(tok), override_stop_tokens=None, compiler={"test": True})
 
 
-def _compiler(tok, root, *, ratio: float = 1e9, slots=None, max_entry: int = 256 << 20, lock_timeout_s=None,
-              **persist):
+def _compiler(tok, root, *, ratio: float = 1e9, slots=None, max_entry: int = 256 << 20, lock_timeout_s=None, **persist):
     """A PersistentCompiler over ``root`` (what install_persistent_compiler builds, with test knobs)."""
     import xgrammar as xg
 
@@ -87,9 +86,14 @@ def _compiler(tok, root, *, ratio: float = 1e9, slots=None, max_entry: int = 256
     if lock_timeout_s is not None:
         persist["lock_timeout_s"] = lock_timeout_s
     ns = _namespace(root, _scope(info, tok), **ns_kw)
-    return xgr.PersistentCompiler(xg.GrammarCompiler(info, cache_enabled=False), info, ns,
-                                  xgr.Policy(load_ratio=ratio, max_entry_bytes=max_entry),
-                                  slots=slots, persist=X.persist_settings(**persist))
+    return xgr.PersistentCompiler(
+        xg.GrammarCompiler(info, cache_enabled=False),
+        info,
+        ns,
+        xgr.Policy(load_ratio=ratio, max_entry_bytes=max_entry),
+        slots=slots,
+        persist=X.persist_settings(**persist),
+    )
 
 
 def _flush(pc, timeout: float = 300) -> None:
@@ -150,8 +154,10 @@ def test_paused_helper_dies_with_its_sigkilled_scheduler_and_the_root_stays_usab
         probe.send_signal(signal.SIGKILL)
         probe.wait(timeout=30)
         time.sleep(5)
-        assert not X.alive(helper), (f"helper {helper} outlived its SIGKILLed scheduler: state "
-                                     f"{X.proc_state(helper)}, ppid {X.proc_ppid(helper)}")
+        assert not X.alive(helper), (
+            f"helper {helper} outlived its SIGKILLed scheduler: state "
+            f"{X.proc_state(helper)}, ppid {X.proc_ppid(helper)}"
+        )
     finally:
         X.end_process(probe)
         if helper is not None and X.alive(helper):
@@ -186,9 +192,12 @@ def test_stopped_ledger_lock_holder_does_not_stop_a_new_server(hf_tokenizer, cac
     holder = X.stopped_lock_holder(os.path.join(ns.path, "ledger.lock"))
     try:
         backend = stock_backend(hf_tokenizer)
-        settings = make_settings(cache_dir, DSPARK_HARDEN_GRAMMAR_DISK_LOAD_RATIO="1e9",
-                                 DSPARK_HARDEN_GRAMMAR_DISK_LOCK_TIMEOUT="0.5",
-                                 DSPARK_HARDEN_GRAMMAR_DISK_HELPER_RETRIES="0")
+        settings = make_settings(
+            cache_dir,
+            DSPARK_HARDEN_GRAMMAR_DISK_LOAD_RATIO="1e9",
+            DSPARK_HARDEN_GRAMMAR_DISK_LOCK_TIMEOUT="0.5",
+            DSPARK_HARDEN_GRAMMAR_DISK_HELPER_RETRIES="0",
+        )
         dt = _install_timed(backend, settings)
         assert dt < 1.0, f"start-up took {dt:.2f} s"
         pc = backend.grammar_compiler
@@ -203,8 +212,13 @@ def test_stopped_ledger_lock_holder_does_not_stop_a_new_server(hf_tokenizer, cac
         assert not os.path.lexists(ns.entry_path(key))  # nothing published, no marker
         assert _counter("dspark_harden_grammar_disk_errors_total", "lock_timeout") == before + 1
         env = {**os.environ, "DSPARK_HARDEN_GRAMMAR_DISK_LOCK_TIMEOUT": "0.5"}
-        r = subprocess.run([sys.executable, "-m", "dspark_harden", "grammar-cache", "prune", "--dir", str(cache_dir)],
-                           capture_output=True, text=True, timeout=120, env=env)
+        r = subprocess.run(
+            [sys.executable, "-m", "dspark_harden", "grammar-cache", "prune", "--dir", str(cache_dir)],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env=env,
+        )
         assert r.returncode == 1 and f"held by pid {holder.pid}" in r.stdout, r.stdout + r.stderr
     finally:
         X.end_process(holder)
@@ -221,8 +235,20 @@ def test_helper_exits_at_once_when_its_parent_is_not_the_given_pid():
     r, w = os.pipe()
     try:
         t = time.monotonic()
-        proc = subprocess.run([sys.executable, "-m", "dspark_harden.grammar.persist_worker", "--parent-pid", "1",
-                               "--proto-fds", f"{r},{w}"], pass_fds=(r, w), timeout=120, capture_output=True)
+        proc = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "dspark_harden.grammar.persist_worker",
+                "--parent-pid",
+                "1",
+                "--proto-fds",
+                f"{r},{w}",
+            ],
+            pass_fds=(r, w),
+            timeout=120,
+            capture_output=True,
+        )
         assert proc.returncode == 75, proc.stderr
         assert time.monotonic() - t < 60
     finally:
@@ -282,8 +308,13 @@ def test_protocol_error_restarts_the_helper(cache_dir, tmp_path, mode):
 
     ns = disk.Namespace(str(cache_dir), {"test": "protocol"}, max_bytes=1 << 30)
     before = _counter("dspark_harden_grammar_disk_errors_total", "protocol")
-    p = Persister(ns, {}, PersistSettings(retry_delay_s=0.05, start_timeout_s=60), CompileSlots(1),
-                  helper_argv=[sys.executable, FAKE_HELPER, str(tmp_path / "state"), mode])
+    p = Persister(
+        ns,
+        {},
+        PersistSettings(retry_delay_s=0.05, start_timeout_s=60),
+        CompileSlots(1),
+        helper_argv=[sys.executable, FAKE_HELPER, str(tmp_path / "state"), mode],
+    )
     key = "ab" * 32
     try:
         assert p.submit(key, ["regex", "x"], 0.01)
@@ -368,8 +399,9 @@ def test_deadline_never_counts_a_lock_wait(hf_tokenizer, cache_dir):
 
 
 @pytest.mark.timeout(600)
-def test_crash_on_every_attempt_stores_helper_failed_only_after_the_retries(hf_tokenizer, cache_dir, tmp_path,
-                                                                            monkeypatch):
+def test_crash_on_every_attempt_stores_helper_failed_only_after_the_retries(
+    hf_tokenizer, cache_dir, tmp_path, monkeypatch
+):
     """A crash (abort) reproduced on every attempt is the grammar's: a helper_failed marker, but only
     after the retries; other grammars are persisted by the restarted helper."""
     X.fault_env(monkeypatch, tmp_path, "abort")
@@ -592,8 +624,11 @@ def _bound_report(settings):
     from dspark_harden.core.binder import BindReport, FeatureStatus
     from dspark_harden.core.patch import Role
 
-    report = BindReport(role="scheduler", sglang_version="0.5.23",
-                        features=[FeatureStatus(name=F.FEATURE, area="grammar", status="bound")])
+    report = BindReport(
+        role="scheduler",
+        sglang_version="0.5.23",
+        features=[FeatureStatus(name=F.FEATURE, area="grammar", status="bound")],
+    )
     F.dspark_process_bound(role=Role.SCHEDULER, settings=settings, report=report)
     return report.features[0].detail
 
@@ -626,8 +661,9 @@ def _planted(tok, root_ns_scope_hex: str, victim: str, served: str) -> bytes:
     import xgrammar as xg
 
     cg = xg.GrammarCompiler(_info(tok), cache_enabled=False).compile_regex(served)
-    return disk.encode_entry(root_ns_scope_hex, disk.key_digest(["regex", victim]), disk.KIND_SERIALIZED,
-                             cg.serialize_json().encode())
+    return disk.encode_entry(
+        root_ns_scope_hex, disk.key_digest(["regex", victim]), disk.KIND_SERIALIZED, cg.serialize_json().encode()
+    )
 
 
 def _serves_own_grammar(tok, backend, victim: str) -> None:
@@ -639,10 +675,12 @@ def _serves_own_grammar(tok, backend, victim: str) -> None:
 
 
 def _backend_scope(tok, backend) -> dict:
-    return xgr.scope_for(backend._tokenizer_info, vocab_size=backend.vocab_size,
-                         override_stop_tokens=backend.override_stop_tokens,
-                         compiler={"any_whitespace": bool(backend.any_whitespace),
-                                   "max_whitespace_cnt": backend.max_whitespace_cnt})
+    return xgr.scope_for(
+        backend._tokenizer_info,
+        vocab_size=backend.vocab_size,
+        override_stop_tokens=backend.override_stop_tokens,
+        compiler={"any_whitespace": bool(backend.any_whitespace), "max_whitespace_cnt": backend.max_whitespace_cnt},
+    )
 
 
 @pytest.mark.parametrize("where", ["world_writable", "namespace_of_another_uid"])
@@ -715,12 +753,18 @@ def test_new_settings_parse_strictly_and_metric_labels_match_the_code(tmp_path):
     from dspark_harden.grammar import metrics as gm
     from dspark_harden.grammar import persist
 
-    for name, bad in [(F.DISK_HELPER_RETRIES, "-1"), (F.DISK_HELPER_RETRIES, "two"), (F.DISK_LOCK_TIMEOUT, "0"),
-                      (F.DISK_LOCK_TIMEOUT, "soon")]:
+    for name, bad in [
+        (F.DISK_HELPER_RETRIES, "-1"),
+        (F.DISK_HELPER_RETRIES, "two"),
+        (F.DISK_LOCK_TIMEOUT, "0"),
+        (F.DISK_LOCK_TIMEOUT, "soon"),
+    ]:
         with pytest.raises(SettingsError, match=name):
             load_settings(F.dspark_settings(), environ={F.DISK_DIR: str(tmp_path), name: bad})
-    ok = load_settings(F.dspark_settings(), environ={F.DISK_DIR: str(tmp_path), F.DISK_HELPER_RETRIES: "0",
-                                                     F.DISK_LOCK_TIMEOUT: "0.25"})
+    ok = load_settings(
+        F.dspark_settings(),
+        environ={F.DISK_DIR: str(tmp_path), F.DISK_HELPER_RETRIES: "0", F.DISK_LOCK_TIMEOUT: "0.25"},
+    )
     assert ok[F.DISK_HELPER_RETRIES] == 0 and ok[F.DISK_LOCK_TIMEOUT] == 0.25
     assert gm.DEGRADE_REASONS == disk.DEGRADE_REASONS
     assert gm.TRANSIENT_CAUSES == persist.TRANSIENT_CAUSES

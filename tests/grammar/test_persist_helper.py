@@ -28,24 +28,42 @@ MiB = 1 << 20
 
 def blowup_schema(n_alt: int = 60, n_props: int = 5, pad: int = 10) -> str:
     def alt(j):
-        return {"type": "object", "properties": {f"k{j}_{i}": {"type": "string", "maxLength": 20} for i in range(n_props)},
-                "required": [f"k{j}_0"]}
+        return {
+            "type": "object",
+            "properties": {f"k{j}_{i}": {"type": "string", "maxLength": 20} for i in range(n_props)},
+            "required": [f"k{j}_0"],
+        }
 
-    schema = {"type": "object", "properties": {
-        "choice": {"anyOf": [alt(j) for j in range(n_alt)]},
-        **{f"pad{i}": {"type": "string", "minLength": 1, "maxLength": 300} for i in range(pad)},
-    }}
+    schema = {
+        "type": "object",
+        "properties": {
+            "choice": {"anyOf": [alt(j) for j in range(n_alt)]},
+            **{f"pad{i}": {"type": "string", "minLength": 1, "maxLength": 300} for i in range(pad)},
+        },
+    }
     return json.dumps(schema)
 
 
 def small_schemas(n: int) -> list[str]:
-    return [json.dumps({"type": "object", "properties": {f"f{i}": {"type": "integer"}, "name": {"type": "string"}},
-                        "required": ["name"]}) for i in range(n)]
+    return [
+        json.dumps(
+            {
+                "type": "object",
+                "properties": {f"f{i}": {"type": "integer"}, "name": {"type": "string"}},
+                "required": ["name"],
+            }
+        )
+        for i in range(n)
+    ]
 
 
 def run_probe(cache_dir, overrides: dict, requests: list, timeout: float = 900) -> dict:
-    r = subprocess.run([sys.executable, PROBE, str(cache_dir), json.dumps(overrides), json.dumps(requests)],
-                       capture_output=True, text=True, timeout=timeout)
+    r = subprocess.run(
+        [sys.executable, PROBE, str(cache_dir), json.dumps(overrides), json.dumps(requests)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-6000:]
     return json.loads(r.stdout.strip().splitlines()[-1])
 
@@ -57,12 +75,18 @@ def test_blowup_schema_becomes_a_memory_limit_marker_and_the_scheduler_stays_sma
     than 256 MiB over the burst (the old in-process serialization grew it by ~2.6 GB for this schema).
     LOAD_RATIO=5 makes sure the size prediction cannot skip the serialization: the cap must catch it."""
     blow = blowup_schema()
-    requests = [["json", blow]] + [["json", s] for s in small_schemas(6)] + [["regex", f"id-[a-z]{{{i}}}"] for i in range(1, 7)]
+    requests = (
+        [["json", blow]]
+        + [["json", s] for s in small_schemas(6)]
+        + [["regex", f"id-[a-z]{{{i}}}"] for i in range(1, 7)]
+    )
     out = run_probe(cache_dir, {F.DISK_HELPER_MEMORY: 384 * MiB, F.DISK_LOAD_RATIO: 5, F.WORKERS: 2}, requests)
     assert all(r["invalid"] is None for r in out["results"]), out["results"]
     growth = out["after"] - out["before"]
-    print(f"scheduler peak RSS before {out['before'] / MiB:.0f} MiB, after {out['after'] / MiB:.0f} MiB "
-          f"(+{growth / MiB:.0f} MiB); helper limit {out['helper_limit'] / MiB:.0f} MiB")
+    print(
+        f"scheduler peak RSS before {out['before'] / MiB:.0f} MiB, after {out['after'] / MiB:.0f} MiB "
+        f"(+{growth / MiB:.0f} MiB); helper limit {out['helper_limit'] / MiB:.0f} MiB"
+    )
     assert growth < 256 * MiB, out
     markers = {k: r for k, r in out["outcomes"].items() if r.get("stored") == "marker"}
     reasons = sorted(r.get("reason") for r in markers.values())
@@ -78,7 +102,8 @@ def test_blowup_schema_becomes_a_memory_limit_marker_and_the_scheduler_stays_sma
     assert "memory_limit" in found
     # every other grammar was persisted as a serialized entry
     assert sum(1 for r in out["outcomes"].values() if r.get("stored") == "serialized") >= 12, {
-        k[:12]: (r.get("status"), r.get("stored"), r.get("reason"), r.get("error")) for k, r in out["outcomes"].items()}
+        k[:12]: (r.get("status"), r.get("stored"), r.get("reason"), r.get("error")) for k, r in out["outcomes"].items()
+    }
     assert out["lock_fds"] == []  # no lock-file descriptor held by the serving process
 
 
@@ -89,8 +114,9 @@ def test_deadline_marker_and_requests_never_wait_on_persistence(cache_dir):
     the helper worked were all served long before persistence finished."""
     blow = blowup_schema()
     requests = [["json", blow]] + [["regex", f"(a|b)-[0-9]{{{i}}}"] for i in range(1, 9)]
-    out = run_probe(cache_dir, {F.DISK_HELPER_DEADLINE: 1.0, F.DISK_HELPER_MEMORY: 8 << 30, F.DISK_LOAD_RATIO: 5},
-                    requests)
+    out = run_probe(
+        cache_dir, {F.DISK_HELPER_DEADLINE: 1.0, F.DISK_HELPER_MEMORY: 8 << 30, F.DISK_LOAD_RATIO: 5}, requests
+    )
     assert all(r["invalid"] is None for r in out["results"]), out["results"]
     reasons = [r.get("reason") for r in out["outcomes"].values() if r.get("stored") == "marker"]
     assert "deadline" in reasons, out["outcomes"]
@@ -139,7 +165,11 @@ def test_atomic_write_fsyncs_file_before_rename_and_directory_after(tmp_path, mo
 def test_persist_settings_reject_bad_values_by_name(tmp_path):
     from dspark_harden.core.settings import SettingsError, load_settings
 
-    for name, bad in [(F.DISK_QUEUE, "0"), (F.DISK_HELPER_MEMORY, "-1"), (F.DISK_HELPER_DEADLINE, "0"),
-                      (F.DISK_HELPER_DEADLINE, "soon")]:
+    for name, bad in [
+        (F.DISK_QUEUE, "0"),
+        (F.DISK_HELPER_MEMORY, "-1"),
+        (F.DISK_HELPER_DEADLINE, "0"),
+        (F.DISK_HELPER_DEADLINE, "soon"),
+    ]:
         with pytest.raises(SettingsError, match=name):
             load_settings(F.dspark_settings(), environ={F.DISK_DIR: str(tmp_path), name: bad})

@@ -36,8 +36,7 @@ def _compiler(tok, root, *, ratio: float = 0.7, max_bytes: int = 1 << 40):
     info = xg.TokenizerInfo.from_huggingface(tok, vocab_size=len(tok), stop_token_ids=[tok.eos_token_id])
     scope = xgr.scope_for(info, vocab_size=len(tok), override_stop_tokens=None, compiler={"test": True})
     ns = disk.Namespace(str(root), scope, max_bytes=max_bytes)
-    return xgr.PersistentCompiler(xg.GrammarCompiler(info, cache_enabled=False), info, ns,
-                                  xgr.Policy(load_ratio=ratio))
+    return xgr.PersistentCompiler(xg.GrammarCompiler(info, cache_enabled=False), info, ns, xgr.Policy(load_ratio=ratio))
 
 
 def _worker(idx: int, root: str, max_bytes: int, ratio: float, barrier, q) -> None:
@@ -93,8 +92,9 @@ def test_four_processes_64_grammars(hf_tokenizer, cache_dir):
     ns = _only_namespace(cache_dir)
     import xgrammar as xg
 
-    info = xg.TokenizerInfo.from_huggingface(hf_tokenizer, vocab_size=len(hf_tokenizer),
-                                             stop_token_ids=[hf_tokenizer.eos_token_id])
+    info = xg.TokenizerInfo.from_huggingface(
+        hf_tokenizer, vocab_size=len(hf_tokenizer), stop_token_ids=[hf_tokenizer.eos_token_id]
+    )
     ref = xg.GrammarCompiler(info, cache_enabled=False)
     for i, rx in enumerate(regexes()):
         sources = [results[p][i][0] for p in range(N_PROCS)]
@@ -114,8 +114,11 @@ def test_four_processes_64_grammars(hf_tokenizer, cache_dir):
     for rx in regexes():
         assert str(fifth.compile_regex(rx).grammar) == str(ref.compile_regex(rx).grammar)
         assert xgr.take_resolution().source in ("disk", "local_compile")
-    markers = sum(1 for e in ns.iter_entries()
-                  if disk.decode_entry(e.path, open(e.path, "rb").read(), None, None).kind == disk.KIND_MARKER)
+    markers = sum(
+        1
+        for e in ns.iter_entries()
+        if disk.decode_entry(e.path, open(e.path, "rb").read(), None, None).kind == disk.KIND_MARKER
+    )
     assert fifth.native_compiles == markers  # only compile-locally markers compile again
     fifth.close()
 
@@ -204,7 +207,9 @@ def test_corruption_fuzz_rejected_naming_file_nothing_served(hf_tokenizer, cache
         else:
             crafted = [
                 disk.encode_entry(ns.scope_hex, key_hex[rx], disk.KIND_SERIALIZED, b'{"not": "a grammar"}'),
-                disk.encode_entry(ns.scope_hex, key_hex[rx], disk.KIND_SERIALIZED, entry.payload[: len(entry.payload) // 2]),
+                disk.encode_entry(
+                    ns.scope_hex, key_hex[rx], disk.KIND_SERIALIZED, entry.payload[: len(entry.payload) // 2]
+                ),
                 disk.encode_entry(ns.scope_hex, key_hex[rx], 7, entry.payload),
             ]
         others = [originals[o] for o in keys if o != rx and kinds[o] == kinds[rx]]
@@ -289,7 +294,7 @@ def test_prune_skips_locked_entries_and_reports_failure(hf_tokenizer, cache_dir)
         # a publish that cannot get under the hard limit is withdrawn and reported
         data = open(ns.entry_path(held), "rb").read()
         new_key = "cd" * 32
-        new_data = disk.encode_entry(ns.scope_hex, new_key, 1, data[disk.HEADER_SIZE:-32])
+        new_data = disk.encode_entry(ns.scope_hex, new_key, 1, data[disk.HEADER_SIZE : -32])
         small = disk.Namespace(ns.root, ns.scope, max_bytes=len(new_data))  # fits alone, not beside `held`
         with pytest.raises(disk.PruneError, match="could not prune below its hard limit"):
             small.publish(new_key, new_data)

@@ -50,12 +50,27 @@ def _trace(backend, tok) -> dict:
     out["in_cache"] = key in backend.cache
     out["len"] = len(backend.cache)
     out["get_is_value"] = backend.cache.get(key) is proto
+    # the mapping reads of stock's dict: [key], iteration, keys/values/items, a missing [key]
+    out["getitem_is_value"] = backend.cache[key] is proto
+    out["iter_reads_back"] = [backend.cache[k] is proto for k in backend.cache]
+    out["keys_values_items"] = (
+        len(list(backend.cache.keys())),
+        [v is proto for v in backend.cache.values()],
+        [(backend.cache[k] is v, v is proto) for k, v in backend.cache.items()],
+    )
+    try:
+        backend.cache[("json", '{"type": "string", "maxLength": 3}')]
+        out["missing_getitem"] = "no error"
+    except KeyError as exc:
+        out["missing_getitem"] = ("KeyError", exc.args == (("json", '{"type": "string", "maxLength": 3}'),))
     for reasoning in (True, False):
         value, hit = backend.get_cached_or_future_value(key, reasoning)
         out[f"hit_{reasoning}"] = hit
         out[f"type_{reasoning}"] = type(value).__name__
-        out[f"copy_{reasoning}"] = value is not proto and getattr(value, "grammar", value).matcher is not \
-            getattr(proto, "grammar", proto).matcher
+        out[f"copy_{reasoning}"] = (
+            value is not proto
+            and getattr(value, "grammar", value).matcher is not getattr(proto, "grammar", proto).matcher
+        )
         if hasattr(value, "_is_thinking"):
             out[f"thinking_{reasoning}"] = value._is_thinking()
         out[f"mask_{reasoning}"] = _mask(value, len(tok)).tolist()
@@ -96,6 +111,8 @@ def test_set_cache_keeps_stock_contract_differential(hf_tokenizer, cache_dir):
             s, o = stock[name], ours[name]
             assert o == s, name
             assert s["hit_True"] and s["hit_False"] and s["copy_True"] and s["get_is_value"]
+            assert s["getitem_is_value"] and s["iter_reads_back"] == [True]
+            assert s["keys_values_items"] == (1, [True], [(True, True)]) and s["missing_getitem"] == ("KeyError", True)
         assert stock["reasoner"]["thinking_True"] and not stock["reasoner"]["thinking_False"]
 
         for name, backend in backends.items():
@@ -107,14 +124,18 @@ def test_set_cache_keeps_stock_contract_differential(hf_tokenizer, cache_dir):
             for s in spell:
                 value, hit = backend.get_cached_or_future_value(("json", s), False)
                 assert hit and value is not proto, (name, s)
-                assert backend.cache.get(("json", s)) is proto
+                assert backend.cache.get(("json", s)) is proto and backend.cache[("json", s)] is proto
             assert len(svc) == 1 and svc.compiles == 0 and svc.nbytes > 0
             # refused as before: timeouts, failure wrappers, corrupt-entry failures, None
-            for bad in (InvalidGrammarObject("Grammar preprocessing timed out"),
-                        InvalidGrammarObject("Grammar compilation failed: json grammar was not compiled "
-                                             "within 1 s (DSPARK_HARDEN_GRAMMAR_COMPILE_TIMEOUT)"),
-                        InvalidGrammarObject("persistent grammar cache entry is invalid: /x: checksum"),
-                        None):
+            for bad in (
+                InvalidGrammarObject("Grammar preprocessing timed out"),
+                InvalidGrammarObject(
+                    "Grammar compilation failed: json grammar was not compiled "
+                    "within 1 s (DSPARK_HARDEN_GRAMMAR_COMPILE_TIMEOUT)"
+                ),
+                InvalidGrammarObject("persistent grammar cache entry is invalid: /x: checksum"),
+                None,
+            ):
                 backend.set_cache(("json", "{}"), bad)
                 assert ("json", "{}") not in backend.cache, (name, bad)
             backend.cache[("json", "{}")] = InvalidGrammarObject("Grammar preprocessing timed out")

@@ -26,7 +26,9 @@ def test_oversize_grammar_fails_at_once_and_is_never_compiled(hf_tokenizer):
     assert len(big.encode()) > 4096
     fut, cached = svc.lookup(("json", big), False)
     assert not cached and fut.done()
-    with pytest.raises(GrammarTooLarge, match=r"json grammar of \d+ bytes is larger than DSPARK_HARDEN_GRAMMAR_MAX_BYTES=4096"):
+    with pytest.raises(
+        GrammarTooLarge, match=r"json grammar of \d+ bytes is larger than DSPARK_HARDEN_GRAMMAR_MAX_BYTES=4096"
+    ):
         fut.result(timeout=0)
     assert svc.compiles == 0 and calls["n"] == 0 and svc.refused_too_large == 1
     small, _ = svc.lookup(("json", _schema(3)), False)

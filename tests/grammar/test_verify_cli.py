@@ -15,8 +15,12 @@ from .conftest import persistent_backend
 
 
 def _cli(*args):
-    proc = subprocess.run([sys.executable, "-m", "dspark_harden", "grammar-cache", "verify", *args],
-                          capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-m", "dspark_harden", "grammar-cache", "verify", *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     return proc.returncode, proc.stdout, proc.stderr
 
 
@@ -38,7 +42,7 @@ def _recut(ns, path: str) -> None:
     """Cut the payload in half and recompute the checksum and the ledger: the envelope is valid."""
     data = open(path, "rb").read()
     _magic, _fmt, kind, scope_b, key_b, _plen = disk._HEADER.unpack_from(data)
-    payload = data[disk.HEADER_SIZE:-disk.TRAILER_SIZE]
+    payload = data[disk.HEADER_SIZE : -disk.TRAILER_SIZE]
     with open(path, "wb") as fh:
         fh.write(disk.encode_entry(scope_b.hex(), key_b.hex(), kind, payload[: len(payload) // 2]))
     with open(ns.ledger_path, "wb") as fh:

@@ -14,9 +14,9 @@ The launcher and the lock live in the package (:mod:`dspark_harden.devtools.serv
 from .server import (  # noqa: F401
     DP2_CONFIG,
     PLUGIN_ACTIVE_RE,
-    SGLangServer,
     ServerConfig,
     ServerError,
+    SGLangServer,
     start_expect_failure,
     start_server,
 )

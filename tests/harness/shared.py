@@ -16,12 +16,21 @@ from typing import Optional
 
 from dspark_harden.devtools.tiny_models import dspark_draft_dir
 
-from .server import DP2_CONFIG, SGLangServer, ServerConfig, ServerError
+from .server import DP2_CONFIG, ServerConfig, ServerError, SGLangServer
 
 DSPARK_DP2_CONFIG = ServerConfig(
-    arch="qwen3", dp_size=2, tp_size=2, dp_attention=True, name="dspark_dp2",
-    extra_args=("--speculative-algorithm", "DSPARK", "--speculative-draft-model-path", dspark_draft_dir(),
-                "--enable-dp-lm-head"),
+    arch="qwen3",
+    dp_size=2,
+    tp_size=2,
+    dp_attention=True,
+    name="dspark_dp2",
+    extra_args=(
+        "--speculative-algorithm",
+        "DSPARK",
+        "--speculative-draft-model-path",
+        dspark_draft_dir(),
+        "--enable-dp-lm-head",
+    ),
     env=(("DSPARK_HARDEN_DSPARK_MASKS", "1"),),
 )
 

@@ -11,7 +11,6 @@ import time
 from types import SimpleNamespace
 
 import pytest
-
 from sglang.srt.entrypoints import http_server  # noqa: F401 - import once in the parent
 from sglang.srt.managers.load_snapshot import LoadSnapshot, ShmLoadSnapshotReader, ShmLoadSnapshotWriter
 from sglang.srt.managers.tokenizer_manager import ServerStatus
@@ -29,7 +28,6 @@ def _settings(**kw):
 @pytest.mark.forked
 def test_route_registered_once_get_only_and_answers(tmp_path):
     from fastapi.testclient import TestClient
-
     from sglang.srt.entrypoints.http_server import app, set_global_state
 
     patch = H.route_patch(_settings())
@@ -48,8 +46,12 @@ def test_route_registered_once_get_only_and_answers(tmp_path):
     writers = [ShmLoadSnapshotWriter(path, 2, rank) for rank in range(2)]
     for rank, w in enumerate(writers):
         w.write(LoadSnapshot(timestamp=time.time(), dp_rank=rank))
-    tm = SimpleNamespace(server_status=ServerStatus.Up, gracefully_exit=False,
-                         load_snapshot_reader=ShmLoadSnapshotReader(path, 2), elastic_worker_count=2)
+    tm = SimpleNamespace(
+        server_status=ServerStatus.Up,
+        gracefully_exit=False,
+        load_snapshot_reader=ShmLoadSnapshotReader(path, 2),
+        elastic_worker_count=2,
+    )
     set_global_state(SimpleNamespace(tokenizer_manager=tm))
     r = client.get(H.PATH)
     assert r.status_code == 200, r.text
@@ -75,7 +77,6 @@ def test_route_registered_once_get_only_and_answers(tmp_path):
 @pytest.mark.forked
 def test_thresholds_come_from_settings(tmp_path):
     from fastapi.testclient import TestClient
-
     from sglang.srt.entrypoints.http_server import app, set_global_state
 
     patch = H.route_patch(_settings(**{H.MAX_STALENESS: 2.0}))
@@ -83,8 +84,12 @@ def test_thresholds_come_from_settings(tmp_path):
     path = str(tmp_path / "loads.shm")
     w = ShmLoadSnapshotWriter(path, 1, 0)
     w.write(LoadSnapshot(timestamp=time.time() - 3.0, dp_rank=0))
-    tm = SimpleNamespace(server_status=ServerStatus.Up, gracefully_exit=False,
-                         load_snapshot_reader=ShmLoadSnapshotReader(path, 1), elastic_worker_count=1)
+    tm = SimpleNamespace(
+        server_status=ServerStatus.Up,
+        gracefully_exit=False,
+        load_snapshot_reader=ShmLoadSnapshotReader(path, 1),
+        elastic_worker_count=1,
+    )
     set_global_state(SimpleNamespace(tokenizer_manager=tm))
     body = TestClient(app).get(H.PATH).json()
     assert body["reason"] == "stale" and "limit 2 s" in body["message"]

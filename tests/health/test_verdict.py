@@ -13,7 +13,6 @@ import time
 from types import SimpleNamespace
 
 import pytest
-
 from sglang.srt.managers.load_snapshot import LoadSnapshot, ShmLoadSnapshotReader, ShmLoadSnapshotWriter
 from sglang.srt.managers.tokenizer_manager import ServerStatus
 
@@ -38,13 +37,15 @@ def shm(tmp_path):
 
 
 def tm(reader, status=ServerStatus.Up, exiting=False, workers=2):
-    return SimpleNamespace(server_status=status, gracefully_exit=exiting, load_snapshot_reader=reader,
-                           elastic_worker_count=workers)
+    return SimpleNamespace(
+        server_status=status, gracefully_exit=exiting, load_snapshot_reader=reader, elastic_worker_count=workers
+    )
 
 
 def check(manager, now=None):
-    return V.evaluate_server(manager, now_fn=lambda: now if now is not None else time.time(),
-                             max_staleness_s=STALE, max_future_skew_s=FUTURE)
+    return V.evaluate_server(
+        manager, now_fn=lambda: now if now is not None else time.time(), max_staleness_s=STALE, max_future_skew_s=FUTURE
+    )
 
 
 def publish(w, rank, ts):
@@ -215,18 +216,27 @@ def test_dp2_stalled_names_the_rank_the_other_waits_for(shm):
         publish(writer(2, r), r, now)
     manager = tm(ShmLoadSnapshotReader(path, 2))
     board = B.Board.create()
-    child = subprocess.Popen([sys.executable, "-c", DP2_WRITER, board.spec], stdin=subprocess.PIPE,
-                             stdout=subprocess.PIPE, text=True)
+    child = subprocess.Popen(
+        [sys.executable, "-c", DP2_WRITER, board.spec], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
     try:
+
         def check_dp2():
-            return V.evaluate_server(manager, now_fn=lambda: now, max_staleness_s=STALE, max_future_skew_s=FUTURE,
-                                     dp2_stalls_fn=lambda: B.current_stalls(board))
+            return V.evaluate_server(
+                manager,
+                now_fn=lambda: now,
+                max_staleness_s=STALE,
+                max_future_skew_s=FUTURE,
+                dp2_stalls_fn=lambda: B.current_stalls(board),
+            )
 
         assert child.stdout.readline().strip() == "published"
         v = check_dp2()
         assert (v.status_code, v.reason, v.bad_ranks) == (503, V.DP2_STALLED, [1])
-        assert v.message.startswith("DP rank 1 stalled: alive but not taking part in the scheduler steps; DP "
-                                    "rank 0 has waited 6.0 s for DP rank 1 (DP2 channel mlp)")
+        assert v.message.startswith(
+            "DP rank 1 stalled: alive but not taking part in the scheduler steps; DP "
+            "rank 0 has waited 6.0 s for DP rank 1 (DP2 channel mlp)"
+        )
         assert "process state T: stopped" in v.message
         # starting and a dead child still come first
         manager.server_status = ServerStatus.Starting
@@ -237,8 +247,13 @@ def test_dp2_stalled_names_the_rank_the_other_waits_for(shm):
         assert child.stdout.readline().strip() == "cleared"
         assert check_dp2().ok
         # an unreadable board is a 503 with its cause, never a silent 200
-        v = V.evaluate_server(manager, now_fn=lambda: now, max_staleness_s=STALE, max_future_skew_s=FUTURE,
-                              dp2_stalls_fn=lambda: B.Board.open("4194304999:3:" + "0" * 32).read())
+        v = V.evaluate_server(
+            manager,
+            now_fn=lambda: now,
+            max_staleness_s=STALE,
+            max_future_skew_s=FUTURE,
+            dp2_stalls_fn=lambda: B.Board.open("4194304999:3:" + "0" * 32).read(),
+        )
         assert (v.status_code, v.reason) == (503, V.READ_ERROR) and "DP2 stall board" in v.message
     finally:
         child.stdin.close()
@@ -272,8 +287,9 @@ def test_health_reads_stalls_through_the_dspark_health_stalls_hook(monkeypatch):
     board = B.Board.create()
     monkeypatch.setenv(B.ENV, board.spec)
     assert HF._dp2_stalls() == []  # a board, nothing on it
-    child = subprocess.Popen([sys.executable, "-c", DP2_WRITER, board.spec], stdin=subprocess.PIPE,
-                             stdout=subprocess.PIPE, text=True)
+    child = subprocess.Popen(
+        [sys.executable, "-c", DP2_WRITER, board.spec], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
     try:
         assert child.stdout.readline().strip() == "published"
         ours = B.current_stalls(board)
@@ -281,8 +297,11 @@ def test_health_reads_stalls_through_the_dspark_health_stalls_hook(monkeypatch):
         assert HF._dp2_stalls() == ours  # the dp2 feature's answer, read from the real board
         binder.STATE.pm = make_manager(load_extensions=False, extra=(Other(),))
         both = HF._dp2_stalls()
-        assert len(both) == 2 and ours[0] in both and {"rank": 0, "peer_rank": 1, "channel": "x", "waited_s": 2.0,
-                                                       "message": "third-party exchange"} in both
+        assert (
+            len(both) == 2
+            and ours[0] in both
+            and {"rank": 0, "peer_rank": 1, "channel": "x", "waited_s": 2.0, "message": "third-party exchange"} in both
+        )
         # an unusable board named by the environment raises (the verdict turns that into a 503)
         monkeypatch.setattr(B, "CURRENT", None)
         monkeypatch.setenv(B.ENV, "4194304999:3:" + "0" * 32)

@@ -11,7 +11,6 @@ import threading
 import time
 
 import pytest
-
 from sglang.srt.managers import data_parallel_controller as dpc  # noqa: F401 - import once (forks start warm)
 from sglang.srt.managers.io_struct import (
     AbortReq,
@@ -157,7 +156,9 @@ def test_bad_rank_batch_gets_per_request_400_and_loop_keeps_serving(tmp_path):
     peer.send(make_request("single", routed_dp_rank=1))
     after = drain(peer)
     assert sorted((who, type(m).__name__) for who, m in after) == [
-        (0, "BatchTokenizedGenerateReqInput"), (1, "TokenizedGenerateReqInput")]
+        (0, "BatchTokenizedGenerateReqInput"),
+        (1, "TokenizedGenerateReqInput"),
+    ]
     from dspark_harden.core import metrics
 
     assert metrics.get("dspark_harden_route_rejections_total").labels("out_of_range")._value.get() == 8

@@ -25,8 +25,9 @@ STALENESS_S = 6.0
 # (its liveness-only mode), the configuration in which stock cannot see a stopped scheduler. With
 # the 0.5.23 default (1) /health runs a one-token request that hangs behind the stopped rank and
 # after its timeout marks the whole server UnHealthy without naming a rank.
-CONFIG = DP2_CONFIG.with_env(DSPARK_HARDEN_HEALTH_MAX_STALENESS_S=str(STALENESS_S),
-                             SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION="0")
+CONFIG = DP2_CONFIG.with_env(
+    DSPARK_HARDEN_HEALTH_MAX_STALENESS_S=str(STALENESS_S), SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION="0"
+)
 CONFIG = type(CONFIG)(**{**CONFIG.__dict__, "name": "ingress-dp2"})
 
 
@@ -93,10 +94,15 @@ def test_routed_batch_of_64_reaches_scheduler_1_as_one_message(server, tiny_toke
     tok = AutoTokenizer.from_pretrained(tiny_tokenizer)
     prompts = [f"def f{i}(x):\n    return " + "x + " * (i % 7) + str(i) for i in range(64)]
     before = server.metrics_text()
-    r = server.post("/generate", {
-        "text": prompts, "routed_dp_rank": 1,
-        "sampling_params": {"max_new_tokens": 3, "temperature": 0.0, "ignore_eos": True},
-    }, timeout=600)
+    r = server.post(
+        "/generate",
+        {
+            "text": prompts,
+            "routed_dp_rank": 1,
+            "sampling_params": {"max_new_tokens": 3, "temperature": 0.0, "ignore_eos": True},
+        },
+        timeout=600,
+    )
     assert r.status_code == 200, r.text[:2000]
     outs = r.json()
     assert len(outs) == 64
@@ -124,25 +130,35 @@ def test_routed_batch_of_64_reaches_scheduler_1_as_one_message(server, tiny_toke
 
 def test_unrouted_batch_is_dispatched_per_request(server):
     before = server.metrics_text()
-    r = server.post("/generate", {
-        "text": [f"# item {i}\n" for i in range(8)],
-        "sampling_params": {"max_new_tokens": 2, "temperature": 0.0, "ignore_eos": True},
-    }, timeout=600)
+    r = server.post(
+        "/generate",
+        {
+            "text": [f"# item {i}\n" for i in range(8)],
+            "sampling_params": {"max_new_tokens": 2, "temperature": 0.0, "ignore_eos": True},
+        },
+        timeout=600,
+    )
     assert r.status_code == 200, r.text[:2000]
     outs = r.json()
     assert len(outs) == 8 and all(o["meta_info"]["completion_tokens"] == 2 for o in outs)
     after = server.metrics_text()
     for rank in ("0", "1"):
-        assert (_metric(after, "dspark_harden_scheduler_batch_messages_total", dp_rank=rank)
-                == _metric(before, "dspark_harden_scheduler_batch_messages_total", dp_rank=rank))
+        assert _metric(after, "dspark_harden_scheduler_batch_messages_total", dp_rank=rank) == _metric(
+            before, "dspark_harden_scheduler_batch_messages_total", dp_rank=rank
+        )
     assert {o["meta_info"]["dp_rank"] for o in outs} == {0, 1}  # load balanced, item by item
 
 
 def test_batch_routed_to_rank_7_is_a_clear_error_and_server_keeps_serving(server):
-    r = server.post("/generate", {
-        "text": ["a", "b", "c"], "routed_dp_rank": 7,
-        "sampling_params": {"max_new_tokens": 2},
-    }, timeout=120)
+    r = server.post(
+        "/generate",
+        {
+            "text": ["a", "b", "c"],
+            "routed_dp_rank": 7,
+            "sampling_params": {"max_new_tokens": 2},
+        },
+        timeout=120,
+    )
     assert r.status_code == 400, r.text
     assert "routed_dp_rank=7 out of range [0, 2)" in r.text
     out = server.generate("def ok():", max_new_tokens=2, routed_dp_rank=0)

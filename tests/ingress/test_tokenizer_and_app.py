@@ -3,8 +3,6 @@ module in a fresh interpreter, and the SGLANG_HTTP_SERVER_APP_PATH policy."""
 
 from __future__ import annotations
 
-import pytest
-
 from sglang.srt.managers.io_struct import GenerateReqInput
 
 from dspark_harden.core.patch import Role
@@ -68,8 +66,7 @@ def test_wrapper_keeps_stock_true_and_adds_only_under_dp_attention(monkeypatch):
 
 
 def _settings(atomic=True, health=True):
-    return Settings(values={F.ATOMIC_SWITCH: atomic, F.LOOP_SWITCH: True, F.POLL_MS: 100,
-                            F.HEALTH_SWITCH: health})
+    return Settings(values={F.ATOMIC_SWITCH: atomic, F.LOOP_SWITCH: True, F.POLL_MS: 100, F.HEALTH_SWITCH: health})
 
 
 def test_app_path_is_pointed_at_our_module_when_unset_or_stock():
@@ -91,7 +88,10 @@ def test_patches_per_role_follow_switches():
     s = _settings()
     assert [p.target.rsplit(".", 1)[1] for p in F.patches(Role.MAIN, s)] == ["_should_use_batch_tokenization"]
     assert sorted(p.target.rsplit(".", 1)[1] for p in F.patches(Role.CONTROLLER, s)) == [
-        "dispatch_batch_generate", "dispatching_with_trace", "event_loop"]
+        "dispatch_batch_generate",
+        "dispatching_with_trace",
+        "event_loop",
+    ]
     assert [p.target.rsplit(".", 1)[1] for p in F.patches(Role.SCHEDULER, s)] == ["handle_batch_generate_request"]
     off = Settings(values={F.ATOMIC_SWITCH: False, F.LOOP_SWITCH: False, F.POLL_MS: 100})
     assert F.patches(Role.CONTROLLER, off) == []
@@ -117,8 +117,9 @@ def test_multi_tokenizer_worker_app_module_binds_plugin():
         "ok": binder.STATE.report.ok,
     })
     """
-    rc, res, out = run_py(code, env={"SGLANG_HTTP_SERVER_APP_PATH": F.OUR_APP_PATH,
-                                     "SGLANG_PLUGINS": "dspark_harden"}, timeout=600)
+    rc, res, out = run_py(
+        code, env={"SGLANG_HTTP_SERVER_APP_PATH": F.OUR_APP_PATH, "SGLANG_PLUGINS": "dspark_harden"}, timeout=600
+    )
     assert rc == 0 and res, out[-3000:]
     assert res["same_app"] and res["routes"] == ["/health_scheduler"]
     assert res["patched"] and res["patched"].endswith("_should_use_batch_tokenization")

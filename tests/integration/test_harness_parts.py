@@ -29,7 +29,12 @@ def test_tokenizer_2048_contract(tiny_tokenizer):
     tok = AutoTokenizer.from_pretrained(tiny_tokenizer)
     assert len(tok) == 2048
     assert (tok.bos_token, tok.eos_token, tok.pad_token) == ("<|endoftext|>", "<|im_end|>", "<|pad|>")
-    assert [tok.convert_tokens_to_ids(t) for t in ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|pad|>")] == [0, 1, 2, 3]
+    assert [tok.convert_tokens_to_ids(t) for t in ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|pad|>")] == [
+        0,
+        1,
+        2,
+        3,
+    ]
     ids = tok.encode("<think>x = 1</think>done", add_special_tokens=False)
     think, end_think = tok.convert_tokens_to_ids("<think>"), tok.convert_tokens_to_ids("</think>")
     assert ids[0] == think and end_think in ids
@@ -37,7 +42,8 @@ def test_tokenizer_2048_contract(tiny_tokenizer):
     assert tok.decode(ids, skip_special_tokens=True) == "<think>x = 1</think>done"
     text = tok.apply_chat_template(
         [{"role": "system", "content": "s"}, {"role": "user", "content": "hi"}],
-        tokenize=False, add_generation_prompt=True,
+        tokenize=False,
+        add_generation_prompt=True,
     )
     assert text == "<|im_start|>system\ns<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
     # byte-level: any text round-trips
@@ -73,7 +79,13 @@ def test_models_match_the_documented_shapes(tiny_models):
     assert ds["rope_scaling"]["type"] == "yarn" and ds["rope_scaling"]["factor"] == 4.0
     assert ds["rope_scaling"]["original_max_position_embeddings"] == 512
     assert ds["moe_layer_freq"] == 1 and ds["first_k_dense_replace"] == 1
-    assert (ds["q_lora_rank"], ds["kv_lora_rank"], ds["qk_rope_head_dim"], ds["qk_nope_head_dim"], ds["v_head_dim"]) == (64, 32, 16, 32, 32)
+    assert (
+        ds["q_lora_rank"],
+        ds["kv_lora_rank"],
+        ds["qk_rope_head_dim"],
+        ds["qk_nope_head_dim"],
+        ds["v_head_dim"],
+    ) == (64, 32, 16, 32, 32)
     assert (ds["n_routed_experts"], ds["num_experts_per_tok"], ds["n_shared_experts"]) == (4, 2, 1)
     with safe_open(str(Path(tiny_models["deepseek_v3"], "model.safetensors")), "pt") as f:
         keys = set(f.keys())
@@ -86,7 +98,12 @@ def test_models_match_the_documented_shapes(tiny_models):
     assert dtypes == {torch.bfloat16}
     for arch, heads_kv in (("qwen3", 2), ("llama", 4)):
         cfg = transformers.AutoConfig.from_pretrained(tiny_models[arch])
-        assert (cfg.num_hidden_layers, cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads) == (2, 128, 4, heads_kv)
+        assert (cfg.num_hidden_layers, cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads) == (
+            2,
+            128,
+            4,
+            heads_kv,
+        )
         assert cfg.vocab_size == 2048 and cfg.eos_token_id == 2
 
 
@@ -96,7 +113,9 @@ def test_parallel_builds_build_once_and_are_deterministic(tmp_path):
 
     def launch(cache):
         env = dict(os.environ, DSPARK_HARDEN_MODEL_CACHE=str(cache))
-        return subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        return subprocess.Popen(
+            [sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
 
     a = tmp_path / "a"
     procs = [launch(a), launch(a)]
@@ -175,7 +194,9 @@ def test_cpu_platform_is_strictly_opt_in(value, expect, monkeypatch):
 def test_cpu_platform_surface_check_names_missing_attributes(monkeypatch):
     from dspark_testsupport import cpu_platform
 
-    monkeypatch.setitem(cpu_platform.ADJUSTED_MODULE_ATTRS, "sglang.srt.layers.dp_attention", ("_is_cpu", "no_such_attr"))
+    monkeypatch.setitem(
+        cpu_platform.ADJUSTED_MODULE_ATTRS, "sglang.srt.layers.dp_attention", ("_is_cpu", "no_such_attr")
+    )
     with pytest.raises(AssertionError, match=r"sglang\.srt\.layers\.dp_attention\.no_such_attr"):
         cpu_platform.check_stock_surfaces()
 
@@ -223,7 +244,7 @@ def test_server_lock_times_out_with_a_clear_error(tmp_path, monkeypatch):
 
 
 def test_server_command_and_environment(tmp_path, monkeypatch):
-    from tests.harness.server import DP2_CONFIG, STOCK_PLUGINS, SGLangServer, ServerConfig
+    from tests.harness.server import DP2_CONFIG, STOCK_PLUGINS, ServerConfig, SGLangServer
 
     monkeypatch.setenv("DSPARK_HARDEN_GRAMMAR", "0")  # a developer's export must not leak into servers
     monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", "/nonexistent")
@@ -232,10 +253,22 @@ def test_server_command_and_environment(tmp_path, monkeypatch):
     server.workdir, server.port = tmp_path, 12345
     cmd = server.command()
     joined = " ".join(cmd)
-    for flag in ("--device cpu", "--attention-backend torch_native", "--sampling-backend pytorch",
-                 "--disable-cuda-graph", "--max-total-tokens 8192", "--grammar-backend xgrammar",
-                 "--constrained-json-disable-any-whitespace", "--enable-metrics", "--sleep-on-idle",
-                 "--tp-size 2", "--dp-size 2", "--enable-dp-attention", "--port 12345", "--host 127.0.0.1"):
+    for flag in (
+        "--device cpu",
+        "--attention-backend torch_native",
+        "--sampling-backend pytorch",
+        "--disable-cuda-graph",
+        "--max-total-tokens 8192",
+        "--grammar-backend xgrammar",
+        "--constrained-json-disable-any-whitespace",
+        "--enable-metrics",
+        "--sleep-on-idle",
+        "--tp-size 2",
+        "--dp-size 2",
+        "--enable-dp-attention",
+        "--port 12345",
+        "--host 127.0.0.1",
+    ):
         assert flag in joined, flag
     assert cmd[1:3] == ["-m", "sglang.launch_server"]
     env = server.environment()
@@ -316,8 +349,10 @@ def test_free_port_stays_below_the_ephemeral_range_and_never_repeats_a_range():
     seen: set[int] = set()
     for _ in range(40):
         port = S.free_port()
-        ports = {*range(port, port + 16),
-                 *range(port + S.SGLANG_PORT_DELTA, port + S.SGLANG_PORT_DELTA + S.SGLANG_DERIVED_PORTS)}
+        ports = {
+            *range(port, port + 16),
+            *range(port + S.SGLANG_PORT_DELTA, port + S.SGLANG_PORT_DELTA + S.SGLANG_DERIVED_PORTS),
+        }
         assert all(S.LOWEST_PORT <= p < low for p in ports), port
         assert not ports & seen, port
         seen |= ports

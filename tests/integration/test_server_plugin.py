@@ -107,7 +107,8 @@ BREAKS = {
 @pytest.mark.parametrize("mode", sorted(BREAKS))
 def test_server_refuses_to_start_with_broken_patch(mode):
     config = ServerConfig(
-        arch="qwen3", name=f"broken-{mode}",
+        arch="qwen3",
+        name=f"broken-{mode}",
         env=(("DSPARK_TESTFEATURE", "1"), ("DSPARK_TESTFEATURE_BREAK", mode)),
     )
     rc, log = start_expect_failure(config, timeout=600)
@@ -116,4 +117,3 @@ def test_server_refuses_to_start_with_broken_patch(mode):
     for needle in BREAKS[mode]:
         assert needle in log, f"refusal log lacks {needle!r}:\n{log[-5000:]}"
     assert "is ready" not in log and "fired up and ready" not in log
-

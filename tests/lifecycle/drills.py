@@ -22,7 +22,6 @@ from typing import Optional
 import requests
 
 from dspark_harden.core import procfs
-
 from tests.harness.server import DP2_CONFIG, SGLangServer
 
 LOGGING_JSON = str(Path(__file__).with_name("logging.json"))
@@ -32,8 +31,7 @@ SHM = Path("/dev/shm")
 
 def config(plugin: bool, name: str, **env: str):
     cfg = DP2_CONFIG.with_env(SGLANG_LOGGING_CONFIG_PATH=LOGGING_JSON, **env)
-    return type(cfg)(**{**cfg.__dict__, "plugins": "dspark_harden" if plugin else None,
-                        "name": name})
+    return type(cfg)(**{**cfg.__dict__, "plugins": "dspark_harden" if plugin else None, "name": name})
 
 
 def shm_entries() -> set:
@@ -89,10 +87,15 @@ class Load:
     def _one(self, r: Result) -> None:
         t0 = time.monotonic()
         try:
-            resp = requests.post(self.server.url + "/generate", json={
-                "text": f"def drill_{r.index}():", "rid": f"{self.rid_prefix}{r.index}-{os.getpid()}-{time.time_ns()}",
-                "sampling_params": {"max_new_tokens": r.max_new_tokens, "temperature": 0.0, "ignore_eos": True},
-            }, timeout=180)
+            resp = requests.post(
+                self.server.url + "/generate",
+                json={
+                    "text": f"def drill_{r.index}():",
+                    "rid": f"{self.rid_prefix}{r.index}-{os.getpid()}-{time.time_ns()}",
+                    "sampling_params": {"max_new_tokens": r.max_new_tokens, "temperature": 0.0, "ignore_eos": True},
+                },
+                timeout=180,
+            )
             r.status, r.body = resp.status_code, resp.text[:2000]
         except requests.RequestException as exc:
             r.error = f"{type(exc).__name__}: {str(exc)[:300]}"
@@ -156,11 +159,13 @@ class Drill:
         return [r for r in self.results if r.status is not None and r.status != 200]
 
     def summary(self) -> str:
-        return (f"[drill {self.name}] exit code {self.returncode} after {self.exit_seconds:.1f} s; requests: "
-                f"{len(self.ok)} ok, {len(self.errors)} error responses, {len(self.lost)} lost (no answer); "
-                f"WARNING+ lines after the event: {len(self.warning_lines)}, tracebacks: {self.tracebacks}; "
-                f"left behind: {len(self.leftover_shm)} /dev/shm {sorted(self.leftover_shm)}, "
-                f"{len(self.leftover_sockets)} ipc sockets, {len(self.leftover_pids)} processes")
+        return (
+            f"[drill {self.name}] exit code {self.returncode} after {self.exit_seconds:.1f} s; requests: "
+            f"{len(self.ok)} ok, {len(self.errors)} error responses, {len(self.lost)} lost (no answer); "
+            f"WARNING+ lines after the event: {len(self.warning_lines)}, tracebacks: {self.tracebacks}; "
+            f"left behind: {len(self.leftover_shm)} /dev/shm {sorted(self.leftover_shm)}, "
+            f"{len(self.leftover_sockets)} ipc sockets, {len(self.leftover_pids)} processes"
+        )
 
 
 def sockets_in(path: Path) -> list:
@@ -176,8 +181,16 @@ def sockets_in(path: Path) -> list:
     return out
 
 
-def finish(drill: Drill, server: SGLangServer, *, shm_before: set, log_offset: int, t_event: float,
-           load: Optional[Load], exit_timeout: float = 90.0) -> Drill:
+def finish(
+    drill: Drill,
+    server: SGLangServer,
+    *,
+    shm_before: set,
+    log_offset: int,
+    t_event: float,
+    load: Optional[Load],
+    exit_timeout: float = 90.0,
+) -> Drill:
     """Wait for the server to exit on its own, then collect everything the drill judges."""
     rc = server.wait_exit(exit_timeout)
     drill.exit_seconds = time.monotonic() - t_event
@@ -199,8 +212,18 @@ def finish(drill: Drill, server: SGLangServer, *, shm_before: set, log_offset: i
     return drill
 
 
-def signal_drill(server: SGLangServer, name: str, *, target: str, sig: int, lengths: list,
-                 wait_for: int, probes=None, exit_timeout: float = 90.0, shm_before: set) -> Drill:
+def signal_drill(
+    server: SGLangServer,
+    name: str,
+    *,
+    target: str,
+    sig: int,
+    lengths: list,
+    wait_for: int,
+    probes=None,
+    exit_timeout: float = 90.0,
+    shm_before: set,
+) -> Drill:
     """Start ``lengths`` requests, wait until ``wait_for`` are in the schedulers, send ``sig`` to
     ``target`` ("main" or a process title prefix), run ``probes(server, drill)`` right after, then
     :func:`finish`."""
@@ -213,8 +236,15 @@ def signal_drill(server: SGLangServer, name: str, *, target: str, sig: int, leng
     os.kill(pid, sig)
     if probes is not None:
         probes(server, drill)
-    return finish(drill, server, shm_before=shm_before, log_offset=log_offset, t_event=t_event, load=load,
-                  exit_timeout=exit_timeout)
+    return finish(
+        drill,
+        server,
+        shm_before=shm_before,
+        log_offset=log_offset,
+        t_event=t_event,
+        load=load,
+        exit_timeout=exit_timeout,
+    )
 
 
 def probe(server: SGLangServer, drill: Drill, what: str, method: str, path: str, **kw) -> None:

@@ -37,8 +37,7 @@ ENTRIES = {b"f": (2, stat.S_IFREG | 0o666, 4096), b"sock": (3, stat.S_IFSOCK | 0
 def _attr(ino: int, mode: int, size: int) -> bytes:
     # fuse_attr: ino size blocks atime mtime ctime (u64) atimensec mtimensec ctimensec mode nlink uid gid
     # rdev blksize flags (u32)
-    return struct.pack("<QQQQQQIIIIIIIIII", ino, size, (size + 511) // 512, 0, 0, 0, 0, 0, 0, mode, 1, 0, 0, 0,
-                       4096, 0)
+    return struct.pack("<QQQQQQIIIIIIIIII", ino, size, (size + 511) // 512, 0, 0, 0, 0, 0, 0, mode, 1, 0, 0, 0, 4096, 0)
 
 
 def serve(mountpoint: str, interruptible: bool) -> None:
@@ -117,9 +116,19 @@ class Wedge:
         os.makedirs(mountpoint, exist_ok=True)
         self.mountpoint = mountpoint
         here = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-        self.proc = subprocess.Popen([sys.executable, "-m", "tests.lifecycle.fuse_wedge", mountpoint,
-                                      "interruptible" if interruptible else "wedge"],
-                                     cwd=here, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        self.proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "tests.lifecycle.fuse_wedge",
+                mountpoint,
+                "interruptible" if interruptible else "wedge",
+            ],
+            cwd=here,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+        )
         line = self.proc.stdout.readline().strip()
         if line != "mounted":
             self.proc.kill()

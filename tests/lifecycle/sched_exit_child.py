@@ -42,5 +42,11 @@ def scheduler_child(pipe_writer) -> None:
 
     stock.Scheduler = StandInScheduler
     roles.CONTEXT = roles.ProcessContext(role=Role.SCHEDULER, tp_rank=1, dp_rank=1)
-    server_args = ServerArgs(model_path=os.environ["DSPARK_TEST_SCHEDULER_MODEL"], tp_size=2, dp_size=2, enable_dp_attention=True, device="cpu")
+    server_args = ServerArgs(
+        model_path=os.environ["DSPARK_TEST_SCHEDULER_MODEL"],
+        tp_size=2,
+        dp_size=2,
+        enable_dp_attention=True,
+        device="cpu",
+    )
     stock.run_scheduler_process(server_args, None, 0, 1, 0, 1, pipe_writer)

@@ -62,11 +62,12 @@ def test_every_get_route_of_the_real_stock_app_is_classified():
     unclassified = [p for p in get_paths if R.classify_route(p) is None]
     assert not unclassified, (
         f"stock (or this plugin) has GET route(s) the drain gate does not know: {unclassified}; read each "
-        "handler and add it to READ / SCHEDULER_READ / PROBE / WORK_GET in lifecycle/drain_routes.py")
+        "handler and add it to READ / SCHEDULER_READ / PROBE / WORK_GET in lifecycle/drain_routes.py"
+    )
     # the classes are disjoint, and none names a route that does not exist (a stale entry is a hole too)
     classes = [R.READ, R.SCHEDULER_READ, R.PROBE, R.WORK_GET]
     for i, a in enumerate(classes):
-        for b in classes[i + 1:]:
+        for b in classes[i + 1 :]:
             assert not (a & b), a & b
     known = set(get_paths)
     stale = sorted(p for c in classes for p in c if p not in known)
@@ -81,8 +82,7 @@ def test_every_get_route_of_the_real_stock_app_is_classified():
 
 
 def _concrete(path: str) -> str:
-    return (path.replace("{model:path}", "some-model").replace("{response_id}", "resp_x")
-            .replace("{method}", "x"))
+    return path.replace("{model:path}", "some-model").replace("{response_id}", "resp_x").replace("{method}", "x")
 
 
 _EXPECTED_CLASS = {"read", "scheduler_read"}
@@ -91,9 +91,8 @@ _EXPECTED_CLASS = {"read", "scheduler_read"}
 @pytest.mark.forked
 def test_drain_gate_over_every_real_stock_route(tmp_path):
     os.environ.setdefault("PROMETHEUS_MULTIPROC_DIR", str(tmp_path))
-    from starlette.testclient import TestClient, WebSocketDenialResponse
-
     from sglang.srt.utils.common import add_prometheus_middleware
+    from starlette.testclient import TestClient, WebSocketDenialResponse
 
     from dspark_harden.core.patch import Role
     from dspark_harden.lifecycle import drain_routes as R
@@ -159,8 +158,10 @@ def test_drain_gate_over_every_real_stock_route(tmp_path):
                 if served and (gate_503 or reached != [(method, path)]):
                     wrong.append(f"{state}: {method} {path} should reach stock, got {r.status_code} {r.text[:80]!r}")
                 if not served and (not gate_503 or reached):
-                    wrong.append(f"{state}: {method} {path} should get the gate's 503, got {r.status_code} "
-                                 f"{r.text[:80]!r} (reached stock: {bool(reached)})")
+                    wrong.append(
+                        f"{state}: {method} {path} should get the gate's 503, got {r.status_code} "
+                        f"{r.text[:80]!r} (reached stock: {bool(reached)})"
+                    )
             assert not wrong, "\n".join(wrong)
             # the 16 GET work routes, explicitly (a method-based gate passes every one of them)
             for p in sorted(R.WORK_GET):
@@ -174,7 +175,7 @@ def test_drain_gate_over_every_real_stock_route(tmp_path):
             assert denied.value.status_code == 503 and needle in denied.value.text and not reached
         # serving: the gate passes everything
         main.MAIN.shutdown_started, main.MAIN.fault = None, None
-        for method, path, template in [("GET", "/flush_cache", ""), ("POST", "/generate", ""), ("GET", "/ready", "")]:
+        for method, path in [("GET", "/flush_cache"), ("POST", "/generate"), ("GET", "/ready")]:
             reached.clear()
             client.request(method, path, json={} if method == "POST" else None)
             assert reached == [(method, path)]
@@ -190,4 +191,6 @@ def test_route_path_strips_root_path_like_starlette():
     assert R.route_path({"path": "/sglangx/metrics", "root_path": "/sglang"}) == "/sglangx/metrics"
     assert R.route_path({"path": "/flush_cache"}) == "/flush_cache"
     assert R.served_while_refusing("http", "GET", R.route_path({"path": "/p/v1/models/m", "root_path": "/p"}), False)
-    assert not R.served_while_refusing("http", "GET", R.route_path({"path": "/p/flush_cache", "root_path": "/p"}), False)
+    assert not R.served_while_refusing(
+        "http", "GET", R.route_path({"path": "/p/flush_cache", "root_path": "/p"}), False
+    )

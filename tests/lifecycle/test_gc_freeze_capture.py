@@ -92,8 +92,9 @@ def test_freeze_never_collects_inside_a_capture_that_starts_after_the_check(monk
     try:
         deadline = time.monotonic() + 30
         # the first freeze, then a capture (which unfreezes: stock freeze_gc), then the re-freeze
-        while time.monotonic() < deadline and not (captures and gc.get_freeze_count() > 0
-                                                   and len([c for c in calls if c[0] == "freeze"]) >= 2):
+        while time.monotonic() < deadline and not (
+            captures and gc.get_freeze_count() > 0 and len([c for c in calls if c[0] == "freeze"]) >= 2
+        ):
             time.sleep(0.1)
     finally:
         stop.set()

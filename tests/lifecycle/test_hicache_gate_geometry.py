@@ -39,13 +39,16 @@ def _gate_status(report):
 
 
 @pytest.mark.forked
-@pytest.mark.parametrize("kw,widths", [
-    (dict(tp_size=4, dp_size=2, enable_dp_attention=True), "attention-TP 2, attention-CP 1, PP 1"),
-    (dict(tp_size=4, attn_dp_size=2), "attention-TP 2, attention-CP 1, PP 1"),
-    (dict(tp_size=2), "attention-TP 2, attention-CP 1, PP 1"),
-    (dict(tp_size=4, attn_dp_size=2, attn_cp_size=2), "attention-TP 1, attention-CP 2, PP 1"),
-    (dict(tp_size=1, pp_size=2), "attention-TP 1, attention-CP 1, PP 2"),
-])
+@pytest.mark.parametrize(
+    "kw,widths",
+    [
+        (dict(tp_size=4, dp_size=2, enable_dp_attention=True), "attention-TP 2, attention-CP 1, PP 1"),
+        (dict(tp_size=4, attn_dp_size=2), "attention-TP 2, attention-CP 1, PP 1"),
+        (dict(tp_size=2), "attention-TP 2, attention-CP 1, PP 1"),
+        (dict(tp_size=4, attn_dp_size=2, attn_cp_size=2), "attention-TP 1, attention-CP 2, PP 1"),
+        (dict(tp_size=1, pp_size=2), "attention-TP 1, attention-CP 1, PP 2"),
+    ],
+)
 def test_armed_gate_refuses_to_start_when_a_dp_group_has_several_schedulers(monkeypatch, kw, widths):
     monkeypatch.setattr(roles, "CONTEXT", ProcessContext(Role.SCHEDULER, _args(**kw), 0, 0))
     report = binder.bind(Role.SCHEDULER, pm=_manager(), environ=dict(ARMED))
@@ -63,8 +66,9 @@ def test_armed_gate_refuses_to_start_when_a_dp_group_has_several_schedulers(monk
 
 
 @pytest.mark.forked
-@pytest.mark.parametrize("kw", [dict(tp_size=2, dp_size=2, enable_dp_attention=True), dict(tp_size=2, attn_dp_size=2),
-                                dict(tp_size=1)])
+@pytest.mark.parametrize(
+    "kw", [dict(tp_size=2, dp_size=2, enable_dp_attention=True), dict(tp_size=2, attn_dp_size=2), dict(tp_size=1)]
+)
 def test_armed_gate_binds_when_every_dp_group_is_one_scheduler(monkeypatch, kw):
     monkeypatch.setattr(roles, "CONTEXT", ProcessContext(Role.SCHEDULER, _args(**kw), 0, 0))
     report = binder.bind(Role.SCHEDULER, pm=_manager(), environ=dict(ARMED))

@@ -81,25 +81,44 @@ def _build(policy: str, hicache: bool = True):
     from sglang.srt.runtime_context import get_context
     from sglang.srt.server_args import ServerArgs
 
-    server_args = ServerArgs(model_path="dummy", device="cpu", enable_hierarchical_cache=True,
-                             hicache_write_policy=policy, hicache_io_backend="direct",
-                             hicache_mem_layout="layer_first", hicache_ratio=2.0)
+    server_args = ServerArgs(
+        model_path="dummy",
+        device="cpu",
+        enable_hierarchical_cache=True,
+        hicache_write_policy=policy,
+        hicache_io_backend="direct",
+        hicache_mem_layout="layer_first",
+        hicache_ratio=2.0,
+    )
     get_context().set_server_args(server_args)
-    kv = MHATokenToKVPool(size=DEVICE_TOKENS, page_size=1, dtype=torch.float32, head_num=HEADS, head_dim=DIM,
-                          layer_num=LAYERS, device="cpu", enable_memory_saver=False)
+    kv = MHATokenToKVPool(
+        size=DEVICE_TOKENS,
+        page_size=1,
+        dtype=torch.float32,
+        head_num=HEADS,
+        head_dim=DIM,
+        layer_num=LAYERS,
+        device="cpu",
+        enable_memory_saver=False,
+    )
     allocator = TokenToKVPoolAllocator(DEVICE_TOKENS, torch.float32, "cpu", kv, need_sort=False)
-    params = CacheInitParams(disable=False, page_size=1, token_to_kv_pool_allocator=allocator,
-                             req_to_token_pool=ReqToTokenPool(size=4, max_context_len=128, device="cpu",
-                                                              enable_memory_saver=False),
-                             tree_components=(ComponentType.FULL,))
+    params = CacheInitParams(
+        disable=False,
+        page_size=1,
+        token_to_kv_pool_allocator=allocator,
+        req_to_token_pool=ReqToTokenPool(size=4, max_context_len=128, device="cpu", enable_memory_saver=False),
+        tree_components=(ComponentType.FULL,),
+    )
     tree = UnifiedRadixCache(params)
     if hicache:
         # substitutes (a) and (b), see the module docstring; this process is a forked child
-        assert getattr(mha, "transfer_kv_direct", None) in (None, _cpu_transfer_kv_direct), \
+        assert getattr(mha, "transfer_kv_direct", None) in (None, _cpu_transfer_kv_direct), (
             "this build now has the kernel op on CPU: drop the substitute"
+        )
         mha.transfer_kv_direct = _cpu_transfer_kv_direct
         stock_init = mha.MHATokenToKVPoolHost.__init__
         if not getattr(stock_init, "_unpinned", False):
+
             def init(self, *args, **kwargs):
                 kwargs["pin_memory"] = False
                 stock_init(self, *args, **kwargs)

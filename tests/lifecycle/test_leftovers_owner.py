@@ -35,7 +35,7 @@ def _owner(conn, path: str, mode: int):
     fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, mode)
     os.fchmod(fd, mode)
     os.ftruncate(fd, 4096)
-    maps = [mmap.mmap(fd, 4096)]
+    _mapped = [mmap.mmap(fd, 4096)]  # kept referenced: the mapping outlives the unlink
     os.close(fd)
     conn.say()
     batch: list = []

@@ -23,7 +23,6 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 
@@ -34,6 +33,7 @@ PY = sys.executable
 
 
 # -- patches on the real classes -----------------------------------------------------------------
+
 
 @pytest.mark.forked
 def test_every_patch_binds_verifies_and_reverts_on_real_sglang(monkeypatch):
@@ -70,10 +70,11 @@ def test_every_patch_binds_verifies_and_reverts_on_real_sglang(monkeypatch):
             assert p.live_check() is None
             p.revert()
             seen.add(p.key)
-    assert len(seen) == 18, sorted(seen)
+    assert len(seen) == 19, sorted(seen)  # 19th: Engine.shutdown (the offline Engine path's cleanup)
 
 
 # -- controller monitor --------------------------------------------------------------------------
+
 
 def _sleeper(seconds):
     time.sleep(seconds)
@@ -114,7 +115,11 @@ def test_controller_names_an_exception_exit(tmp_path, caplog):
     with caplog.at_level("ERROR", logger="dspark_harden.lifecycle"):
         controller.monitor(procs, str(tmp_path), exit_fn=codes.append)
     assert codes == [3]
-    assert "DP rank 1 scheduler" in caplog.text and "exited with code 1" in caplog.text and "RuntimeError: boom" in caplog.text
+    assert (
+        "DP rank 1 scheduler" in caplog.text
+        and "exited with code 1" in caplog.text
+        and "RuntimeError: boom" in caplog.text
+    )
 
 
 def test_controller_exits_0_when_every_scheduler_shut_down(tmp_path):
@@ -172,6 +177,7 @@ def test_event_loop_exception_is_recorded_and_exits_1(tmp_path):
 
 # -- the shutdown barrier on real gloo -------------------------------------------------------------
 
+
 def _barrier_rank(rank, store_path, timeout_s, skip, out):
     import datetime
 
@@ -179,8 +185,9 @@ def _barrier_rank(rank, store_path, timeout_s, skip, out):
 
     from dspark_harden.lifecycle.scheduler import shutdown_barrier
 
-    dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=2,
-                            timeout=datetime.timedelta(seconds=30))
+    dist.init_process_group(
+        "gloo", init_method=f"file://{store_path}", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=30)
+    )
     if rank == 1 and skip:
         time.sleep(timeout_s + 3)  # alive but never arrives, like a peer stuck or dying
         out.put((rank, "absent", 0.0))
@@ -237,8 +244,9 @@ def test_tracker_removes_what_a_killed_process_left_and_keeps_what_is_in_use(tmp
     sem = f"/dev/shm/sem.{tag}-sem"
     child = subprocess.Popen([PY, "-c", _CHILD_RES, shm, sock, sem_name], stdout=subprocess.PIPE, text=True)
     # another live process outside the tree maps a second segment -> must be kept
-    other = subprocess.Popen([PY, "-c", _CHILD_RES, shared, str(tmp_path / "other.sock")], stdout=subprocess.PIPE,
-                             text=True)
+    other = subprocess.Popen(
+        [PY, "-c", _CHILD_RES, shared, str(tmp_path / "other.sock")], stdout=subprocess.PIPE, text=True
+    )
     try:
         assert child.stdout.readline().strip() == "ready"
         assert other.stdout.readline().strip() == "ready"
@@ -266,6 +274,7 @@ def test_tracker_removes_what_a_killed_process_left_and_keeps_what_is_in_use(tmp
 
 # -- records -> cause ---------------------------------------------------------------------------------
 
+
 def test_cause_names_the_rank_and_how_it_died(tmp_path):
     from dspark_harden.lifecycle.main import MainLifecycle
 
@@ -275,15 +284,17 @@ def test_cause_names_the_rank_and_how_it_died(tmp_path):
     records.write(m.run_dir, "rank", 111, {"dp_rank": 1, "tp_rank": 1})
     # DP attention: the main process is the schedulers' parent. DP1 was SIGKILLed; DP0's loop then
     # failed on the dead peer (a secondary fault) -- both are dead when the watchdog looks
-    records.write(m.run_dir, "fault", 110, {"type": "RuntimeError", "message": "Connection closed by peer",
-                                            "secondary": True})
+    records.write(
+        m.run_dir, "fault", 110, {"type": "RuntimeError", "message": "Connection closed by peer", "secondary": True}
+    )
     cause = m.cause_of([("scheduler_1", 110, 1), ("scheduler_2", 111, -9)])
     assert cause["role"] == "scheduler" and cause["dp_rank"] == 1
     assert cause["message"] == "DP rank 1 scheduler (pid 111) was killed by SIGKILL"
     # an exception in DP1's own loop is the cause even when DP0 died too
     records.write(m.run_dir, "fault", 111, {"type": "RuntimeError", "message": "boom"})
     assert m.cause_of([("scheduler_1", 110, 1), ("scheduler_2", 111, 1)])["message"] == (
-        "DP rank 1 scheduler (pid 111) exited with code 1 after its event loop raised RuntimeError: boom")
+        "DP rank 1 scheduler (pid 111) exited with code 1 after its event loop raised RuntimeError: boom"
+    )
     # a controller that owns its schedulers recorded the death, then exited 3
     own = MainLifecycle()
     own.run_dir = str(tmp_path / "own")
@@ -292,9 +303,14 @@ def test_cause_names_the_rank_and_how_it_died(tmp_path):
     empty = MainLifecycle()
     empty.run_dir = str(tmp_path / "none")
     assert empty.cause_of([("detokenizer", 5, -9)])["message"] == "detokenizer (pid 5) was killed by SIGKILL"
-    assert empty.cause_of([("scheduler_0", 6, 1)]) == {"role": "controller", "who": "DP controller", "pid": 6,
-                                                       "exitcode": 1, "dp_rank": None,
-                                                       "message": "DP controller (pid 6) exited with code 1"}
+    assert empty.cause_of([("scheduler_0", 6, 1)]) == {
+        "role": "controller",
+        "who": "DP controller",
+        "pid": 6,
+        "exitcode": 1,
+        "dp_rank": None,
+        "message": "DP controller (pid 6) exited with code 1",
+    }
 
 
 def test_health_verdict_names_the_dead_rank():
@@ -310,6 +326,7 @@ def test_health_verdict_names_the_dead_rank():
 
 
 # -- drain gate on a real ASGI app ---------------------------------------------------------------------
+
 
 def test_drain_gate_refuses_new_work_but_serves_reads_and_aborts():
     from fastapi import FastAPI
@@ -341,7 +358,10 @@ def test_drain_gate_refuses_new_work_but_serves_reads_and_aborts():
         assert r.status_code == 503 and "shutting down" in r.json()["error"]["message"]
         assert client.post("/abort_request").status_code == 200
         assert client.get("/metrics").status_code == 200
-        main.MAIN.shutdown_started, main.MAIN.fault = None, {"message": "DP rank 1 scheduler (pid 1) was killed by SIGKILL"}
+        main.MAIN.shutdown_started, main.MAIN.fault = (
+            None,
+            {"message": "DP rank 1 scheduler (pid 1) was killed by SIGKILL"},
+        )
         r = client.post("/generate")
         assert r.status_code == 503 and "DP rank 1 scheduler" in r.text
     finally:
@@ -360,8 +380,16 @@ def test_middleware_patch_round_trip_on_a_fastapi_app(monkeypatch):
     mod = types.ModuleType("dspark_test_app_mod")
     mod.app = FastAPI()
     monkeypatch.setitem(sys.modules, mod.__name__, mod)
-    p = MiddlewarePatch(feature=S.SHUTDOWN, target=f"{mod.__name__}:app", kind=Kind.ROUTE, roles={Role.MAIN},
-                        build=lambda _s: DrainGate, fingerprint=None, why="t", retire_when="t")
+    p = MiddlewarePatch(
+        feature=S.SHUTDOWN,
+        target=f"{mod.__name__}:app",
+        kind=Kind.ROUTE,
+        roles={Role.MAIN},
+        build=lambda _s: DrainGate,
+        fingerprint=None,
+        why="t",
+        retire_when="t",
+    )
     p.apply()
     p.apply()
     assert p.live_check() is None
@@ -373,9 +401,9 @@ def test_middleware_patch_round_trip_on_a_fastapi_app(monkeypatch):
 
 # -- detokenizer loop on real ZMQ ---------------------------------------------------------------------
 
+
 def test_detokenizer_loop_leaves_on_shutdown_and_still_dispatches(tmp_path):
     import zmq
-
     from sglang.srt.managers.io_struct import ConfigureLoggingReq, ShutdownReq, sock_send
     from sglang.utils import TypeBasedDispatcher
 
@@ -415,6 +443,7 @@ def test_detokenizer_loop_leaves_on_shutdown_and_still_dispatches(tmp_path):
 
 # -- GC ------------------------------------------------------------------------------------------------
 
+
 @pytest.mark.forked
 def test_freezer_measures_pauses_and_freezes_after_warmup():
     import gc
@@ -444,15 +473,22 @@ def test_freezer_measures_pauses_and_freezes_after_warmup():
 
 
 def test_bench_gc_json_shape_and_effect():
-    proc = subprocess.run([PY, "-m", "dspark_harden", "bench", "gc", "--json", "--objects", "400000",
-                           "--seconds", "1.5"], capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [PY, "-m", "dspark_harden", "bench", "gc", "--json", "--objects", "400000", "--seconds", "1.5"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout)
     for phase in ("before", "after"):
         assert isinstance(out[phase]["gen2_pauses"], int)
         assert isinstance(out[phase]["p99_ms"], float) and isinstance(out[phase]["max_ms"], float)
     assert isinstance(out["frozen_objects"], int) and out["frozen_objects"] >= 400000
-    assert out["before"]["gen2_pauses"] > 0 and out["after"]["gen2_pauses"] > 0
+    assert out["before"]["gen2_pauses"] > 0
+    # the freezer's pacer (gc_freeze.Gen2Pacer): after the freeze no more full collections per serving step
+    # than before (counts, allocation-driven; tests/lifecycle/test_gc_pacer.py has the deterministic ones)
+    assert out["after"]["gen2_per_kstep"] <= out["before"]["gen2_per_kstep"], out
     # The effect, deterministically: the frozen heap leaves what a gen-2 collection traverses (a
     # mutation check: without gc.freeze() in the bench both counts hold the heap and this fails).
     # The pause times themselves are the bench's report, not an assertion: on a loaded 2-core host

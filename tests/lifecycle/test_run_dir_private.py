@@ -54,8 +54,16 @@ def _server_main(conn, out_path: str):
     st = os.lstat(m.run_dir)
     cause = m.cause_of([("scheduler_0", 1234, 3)])
     with open(out_path, "w") as f:
-        json.dump({"run_dir": m.run_dir, "uid": st.st_uid, "mode": st.st_mode & 0o7777, "cause": cause["message"],
-                   "env": os.environ.get(records.RUN_DIR_ENV)}, f)
+        json.dump(
+            {
+                "run_dir": m.run_dir,
+                "uid": st.st_uid,
+                "mode": st.st_mode & 0o7777,
+                "cause": cause["message"],
+                "env": os.environ.get(records.RUN_DIR_ENV),
+            },
+            f,
+        )
     conn.say("done")
 
 

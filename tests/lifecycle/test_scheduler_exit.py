@@ -40,15 +40,21 @@ print("RESULT " + json.dumps({"exitcode": p.exitcode, "signals": got}), flush=Tr
 def _run(run_dir: str, **env) -> tuple:
     from dspark_harden.devtools.tiny_models import ensure_model
 
-    e = {**os.environ, records.RUN_DIR_ENV: run_dir, "SGLANG_PLUGINS": "none-in-this-test",
-         "DSPARK_TEST_SCHEDULER_MODEL": ensure_model("qwen3"), **env}
+    e = {
+        **os.environ,
+        records.RUN_DIR_ENV: run_dir,
+        "SGLANG_PLUGINS": "none-in-this-test",
+        "DSPARK_TEST_SCHEDULER_MODEL": ensure_model("qwen3"),
+        **env,
+    }
     if "SGLANG_KILLPG_ON_SCHEDULER_EXCEPTION" not in env:
         e.pop("SGLANG_KILLPG_ON_SCHEDULER_EXCEPTION", None)
-    proc = subprocess.run([sys.executable, "-c", _PARENT], cwd=str(ROOT), env=e, capture_output=True, text=True,
-                          timeout=400)
+    proc = subprocess.run(
+        [sys.executable, "-c", _PARENT], cwd=str(ROOT), env=e, capture_output=True, text=True, timeout=400
+    )
     line = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
     assert line, (proc.returncode, proc.stdout[-2000:], proc.stderr[-4000:])
-    return json.loads(line[-1][len("RESULT "):]), proc.stderr
+    return json.loads(line[-1][len("RESULT ") :]), proc.stderr
 
 
 @pytest.mark.parametrize("case", ["default", "killpg_opt_in", "record_write_fails"])
@@ -66,8 +72,9 @@ def test_loop_exception_takes_stocks_path_and_names_the_rank(tmp_path, case):
     assert "Scheduler hit an exception" in log and "RuntimeError: injected loop fault" in log, log[-4000:]
     assert result["signals"] == ["SIGQUIT"], (result, log[-4000:])
     # our line names the rank, in every case
-    assert "DP rank 1 scheduler (pid " in log and "event loop raised RuntimeError: injected loop fault" in log, \
-        log[-4000:]
+    assert "DP rank 1 scheduler (pid " in log and "event loop raised RuntimeError: injected loop fault" in log, log[
+        -4000:
+    ]
     if case == "killpg_opt_in":
         assert result["exitcode"] == -9, result  # stock SIGKILLed the (child's own) process group
         assert "SGLANG_KILLPG_ON_SCHEDULER_EXCEPTION is set" in log

@@ -52,7 +52,7 @@ def _warm(server: SGLangServer, n: int = 4) -> None:
 
 def _gauges(text: str, name: str) -> dict:
     out = {}
-    for m in re.finditer(rf'^{name}\{{([^}}]*)\}} ([0-9.e+-]+)$', text, re.M):
+    for m in re.finditer(rf"^{name}\{{([^}}]*)\}} ([0-9.e+-]+)$", text, re.M):
         labels = dict(re.findall(r'(\w+)="([^"]*)"', m.group(1)))
         out[(labels.get("role"), labels.get("dp_rank"))] = float(m.group(2))
     return out
@@ -60,8 +60,14 @@ def _gauges(text: str, name: str) -> dict:
 
 def _sigterm_probes(server: SGLangServer, drill: D.Drill) -> None:
     time.sleep(0.3)
-    D.probe(server, drill, "new_request", "POST", "/generate",
-            json={"text": "late", "sampling_params": {"max_new_tokens": 4}})
+    D.probe(
+        server,
+        drill,
+        "new_request",
+        "POST",
+        "/generate",
+        json={"text": "late", "sampling_params": {"max_new_tokens": 4}},
+    )
     D.probe(server, drill, "health_scheduler", "GET", "/health_scheduler")
 
 
@@ -69,8 +75,17 @@ def test_sigterm_stock():
     """Stock 0.5.23 under the same load: recorded for comparison (its counts are printed)."""
     server, shm_before = _start(False, "lifecycle-stock-term")
     _warm(server)
-    drill = D.signal_drill(server, "stock SIGTERM", target="main", sig=signal.SIGTERM, lengths=LENGTHS,
-                           wait_for=8, probes=_sigterm_probes, exit_timeout=600, shm_before=shm_before)
+    drill = D.signal_drill(
+        server,
+        "stock SIGTERM",
+        target="main",
+        sig=signal.SIGTERM,
+        lengths=LENGTHS,
+        wait_for=8,
+        probes=_sigterm_probes,
+        exit_timeout=600,
+        shm_before=shm_before,
+    )
     _report(drill)
     assert drill.returncode is not None, "stock server did not exit after SIGTERM"
     # what stock does that the plugin must not (documented in docs/lifecycle.md): new work is still
@@ -90,8 +105,10 @@ def test_sigterm_plugin_drains_orders_and_cleans():
     frozen = {}
     while time.monotonic() < deadline:
         frozen = _gauges(server.metrics_text(), "dspark_harden_gc_frozen_objects")
-        if all(frozen.get(k, 0) > 0 for k in (("scheduler", "0"), ("scheduler", "1"), ("detokenizer", "none"),
-                                               ("main", "none"))):
+        if all(
+            frozen.get(k, 0) > 0
+            for k in (("scheduler", "0"), ("scheduler", "1"), ("detokenizer", "none"), ("main", "none"))
+        ):
             break
         _warm(server, 2)
         time.sleep(1.0)
@@ -101,8 +118,17 @@ def test_sigterm_plugin_drains_orders_and_cleans():
     assert "froze" in server.log_text()
 
     # -- SIGTERM under load --------------------------------------------------------------------
-    drill = D.signal_drill(server, "plugin SIGTERM", target="main", sig=signal.SIGTERM, lengths=LENGTHS,
-                           wait_for=8, probes=_sigterm_probes, exit_timeout=120, shm_before=shm_before)
+    drill = D.signal_drill(
+        server,
+        "plugin SIGTERM",
+        target="main",
+        sig=signal.SIGTERM,
+        lengths=LENGTHS,
+        wait_for=8,
+        probes=_sigterm_probes,
+        exit_timeout=120,
+        shm_before=shm_before,
+    )
     _report(drill)
     assert drill.returncode == 0, drill.log_after[-5000:]
     assert not drill.lost, f"requests lost (no HTTP answer): {drill.lost}"
@@ -133,8 +159,9 @@ def _assert_death(drill: D.Drill, *, code: int, who: str, how: str) -> None:
     assert drill.returncode == code, (drill.returncode, drill.log_after[-6000:])
     assert drill.exit_seconds < 30, drill.exit_seconds
     assert not drill.lost, f"requests lost (connection dropped, no answer): {[(r.error) for r in drill.lost]}"
-    assert drill.results and all(r.status == 503 for r in drill.results if r.status != 200), \
-        [(r.status, r.body) for r in drill.results]
+    assert drill.results and all(r.status == 503 for r in drill.results if r.status != 200), [
+        (r.status, r.body) for r in drill.results
+    ]
     failed = [r for r in drill.results if r.status == 503]
     assert failed, "no in-flight request was answered with the cause"
     for r in failed:
@@ -154,8 +181,16 @@ def test_death_plugin_is_loud_and_complete(victim):
     server, shm_before = _start(True, f"lifecycle-kill-{victim}")
     _warm(server, 2)
     title = "sglang::scheduler_DP1" if victim == "scheduler_DP1" else "sglang::detokenizer"
-    drill = D.signal_drill(server, f"plugin SIGKILL {victim}", target=title, sig=signal.SIGKILL,
-                           lengths=DEATH_LENGTHS, wait_for=12, probes=_death_probes, shm_before=shm_before)
+    drill = D.signal_drill(
+        server,
+        f"plugin SIGKILL {victim}",
+        target=title,
+        sig=signal.SIGKILL,
+        lengths=DEATH_LENGTHS,
+        wait_for=12,
+        probes=_death_probes,
+        shm_before=shm_before,
+    )
     _report(drill)
     if victim == "scheduler_DP1":
         _assert_death(drill, code=3, who="DP rank 1 scheduler", how="was killed by SIGKILL")
@@ -180,9 +215,16 @@ def test_death_plugin_exception_in_dp1():
         import requests
 
         try:
-            resp = requests.post(server.url + "/generate", json={
-                "text": "x", "rid": f"dspark-testfault-{time.time_ns()}", "routed_dp_rank": 1,
-                "sampling_params": {"max_new_tokens": 4}}, timeout=60)
+            resp = requests.post(
+                server.url + "/generate",
+                json={
+                    "text": "x",
+                    "rid": f"dspark-testfault-{time.time_ns()}",
+                    "routed_dp_rank": 1,
+                    "sampling_params": {"max_new_tokens": 4},
+                },
+                timeout=60,
+            )
             r.status, r.body = resp.status_code, resp.text
         except requests.RequestException as exc:
             r.error = str(exc)
@@ -203,8 +245,15 @@ def test_death_plugin_exception_in_dp1():
 def test_death_stock_sigkill_dp1_recorded():
     server, shm_before = _start(False, "lifecycle-stock-kill")
     _warm(server, 2)
-    drill = D.signal_drill(server, "stock SIGKILL scheduler_DP1", target="sglang::scheduler_DP1",
-                           sig=signal.SIGKILL, lengths=DEATH_LENGTHS, wait_for=12, probes=_death_probes,
-                           shm_before=shm_before)
+    drill = D.signal_drill(
+        server,
+        "stock SIGKILL scheduler_DP1",
+        target="sglang::scheduler_DP1",
+        sig=signal.SIGKILL,
+        lengths=DEATH_LENGTHS,
+        wait_for=12,
+        probes=_death_probes,
+        shm_before=shm_before,
+    )
     _report(drill)
     assert drill.returncode is not None

@@ -24,8 +24,8 @@ import pytest
 from dspark_harden.lifecycle import hicache_gate as G
 from dspark_harden.lifecycle import hostpool, vmm
 
-
 # -- host-pool teardown -------------------------------------------------------------------------
+
 
 def _group(calls: list):
     from sglang.srt.mem_cache.hicache_storage import PoolName
@@ -47,11 +47,17 @@ def _group(calls: list):
             return super().destroy()
 
     entries = [
-        PoolEntry(name=PoolName.KV, host_pool=FailingPool(64, 16), device_pool=None, layer_mapper=lambda i: i,
-                  is_primary_index_anchor=True),
+        PoolEntry(
+            name=PoolName.KV,
+            host_pool=FailingPool(64, 16),
+            device_pool=None,
+            layer_mapper=lambda i: i,
+            is_primary_index_anchor=True,
+        ),
         PoolEntry(name=PoolName.SWA, host_pool=Recorded("swa", 64, 16), device_pool=None, layer_mapper=lambda i: i),
-        PoolEntry(name=PoolName.INDEXER, host_pool=Recorded("indexer", 64, 16), device_pool=None,
-                  layer_mapper=lambda i: i),
+        PoolEntry(
+            name=PoolName.INDEXER, host_pool=Recorded("indexer", 64, 16), device_pool=None, layer_mapper=lambda i: i
+        ),
     ]
     return HostPoolGroup(entries)
 
@@ -79,16 +85,18 @@ def test_isolated_destroy_runs_every_pool_and_names_the_failure():
 
 
 def test_isolated_destroy_is_silent_when_all_succeed():
-    from sglang.srt.mem_cache.memory_pool_host import LogicalHostPool
     from sglang.srt.mem_cache.hicache_storage import PoolName
+    from sglang.srt.mem_cache.memory_pool_host import LogicalHostPool
     from sglang.srt.mem_cache.pool_host.group import HostPoolGroup, PoolEntry
 
-    group = HostPoolGroup([PoolEntry(name=PoolName.KV, host_pool=LogicalHostPool(32, 16), device_pool=None,
-                                     layer_mapper=lambda i: i)])
+    group = HostPoolGroup(
+        [PoolEntry(name=PoolName.KV, host_pool=LogicalHostPool(32, 16), device_pool=None, layer_mapper=lambda i: i)]
+    )
     hostpool.build_destroy(HostPoolGroup.destroy)(group)
 
 
 # -- HiCache gate -------------------------------------------------------------------------------
+
 
 class _Controller:
     def __init__(self, policy="write_through", inflight=False):
@@ -163,9 +171,14 @@ def test_gate_evicts_once_with_write_back_then_refuses(restore_gate):
     assert _ask(_Scheduler(tree), 40, gate) is True
     assert tree.calls == [("writing_check", True), ("evict", 40, "write_back", True)]
     assert tree.cache_controller.write_policy == "write_through" and tree.is_write_back is False  # restored
-    assert gate.state() == {"armed": False, "last_requested_tokens": 40, "last_evictable_tokens": 100,
-                            "last_evicted_tokens": 40, "last_outcome": "evicted",
-                            "last_reason": gate.last_reason}
+    assert gate.state() == {
+        "armed": False,
+        "last_requested_tokens": 40,
+        "last_evictable_tokens": 100,
+        "last_evicted_tokens": 40,
+        "last_outcome": "evicted",
+        "last_reason": gate.last_reason,
+    }
     assert _ask(_Scheduler(tree), 40, gate) is False  # second use
     assert gate.last_outcome == "already_used" and "one shot" in gate.last_reason
     assert len([c for c in tree.calls if c[0] == "evict"]) == 1
@@ -220,6 +233,7 @@ def test_gate_key_must_be_alone_and_other_keys_reach_stock(restore_gate):
 
 
 # -- strict VMM ---------------------------------------------------------------------------------
+
 
 def test_strict_vmm_refuses_the_posix_fallback_with_a_clear_message():
     seen = {}

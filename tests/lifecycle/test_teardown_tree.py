@@ -127,9 +127,15 @@ class Main:
         import tempfile
 
         self.log = tempfile.TemporaryFile(mode="w+")
-        self.proc = subprocess.Popen([PY, "-c", _MAIN, json.dumps(cfg)], cwd=ROOT, stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, stderr=self.log, text=True,
-                                     env={**os.environ, **(env or {})})
+        self.proc = subprocess.Popen(
+            [PY, "-c", _MAIN, json.dumps(cfg)],
+            cwd=ROOT,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self.log,
+            text=True,
+            env={**os.environ, **(env or {})},
+        )
         line = self.proc.stdout.readline()
         assert line, self.read_log()
         self.info = json.loads(line)
@@ -169,6 +175,7 @@ class Main:
 
 # -- item 1: nothing the tree started is orphaned ---------------------------------------------------
 
+
 def test_death_kills_each_scheduler_together_with_the_processes_it_started():
     """Stock order (SIGKILL the schedulers, then walk the tree) orphans a scheduler's helper: it is
     reparented to init before the walk and survives the server. The lifecycle stops and kills the
@@ -194,8 +201,9 @@ def test_an_orphan_of_a_scheduler_that_died_first_is_still_killed():
         helper = m.info["children"][0]["helper"]
         while time.monotonic() < deadline and getattr(proctree.stat(helper), "ppid", None) != m.info["main"]:
             time.sleep(0.05)
-        assert proctree.stat(m.info["children"][0]["helper"]).ppid == m.info["main"], \
+        assert proctree.stat(m.info["children"][0]["helper"]).ppid == m.info["main"], (
             "the orphan was not reparented to the main process (PR_SET_CHILD_SUBREAPER)"
+        )
         code, err = m.go(timeout=120)
         assert code == 3, err[-4000:]
         assert m.exited("helper"), "the orphaned helper survived the server"
@@ -278,8 +286,13 @@ def test_a_reused_pid_is_never_signalled():
     process that exited does not yield a handle to the unrelated process that now has its pid."""
     if os.geteuid() != 0:
         pytest.skip("needs root (a PID namespace)")
-    proc = subprocess.run(["unshare", "--pid", "--fork", "--mount-proc", PY, "-c", _REUSE], cwd=ROOT,
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        ["unshare", "--pid", "--fork", "--mount-proc", PY, "-c", _REUSE],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     if proc.returncode != 0 and "unshare" in proc.stderr and "Operation not permitted" in proc.stderr:
         pytest.skip(f"no PID namespaces here: {proc.stderr.strip()}")
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -290,14 +303,18 @@ def test_a_reused_pid_is_never_signalled():
 
 # -- item 3: teardown that finishes ----------------------------------------------------------------
 
+
 def test_shutdown_exits_6_and_cleans_up_when_a_child_will_not_die(tmp_path):
     """Stock ``kill_process_tree`` raises RuntimeError when a killed process is not reaped in time;
     that escaped the shutdown (no cleanup, stock's wrapper SIGKILLs main: exit 137). Here: the
     survivor is named, the leftovers and the run directory are removed, exit code 6."""
     shm = f"/dev/shm/dspark-test-stuck-{os.getpid()}-{time.time_ns()}"
     with Wedge(str(tmp_path / "mnt")) as wedge:
-        m = Main("shutdown", [[_STUCK_CHILD, [wedge.path("never")]], [_SHM_CHILD, [shm]]],
-                 consts={"KILL_WAIT_S": 3.0, "SCHEDULER_EXIT_TIMEOUT_S": 0.5, "CHILD_EXIT_TIMEOUT_S": 0.5})
+        m = Main(
+            "shutdown",
+            [[_STUCK_CHILD, [wedge.path("never")]], [_SHM_CHILD, [shm]]],
+            consts={"KILL_WAIT_S": 3.0, "SCHEDULER_EXIT_TIMEOUT_S": 0.5, "CHILD_EXIT_TIMEOUT_S": 0.5},
+        )
         try:
             code, err = m.go(timeout=240)
             stuck = m.info["children"][0]["stuck"]
@@ -321,8 +338,11 @@ def test_shutdown_never_blocks_on_a_scheduler_wedged_with_its_mmap_lock(tmp_path
     wedged writer, so the shutdown never ends. The lifecycle pins the schedulers by pidfd and reads
     only /proc/<pid>/stat, comm and children; the scan does not read the wedged process's maps."""
     with Wedge(str(tmp_path / "mnt")) as wedge:
-        m = Main("shutdown", [[_WEDGED_SCHED, [wedge.path("f")]]],
-                 consts={"KILL_WAIT_S": 3.0, "SCHEDULER_EXIT_TIMEOUT_S": 0.5, "CHILD_EXIT_TIMEOUT_S": 0.5})
+        m = Main(
+            "shutdown",
+            [[_WEDGED_SCHED, [wedge.path("f")]]],
+            consts={"KILL_WAIT_S": 3.0, "SCHEDULER_EXIT_TIMEOUT_S": 0.5, "CHILD_EXIT_TIMEOUT_S": 0.5},
+        )
         try:
             sched = m.info["children"][0]["sched"]
             deadline = time.monotonic() + 60
@@ -391,8 +411,12 @@ def test_cleanup_is_bounded_when_a_file_operation_hangs(tmp_path):
         sock = wedge.path("sock")
         # the server named this ipc path (port_args): the tracker records it at attach; then the
         # filesystem stops answering
-        m = Main("death", [[_SCHED, []]], consts={"CLEANUP_LIMIT_S": 2.0, "SCAN_LIMIT_S": 1.0, "KILL_WAIT_S": 5.0},
-                 ipc={"tokenizer_ipc_name": sock})
+        m = Main(
+            "death",
+            [[_SCHED, []]],
+            consts={"CLEANUP_LIMIT_S": 2.0, "SCAN_LIMIT_S": 1.0, "KILL_WAIT_S": 5.0},
+            ipc={"tokenizer_ipc_name": sock},
+        )
         try:
             wedge.hold_everything()
             t0 = time.monotonic()

@@ -29,13 +29,18 @@ def ensure_prometheus() -> tuple[str, str]:
     if os.geteuid() == 0 and shutil.which("apt-get"):
         subprocess.run(
             "apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq prometheus",
-            shell=True, timeout=1200, check=False, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT,
+            shell=True,
+            timeout=1200,
+            check=False,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.STDOUT,
         )
         prom, tool = shutil.which("prometheus"), shutil.which("promtool")
         if prom and tool:
             return prom, tool
-    pytest.fail(f"prometheus/promtool are not installed and could not be installed here: run `{INSTALL}` "
-                "(or `make install`)")
+    pytest.fail(
+        f"prometheus/promtool are not installed and could not be installed here: run `{INSTALL}` (or `make install`)"
+    )
 
 
 class Prometheus:
@@ -66,10 +71,18 @@ class Prometheus:
         assert check.returncode == 0, check.stdout + check.stderr
         self._log = open(self.workdir / "prometheus.log", "ab")
         self.proc = subprocess.Popen(
-            [self.binary, f"--config.file={self.config}", f"--storage.tsdb.path={self.workdir / 'data'}",
-             f"--web.listen-address=127.0.0.1:{self.port}", "--storage.tsdb.retention.time=2h",
-             "--log.level=warn"],
-            stdin=subprocess.DEVNULL, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True,
+            [
+                self.binary,
+                f"--config.file={self.config}",
+                f"--storage.tsdb.path={self.workdir / 'data'}",
+                f"--web.listen-address=127.0.0.1:{self.port}",
+                "--storage.tsdb.retention.time=2h",
+                "--log.level=warn",
+            ],
+            stdin=subprocess.DEVNULL,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
         )
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:

@@ -34,7 +34,8 @@ def test_committed_overview_is_the_generated_one():
     committed = (EXAMPLES / "grafana" / "dspark-harden-overview.json").read_text()
     assert committed == D.render(), (
         "examples/grafana/dspark-harden-overview.json is stale: regenerate it with "
-        "`dspark-harden dashboard --out examples/grafana/dspark-harden-overview.json`")
+        "`dspark-harden dashboard --out examples/grafana/dspark-harden-overview.json`"
+    )
 
 
 @pytest.mark.parametrize("path", DASHBOARDS, ids=lambda p: p.name)
@@ -58,8 +59,12 @@ def test_dashboard_is_structurally_valid(path):
         g = panel["gridPos"]
         assert 0 <= g["x"] and g["x"] + g["w"] <= 24 and g["h"] > 0 and g["y"] >= 0, (panel["title"], g)
         for other in boxes:
-            overlap = not (g["x"] + g["w"] <= other["x"] or other["x"] + other["w"] <= g["x"]
-                           or g["y"] + g["h"] <= other["y"] or other["y"] + other["h"] <= g["y"])
+            overlap = not (
+                g["x"] + g["w"] <= other["x"]
+                or other["x"] + other["w"] <= g["x"]
+                or g["y"] + g["h"] <= other["y"]
+                or other["y"] + other["h"] <= g["y"]
+            )
             assert not overlap, f"panel {panel['title']!r} overlaps another at {g}"
         boxes.append(g)
         if panel["type"] in ("row", "text"):
@@ -79,7 +84,7 @@ def test_dashboard_is_structurally_valid(path):
             for name in D.referenced_metrics(expr):
                 fam = metrics.FAMILIES.get(D.family_of(name) or "")
                 if fam is not None and "dp_rank" in fam.labels:
-                    assert '$dp_rank' in expr, f"{panel['title']}: {expr} ignores $dp_rank"
+                    assert "$dp_rank" in expr, f"{panel['title']}: {expr} ignores $dp_rank"
 
 
 @pytest.mark.parametrize("path", DASHBOARDS, ids=lambda p: p.name)
@@ -100,10 +105,19 @@ def test_every_declared_family_has_a_panel():
 
 
 def test_one_row_per_feature_area():
-    titles = [p["title"] for p in _load(EXAMPLES / "grafana" / "dspark-harden-overview.json")["panels"]
-              if p["type"] == "row"]
-    for needle in ("Platform", "Ingress / routing", "DP controller", "Health", "Grammar cache",
-                   "DSpark grammar masks", "Native DP2 exchange", "Scheduler phases"):
+    titles = [
+        p["title"] for p in _load(EXAMPLES / "grafana" / "dspark-harden-overview.json")["panels"] if p["type"] == "row"
+    ]
+    for needle in (
+        "Platform",
+        "Ingress / routing",
+        "DP controller",
+        "Health",
+        "Grammar cache",
+        "DSpark grammar masks",
+        "Native DP2 exchange",
+        "Scheduler phases",
+    ):
         assert any(t.startswith(needle) for t in titles), (needle, titles)
 
 
@@ -113,7 +127,7 @@ def test_counter_histogram_and_gauge_panels_use_the_right_functions():
         if fam.kind == "counter":
             assert all(f"rate({name}" in e for e in exprs)
         elif fam.kind == "histogram":
-            assert all(f"histogram_quantile(" in e and f"{name}_bucket" in e for e in exprs)
+            assert all("histogram_quantile(" in e and f"{name}_bucket" in e for e in exprs)
         else:
             assert all("rate(" not in e for e in exprs)
 
@@ -121,9 +135,12 @@ def test_counter_histogram_and_gauge_panels_use_the_right_functions():
 def test_variable_substitution_and_metric_extraction():
     expr = 'sum by (dp_rank) (rate(dspark_harden_scheduler_phase_calls_total{dp_rank=~"$dp_rank"}[$__rate_interval]))'
     assert D.substitute(expr, window="2m") == (
-        'sum by (dp_rank) (rate(dspark_harden_scheduler_phase_calls_total{dp_rank=~".*"}[2m]))')
-    assert D.referenced_metrics('x(sglang:num_running_reqs) + dspark_harden_a_bucket') == {
-        "sglang:num_running_reqs", "dspark_harden_a_bucket"}
+        'sum by (dp_rank) (rate(dspark_harden_scheduler_phase_calls_total{dp_rank=~".*"}[2m]))'
+    )
+    assert D.referenced_metrics("x(sglang:num_running_reqs) + dspark_harden_a_bucket") == {
+        "sglang:num_running_reqs",
+        "dspark_harden_a_bucket",
+    }
     assert D.family_of("dspark_harden_scheduler_phase_calls_total") == "dspark_harden_scheduler_phase_calls_total"
     assert D.family_of("dspark_harden_scheduler_phase_calls_total_bucket") is None
 
@@ -143,14 +160,23 @@ def _promtool() -> str:
 
 
 def test_prometheus_example_config_is_valid():
-    proc = subprocess.run([_promtool(), "check", "config", str(EXAMPLES / "prometheus" / "prometheus.yml")],
-                          capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        [_promtool(), "check", "config", str(EXAMPLES / "prometheus" / "prometheus.yml")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
 def test_examples_readme_shows_how_to_run_them():
     text = (EXAMPLES / "README.md").read_text()
-    for needle in ("prometheus --config.file=examples/prometheus/prometheus.yml", "dspark-harden-overview.json",
-                   "metrics-lint", "--enable-metrics", "SGLANG_PLUGINS=dspark_harden"):
+    for needle in (
+        "prometheus --config.file=examples/prometheus/prometheus.yml",
+        "dspark-harden-overview.json",
+        "metrics-lint",
+        "--enable-metrics",
+        "SGLANG_PLUGINS=dspark_harden",
+    ):
         assert needle in text
     assert re.search(r"apt-get install -y prometheus", text)

@@ -27,6 +27,7 @@ import pytest
 
 from dspark_harden.core import metrics
 from dspark_harden.core.manager import all_features, make_manager
+from dspark_harden.dp2.metrics import DP2_PHASES
 from dspark_harden.observability import dashboard as D
 from dspark_harden.observability import lint
 from dspark_harden.observability.metrics import SCHEDULER_PHASES
@@ -43,10 +44,10 @@ WINDOW = "10m"
 #: (kept in sync with docs/observability.md "What the CPU end-to-end test can and cannot prove")
 UNPROVABLE_ON_CPU = {
     "dspark-masks": "needs a DSpark server (Qwen3 tiny + a DSpark draft); its mask metrics are checked on the "
-                    "shared dspark_dp2_server by tests/dspark_masks/test_dspark_server.py, not on this server",
+    "shared dspark_dp2_server by tests/dspark_masks/test_dspark_server.py, not on this server",
     "dspark-result-materializer": "needs a DSpark server with overlap scheduling (this server is not speculative); "
-                                  "not yet run end to end on any server: its metrics are checked on real stock "
-                                  "objects by tests/dspark_results/",
+    "not yet run end to end on any server: its metrics are checked on real stock "
+    "objects by tests/dspark_results/",
     "prefill-graph-dp": "prefill CUDA graphs are disabled on CPU (stock resolves the prefill graph backend to disabled)",
     "dsv4-sparse-prefill-pool": "DeepSeek V4 attention and FlashMLA need CUDA",
     "dsv4-inplace-q-norm-rope": "DeepSeek V4's JIT kernels need CUDA",
@@ -69,9 +70,13 @@ def _config(grammar_disk: Path) -> ServerConfig:
         # published (or rank 0 dies). The bounds cover the helper's first start-up on a loaded host: the claim
         # wait, our compile timeout (the wait may use half of it) and stock's poll-count timeout
         # (SGLANG_GRAMMAR_MAX_POLL_ITERATIONS x 5 ms, 50 s by default) are raised to 300 s and more
-        env.update(DSPARK_HARDEN_GRAMMAR_DISK_DIR=str(grammar_disk), DSPARK_HARDEN_GRAMMAR_DISK_CLAIMS="1",
-                   DSPARK_HARDEN_GRAMMAR_DISK_CLAIM_WAIT="300",
-                   DSPARK_HARDEN_GRAMMAR_COMPILE_TIMEOUT="900", SGLANG_GRAMMAR_MAX_POLL_ITERATIONS="200000")
+        env.update(
+            DSPARK_HARDEN_GRAMMAR_DISK_DIR=str(grammar_disk),
+            DSPARK_HARDEN_GRAMMAR_DISK_CLAIMS="1",
+            DSPARK_HARDEN_GRAMMAR_DISK_CLAIM_WAIT="300",
+            DSPARK_HARDEN_GRAMMAR_COMPILE_TIMEOUT="900",
+            SGLANG_GRAMMAR_MAX_POLL_ITERATIONS="200000",
+        )
     return ServerConfig(**{**DP2_CONFIG.__dict__, "name": "dp2-obs"}).with_env(**env)
 
 
@@ -80,27 +85,61 @@ def _config(grammar_disk: Path) -> ServerConfig:
 def _proofs() -> dict:
     p: dict = {
         "observability": [
-            (f"build info and bound gauge from the {role} process",
-             f'dspark_harden_feature_bound{{feature="observability",role="{role}",status="bound"}} == 1')
+            (
+                f"build info and bound gauge from the {role} process",
+                f'dspark_harden_feature_bound{{feature="observability",role="{role}",status="bound"}} == 1',
+            )
             for role in ("main", "controller", "scheduler", "detokenizer")
-        ] + [("build info", "dspark_harden_build_info == 1")],
+        ]
+        + [("build info", "dspark_harden_build_info == 1")],
         "scheduler-phase-metrics": [
-            (f"{phase} calls on dp_rank {r}",
-             f'dspark_harden_scheduler_phase_calls_total{{dp_rank="{r}",phase="{phase}"}} > 0')
-            for r in RANKS for phase in SCHEDULER_PHASES
-        ] + [
-            (f"run_batch seconds and rolling max on dp_rank {r}",
-             f'dspark_harden_scheduler_phase_seconds_total{{dp_rank="{r}",phase="run_batch"}} > 0 and on (dp_rank) '
-             f'max_over_time(dspark_harden_scheduler_phase_max_seconds{{dp_rank="{r}",phase="run_batch"}}[{WINDOW}]) > 0')
+            (
+                f"{phase} calls on dp_rank {r}",
+                f'dspark_harden_scheduler_phase_calls_total{{dp_rank="{r}",phase="{phase}"}} > 0',
+            )
+            for r in RANKS
+            for phase in SCHEDULER_PHASES
+            if phase != "check_hicache_events"
+        ]
+        + [
+            # no --enable-hierarchical-cache on CPU (docs/lifecycle.md): the HiCache poll never runs here and
+            # its in-flight gauges stay at their pre-created 0 (exact values: tests/observability/test_hicache_ongoing.py)
+            (
+                f"HiCache poll phase pre-created, never called, on dp_rank {r}",
+                f'dspark_harden_scheduler_phase_calls_total{{dp_rank="{r}",phase="check_hicache_events"}} == 0',
+            )
+            for r in RANKS
+        ]
+        + [
+            (
+                f"HiCache in-flight gauges pre-created at 0 on dp_rank {r}",
+                f'count(dspark_harden_hicache_ongoing_operations{{dp_rank="{r}"}} == 0) == 4 and '
+                f'count(dspark_harden_hicache_ongoing_tokens{{dp_rank="{r}"}} == 0) == 3',
+            )
+            for r in RANKS
+        ]
+        + [
+            (
+                f"run_batch seconds and rolling max on dp_rank {r}",
+                f'dspark_harden_scheduler_phase_seconds_total{{dp_rank="{r}",phase="run_batch"}} > 0 and on (dp_rank) '
+                f'max_over_time(dspark_harden_scheduler_phase_max_seconds{{dp_rank="{r}",phase="run_batch"}}[{WINDOW}]) > 0',
+            )
             for r in RANKS
         ],
         "grammar-service": [
             ("first JSON-schema request compiled", 'sum(dspark_harden_grammar_lookups_total{source="compile"}) > 0'),
-            ("the first rank claimed the key host-wide before compiling it",
-             'sum(dspark_harden_grammar_disk_claims_total{outcome="claimed"}) > 0'),
-            ("the other rank's process loaded it from the disk cache (or its compile-locally marker)",
-             'sum(dspark_harden_grammar_lookups_total{source=~"disk|local_compile"}) > 0'),
-            ("the repeat on the first rank hit its memory LRU", 'sum(dspark_harden_grammar_lookups_total{source="memory"}) > 0'),
+            (
+                "the first rank claimed the key host-wide before compiling it",
+                'sum(dspark_harden_grammar_disk_claims_total{outcome="claimed"}) > 0',
+            ),
+            (
+                "the other rank's process loaded it from the disk cache (or its compile-locally marker)",
+                'sum(dspark_harden_grammar_lookups_total{source=~"disk|local_compile"}) > 0',
+            ),
+            (
+                "the repeat on the first rank hit its memory LRU",
+                'sum(dspark_harden_grammar_lookups_total{source="memory"}) > 0',
+            ),
             ("the compiled grammar was published to disk", "sum(dspark_harden_grammar_disk_stored_total) > 0"),
         ],
         "atomic-routed-batch": [
@@ -108,38 +147,62 @@ def _proofs() -> dict:
             ("batch message received by a scheduler", "sum(dspark_harden_scheduler_batch_messages_total) > 0"),
         ],
         "testfeature": [
-            ("third-party family: the test feature's wrapper counted the main process's requests",
-             'dspark_harden_testfeature_verify_calls_total{role="main"} > 0'),
-            ("third-party family pre-created in the schedulers (the wrapper is bound but not called there)",
-             'dspark_harden_testfeature_verify_calls_total{role="scheduler"} == 0'),
+            (
+                "third-party family: the test feature's wrapper counted the main process's requests",
+                'dspark_harden_testfeature_verify_calls_total{role="main"} > 0',
+            ),
+            (
+                "third-party family pre-created in the schedulers (the wrapper is bound but not called there)",
+                'dspark_harden_testfeature_verify_calls_total{role="scheduler"} == 0',
+            ),
         ],
         "health-scheduler": [("/health_scheduler probes", "sum(dspark_harden_health_scheduler_checks_total) > 0")],
         "dp2-native-exchange": [
-            (f"native MLP-sync exchanges on dp_rank {r}",
-             f'dspark_harden_dp2_exchange_calls_total{{channel="mlp",dp_rank="{r}"}} > 0')
+            (
+                f"native MLP-sync exchanges on dp_rank {r}",
+                f'dspark_harden_dp2_exchange_calls_total{{channel="mlp",dp_rank="{r}"}} > 0',
+            )
             for r in RANKS
+        ]
+        + [
+            (
+                f"{phase} histogram of the MLP-sync exchanges on dp_rank {r}",
+                f'dspark_harden_dp2_exchange_phase_seconds_count{{channel="mlp",dp_rank="{r}",phase="{phase}"}} > 0',
+            )
+            for r in RANKS
+            for phase in DP2_PHASES
         ],
         "gc-freeze": [
-            (f"collections timed by gc.callbacks in the scheduler of dp_rank {r}",
-             f'sum(dspark_harden_gc_pause_seconds_count{{role="scheduler",dp_rank="{r}"}}) > 0')
+            (
+                f"collections timed by gc.callbacks in the scheduler of dp_rank {r}",
+                f'sum(dspark_harden_gc_pause_seconds_count{{role="scheduler",dp_rank="{r}"}}) > 0',
+            )
             for r in RANKS
-        ] + [("freeze state exported by the schedulers", 'count(dspark_harden_gc_frozen{role="scheduler"}) >= 2')],
+        ]
+        + [("freeze state exported by the schedulers", 'count(dspark_harden_gc_frozen{role="scheduler"}) >= 2')],
         # shutdown and host-pool teardown run only when the server stops, after the last scrape (their
         # paths are proven by tests/lifecycle's drills): here, their pre-created series are exported at 0
         "lifecycle-shutdown": [
-            ("drain outcomes pre-created by the main process, nothing drained while serving",
-             'sum(dspark_harden_shutdown_requests_total) == 0'),
-            ("barrier outcomes pre-created by both schedulers",
-             'count(dspark_harden_shutdown_barriers_total{role="scheduler",outcome="passed"}) >= 2'),
+            (
+                "drain outcomes pre-created by the main process, nothing drained while serving",
+                "sum(dspark_harden_shutdown_requests_total) == 0",
+            ),
+            (
+                "barrier outcomes pre-created by both schedulers",
+                'count(dspark_harden_shutdown_barriers_total{role="scheduler",outcome="passed"}) >= 2',
+            ),
         ],
         "hostpool-teardown": [
-            ("teardown outcomes pre-created by both schedulers",
-             'count(dspark_harden_hostpool_destroys_total{outcome="destroyed"}) >= 2'),
+            (
+                "teardown outcomes pre-created by both schedulers",
+                'count(dspark_harden_hostpool_destroys_total{outcome="destroyed"}) >= 2',
+            ),
         ],
     }
     # only families that exist in this build
-    return {f: [(w, q) for w, q in items if all(D.family_of(n) for n in D.referenced_metrics(q))]
-            for f, items in p.items()}
+    return {
+        f: [(w, q) for w, q in items if all(D.family_of(n) for n in D.referenced_metrics(q))] for f, items in p.items()
+    }
 
 
 SCHEMA = {
@@ -160,13 +223,24 @@ def _traffic(server) -> dict:
         assert out["meta_info"].get("dp_rank") in (r, None), out["meta_info"]
         sent["routed"] += 1
     for r in (1, 0):
-        resp = server.post("/generate", {"text": ["x = 1", "y = 2", "z = 3"], "routed_dp_rank": r,
-                                         "sampling_params": {"max_new_tokens": 3, "temperature": 0.0}})
+        resp = server.post(
+            "/generate",
+            {
+                "text": ["x = 1", "y = 2", "z = 3"],
+                "routed_dp_rank": r,
+                "sampling_params": {"max_new_tokens": 3, "temperature": 0.0},
+            },
+        )
         assert resp.status_code == 200, resp.text[:2000]
         sent["batch"] += 1
     for r in (0, 1, 0):
-        out = server.generate("Answer in JSON:", max_new_tokens=48, routed_dp_rank=r, timeout=600,
-                              sampling_params={"json_schema": json.dumps(SCHEMA)})
+        out = server.generate(
+            "Answer in JSON:",
+            max_new_tokens=48,
+            routed_dp_rank=r,
+            timeout=600,
+            sampling_params={"json_schema": json.dumps(SCHEMA)},
+        )
         json.loads(out["text"])  # the constrained output parses
         sent["json"] += 1
         # no wait here: rank 1's lookup meets rank 0's claim (held until its publication ends) and waits
@@ -184,8 +258,10 @@ def observed(module_sglang_server, tmp_path_factory):
     host_port = server.url.split("://", 1)[1]
     prom = Prometheus([host_port]).start()
     try:
-        prom.wait_until("Prometheus to scrape the server", lambda: any(
-            float(s["value"][1]) == 1 for s in prom.query('up{job="sglang"}')))
+        prom.wait_until(
+            "Prometheus to scrape the server",
+            lambda: any(float(s["value"][1]) == 1 for s in prom.query('up{job="sglang"}')),
+        )
         prom.wait_until("the plugin's series in Prometheus", lambda: bool(prom.query("dspark_harden_build_info")))
         sent = _traffic(server)
         bound = lint.bound_features(lint.parse_scrape(server.metrics_text())) or {}
@@ -198,8 +274,14 @@ def observed(module_sglang_server, tmp_path_factory):
             prom.wait_until("every exercised path to show in Prometheus", all_proven, timeout=240, every=2)
         except AssertionError:
             pass  # test_exercised_paths_are_nonzero names what is missing
-        yield {"server": server, "prom": prom, "sent": sent, "bound": bound, "proofs": proofs,
-               "scrape": server.metrics_text()}
+        yield {
+            "server": server,
+            "prom": prom,
+            "sent": sent,
+            "bound": bound,
+            "proofs": proofs,
+            "scrape": server.metrics_text(),
+        }
     finally:
         prom.stop()
 
@@ -213,8 +295,9 @@ def test_promtool_check_metrics_passes_on_the_real_scrape(observed):
     assert "dspark_harden_scheduler_phase_calls_total" in text and "sglang:" in text
 
     def check(exposition: str):
-        proc = subprocess.run([promtool, "check", "metrics"], input=exposition, capture_output=True, text=True,
-                              timeout=120)
+        proc = subprocess.run(
+            [promtool, "check", "metrics"], input=exposition, capture_output=True, text=True, timeout=120
+        )
         return proc.returncode, [ln for ln in (proc.stdout + proc.stderr).splitlines() if ln.strip()]
 
     own = lint.own_subset(text)
@@ -225,7 +308,12 @@ def test_promtool_check_metrics_passes_on_the_real_scrape(observed):
     foreign = []
     for ln in lines:
         m = lint._PROMTOOL_FINDING.match(ln)
-        if m is None or ln.startswith("error") or m.group(1).startswith(metrics.PREFIX) or not m.group(1).startswith("sglang:"):
+        if (
+            m is None
+            or ln.startswith("error")
+            or m.group(1).startswith(metrics.PREFIX)
+            or not m.group(1).startswith("sglang:")
+        ):
             foreign.append(ln)
     assert not foreign, f"promtool findings not explained by stock sglang: names: {foreign}"
 
@@ -249,6 +337,7 @@ def test_per_feature_summary_of_the_real_scrape(observed):
     assert not [n for n in hidden if n in text], text
     assert "observability [bound in: controller, detokenizer, main, scheduler]" in lines
     assert "published by processes: controller, detokenizer, main, scheduler" in text
+
     def figure(header, *roles):
         found = [i for i, ln in enumerate(lines) if ln.startswith(header + " [bound in: ")]
         assert found, text
@@ -268,8 +357,11 @@ def test_per_feature_summary_of_the_real_scrape(observed):
 
 def test_the_plugin_published_in_every_process_role(observed):
     scraped = lint.parse_scrape(observed["scrape"])
-    roles = {lbl["role"] for _, lbl, v in scraped["dspark_harden_feature_bound"].samples
-             if lbl["feature"] == "observability" and v == 1}
+    roles = {
+        lbl["role"]
+        for _, lbl, v in scraped["dspark_harden_feature_bound"].samples
+        if lbl["feature"] == "observability" and v == 1
+    }
     assert roles == {"main", "controller", "scheduler", "detokenizer"}
     from dspark_harden import __version__
 
@@ -318,7 +410,8 @@ def test_every_panel_query_returns_data_from_prometheus(observed, path):
             unexplained = sorted(off - set(UNPROVABLE_ON_CPU))
             assert not unexplained, (
                 f"panel {title!r}: features {unexplained} are not bound on the CPU e2e server; enable them "
-                "here or list them in UNPROVABLE_ON_CPU with the reason")
+                "here or list them in UNPROVABLE_ON_CPU with the reason"
+            )
             skipped.append(title)
             continue
         checked += 1
@@ -346,8 +439,21 @@ def test_every_metric_a_dashboard_references_is_exported(observed, path):
 
 def test_metrics_lint_is_clean_against_the_live_server_and_prometheus(observed):
     server, prom = observed["server"], observed["prom"]
-    cmd = [sys.executable, "-m", "dspark_harden", "metrics-lint", "--url", server.url, "--prometheus", prom.url,
-           "--window", WINDOW, "--promtool", "require", "--json"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "dspark_harden",
+        "metrics-lint",
+        "--url",
+        server.url,
+        "--prometheus",
+        prom.url,
+        "--window",
+        WINDOW,
+        "--promtool",
+        "require",
+        "--json",
+    ]
     for path in DASHBOARDS:
         cmd += ["--dashboard", str(path)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)

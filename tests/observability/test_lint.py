@@ -11,8 +11,8 @@ import threading
 
 import pytest
 
-from dspark_harden.core import metrics
 from dspark_harden.cli import main as cli_main
+from dspark_harden.core import metrics
 from dspark_harden.observability import dashboard as D
 from dspark_harden.observability import lint
 
@@ -55,7 +55,10 @@ def test_plugin_export_is_clean(exported):
     assert "dspark_harden_feature_bound" in scraped and "dspark_harden_scheduler_phase_calls_total" in scraped
     assert _problems(lint.lint_scrape(scraped)) == []
     assert lint.bound_features(scraped) == {
-        "observability": True, "scheduler-phase-metrics": True, "grammar-fsm-advance": False}
+        "observability": True,
+        "scheduler-phase-metrics": True,
+        "grammar-fsm-advance": False,
+    }
 
 
 def test_promtool_accepts_the_plugin_export(exported):
@@ -120,11 +123,13 @@ def test_cardinality_limits():
 
 def test_dashboard_queries_without_data(exported):
     scraped = lint.parse_scrape(exported)
-    dash = {"panels": [
-        {"title": "ok", "targets": [{"refId": "A", "expr": "rate(dspark_harden_scheduler_phase_calls_total[5m])"}]},
-        {"title": "undeclared", "targets": [{"refId": "A", "expr": "dspark_harden_nope"}]},
-        {"title": "absent", "targets": [{"refId": "A", "expr": "dspark_harden_route_rejections_total"}]},
-    ]}
+    dash = {
+        "panels": [
+            {"title": "ok", "targets": [{"refId": "A", "expr": "rate(dspark_harden_scheduler_phase_calls_total[5m])"}]},
+            {"title": "undeclared", "targets": [{"refId": "A", "expr": "dspark_harden_nope"}]},
+            {"title": "absent", "targets": [{"refId": "A", "expr": "dspark_harden_route_rejections_total"}]},
+        ]
+    }
     findings = lint.lint_dashboard(dash, scraped, source="t")
     text = "\n".join(str(f) for f in findings)
     assert "panel 'ok'" not in text
@@ -171,8 +176,23 @@ def serve():
 def test_cli_over_http_clean_and_dirty(serve, exported, capsys, tmp_path):
     url = serve(exported)
     dash = tmp_path / "d.json"
-    dash.write_text(json.dumps({"panels": [{"title": "p", "targets": [
-        {"refId": "A", "expr": 'sum(rate(dspark_harden_scheduler_phase_seconds_total{dp_rank=~"$dp_rank"}[$__rate_interval]))'}]}]}))
+    dash.write_text(
+        json.dumps(
+            {
+                "panels": [
+                    {
+                        "title": "p",
+                        "targets": [
+                            {
+                                "refId": "A",
+                                "expr": 'sum(rate(dspark_harden_scheduler_phase_seconds_total{dp_rank=~"$dp_rank"}[$__rate_interval]))',
+                            }
+                        ],
+                    }
+                ]
+            }
+        )
+    )
     rc = cli_main(["metrics-lint", "--url", url, "--no-builtin-dashboard", "--dashboard", str(dash), "--json"])
     out = json.loads(capsys.readouterr().out)
     assert rc == 0, out

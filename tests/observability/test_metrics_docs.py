@@ -44,7 +44,8 @@ BUILTIN = metrics.registry(load_extensions=False)
 
 def test_committed_reference_is_the_generated_one():
     assert DOC.read_text() == metrics_ref.markdown(BUILTIN), (
-        "docs/metrics.md is stale: regenerate it with `dspark-harden metrics --markdown > docs/metrics.md`")
+        "docs/metrics.md is stale: regenerate it with `dspark-harden metrics --markdown > docs/metrics.md`"
+    )
 
 
 def test_every_family_is_documented_and_every_documented_family_exists():

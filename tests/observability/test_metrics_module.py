@@ -4,32 +4,32 @@ writer a separate process, as in a server)."""
 
 from __future__ import annotations
 
-import os
-
 import pytest
 
-from dspark_harden.core import metrics
-from dspark_harden.observability.metrics import SCHEDULER_PHASES
-from dspark_harden.core import hookspecs
+from dspark_harden.core import hookspecs, metrics
 from dspark_harden.core.manager import BUILTIN_FEATURE_MODULES, all_features, make_manager
+from dspark_harden.observability.metrics import SCHEDULER_PHASES
 
 from ..plugin._proc import run_py
 
 
-@pytest.mark.parametrize("name,kind,labels,needle", [
-    ("sglang_x_total", "counter", (), "must start with"),
-    ("dspark_harden:x_total", "counter", (), "':'"),
-    ("dspark_harden_x", "counter", (), "must end with _total"),
-    ("dspark_harden_x_total", "gauge", (), "only counters"),
-    ("dspark_harden_latency_ms", "histogram", (), "'ms' is not a base unit"),
-    ("dspark_harden_size_mb", "gauge", (), "'mb' is not a base unit"),
-    ("dspark_harden_x_count", "gauge", (), "reserved"),
-    ("dspark_harden_x", "gauge", ("le", "le"), "duplicate label"),
-    ("dspark_harden_x", "histogram", ("le",), "reserved"),
-    ("dspark_harden_x", "gauge", ("pid",), "pid"),
-    ("dspark_harden_X", "gauge", (), "snake_case"),
-    ("dspark_harden_x", "summary", (), "unknown type"),
-])
+@pytest.mark.parametrize(
+    "name,kind,labels,needle",
+    [
+        ("sglang_x_total", "counter", (), "must start with"),
+        ("dspark_harden:x_total", "counter", (), "':'"),
+        ("dspark_harden_x", "counter", (), "must end with _total"),
+        ("dspark_harden_x_total", "gauge", (), "only counters"),
+        ("dspark_harden_latency_ms", "histogram", (), "'ms' is not a base unit"),
+        ("dspark_harden_size_mb", "gauge", (), "'mb' is not a base unit"),
+        ("dspark_harden_x_count", "gauge", (), "reserved"),
+        ("dspark_harden_x", "gauge", ("le", "le"), "duplicate label"),
+        ("dspark_harden_x", "histogram", ("le",), "reserved"),
+        ("dspark_harden_x", "gauge", ("pid",), "pid"),
+        ("dspark_harden_X", "gauge", (), "snake_case"),
+        ("dspark_harden_x", "summary", (), "unknown type"),
+    ],
+)
 def test_convention_problems_are_found(name, kind, labels, needle):
     problems = metrics.convention_problems(name, kind, labels)
     assert any(needle in p for p in problems), problems
@@ -57,7 +57,8 @@ def test_every_declared_family_is_clean_and_names_a_real_feature():
     for fam in metrics.FAMILIES.values():
         assert metrics.convention_problems(fam.name, fam.kind, fam.labels) == []
         assert fam.feature == "core" or fam.feature in features, (
-            f"{fam.name}: feature {fam.feature!r} is not a registered Feature name ({sorted(features)})")
+            f"{fam.name}: feature {fam.feature!r} is not a registered Feature name ({sorted(features)})"
+        )
         if fam.kind == "gauge":
             assert fam.multiprocess_mode in metrics.GAUGE_MODES
 
@@ -91,11 +92,17 @@ def test_registry_collects_every_plugin_in_registration_order_with_its_owner():
     assert {reg.owner(n) for n in reg if n != "dspark_harden_extra_things_total"} <= set(BUILTIN_FEATURE_MODULES)
 
 
-@pytest.mark.parametrize("answer,needle", [
-    (metrics.Family("dspark_harden_build_info", "gauge", "dup", multiprocess_mode="max"), "declared twice (by dspark_harden.observability.feature and"),
-    (_fam(feature="no-such-feature"), "names unknown feature 'no-such-feature'"),
-    ("dspark_harden_x_total", "not a Family or MetricGroup"),
-])
+@pytest.mark.parametrize(
+    "answer,needle",
+    [
+        (
+            metrics.Family("dspark_harden_build_info", "gauge", "dup", multiprocess_mode="max"),
+            "declared twice (by dspark_harden.observability.feature and",
+        ),
+        (_fam(feature="no-such-feature"), "names unknown feature 'no-such-feature'"),
+        ("dspark_harden_x_total", "not a Family or MetricGroup"),
+    ],
+)
 def test_registry_refuses_inconsistent_declarations(answer, needle):
     pm = make_manager(load_extensions=False, extra=(_Plugin(answer),))
     with pytest.raises(metrics.MetricsError) as exc:
@@ -143,23 +150,34 @@ def test_third_party_family_is_registered_documented_and_precreated(tmp_path):
     assert name not in metrics.registry(load_extensions=False)  # the shipped reference stays built-in only
     text = metrics_ref.markdown(metrics.registry())
     assert f"| `{name}` | counter | `role` |" in text
-    assert [r for r in metrics_ref.rows(metrics.registry()) if r["name"] == name][0]["declared_by"] == "dspark_testfeature"
+    assert [r for r in metrics_ref.rows(metrics.registry()) if r["name"] == name][0][
+        "declared_by"
+    ] == "dspark_testfeature"
+    import contextlib
+    import io
+
     from dspark_harden.cli import main as cli_main
-    import contextlib, io
-    for argv, present in ((["metrics", "--markdown", "--extensions"], True), (["metrics", "--markdown"], False),
-                          (["metrics"], True)):
+
+    for argv, present in (
+        (["metrics", "--markdown", "--extensions"], True),
+        (["metrics", "--markdown"], False),
+        (["metrics"], True),
+    ):
         buf = io.StringIO()
         with contextlib.redirect_stdout(buf):
             assert cli_main(argv) == 0
         assert (name in buf.getvalue()) is present, argv
-    rc, res, out = run_py(f"""
+    rc, res, out = run_py(
+        """
         from dspark_harden.core import metrics
         off = metrics.precreate_process("scheduler", [], "0")
         on = metrics.precreate_process("scheduler", ["testfeature"], "0")
         from prometheus_client import CollectorRegistry, generate_latest, multiprocess
         reg = CollectorRegistry(); multiprocess.MultiProcessCollector(reg)
-        emit({{"off": off, "on": on, "text": generate_latest(reg).decode()}})
-    """, env={"PROMETHEUS_MULTIPROC_DIR": str(tmp_path)})
+        emit({"off": off, "on": on, "text": generate_latest(reg).decode()})
+    """,
+        env={"PROMETHEUS_MULTIPROC_DIR": str(tmp_path)},
+    )
     assert rc == 0, out
     assert name not in res["off"] and name in res["on"]
     assert _sample(res["text"], name, role="scheduler") == 0
@@ -224,22 +242,28 @@ def test_multiprocess_mode_two_scheduler_processes_and_a_reader(tmp_path):
                 continue
             assert _sample(text, "dspark_harden_scheduler_phase_calls_total", dp_rank=dp, phase=phase) == 0
             assert _sample(text, "dspark_harden_scheduler_phase_max_seconds", dp_rank=dp, phase=phase) == 0
-    assert "pid=" not in text.replace("pid=\"", "pid=") or 'pid="' not in text, "no gauge may add a pid label"
+    assert "pid=" not in text.replace('pid="', "pid=") or 'pid="' not in text, "no gauge may add a pid label"
 
 
 def test_precreation_only_for_active_features_and_own_roles(tmp_path):
-    rc, res, out = run_py("""
+    rc, res, out = run_py(
+        """
         from dspark_harden.core import metrics
         done_sched_off = metrics.precreate_process("scheduler", [], "0")
         done_main = metrics.precreate_process("main", ["scheduler-phase-metrics"], "none")
         done_sched_on = metrics.precreate_process("scheduler", ["scheduler-phase-metrics"], "1")
         emit({"off": done_sched_off, "main": done_main, "on": done_sched_on})
-    """, env={"PROMETHEUS_MULTIPROC_DIR": str(tmp_path)})
+    """,
+        env={"PROMETHEUS_MULTIPROC_DIR": str(tmp_path)},
+    )
     assert rc == 0, out
     assert "dspark_harden_scheduler_phase_calls_total" not in res["off"]  # feature inactive
     assert "dspark_harden_scheduler_phase_calls_total" not in res["main"]  # not a main-process family
-    assert {"dspark_harden_scheduler_phase_calls_total", "dspark_harden_scheduler_phase_seconds_total",
-            "dspark_harden_scheduler_phase_max_seconds"} <= set(res["on"])
+    assert {
+        "dspark_harden_scheduler_phase_calls_total",
+        "dspark_harden_scheduler_phase_seconds_total",
+        "dspark_harden_scheduler_phase_max_seconds",
+    } <= set(res["on"])
 
 
 def test_main_process_readiness_defers_publishing_and_repairs_an_early_import(tmp_path):
@@ -272,12 +296,15 @@ def test_main_process_readiness_defers_publishing_and_repairs_an_early_import(tm
 
 
 def test_defer_is_a_no_op_when_prometheus_is_already_configured(tmp_path):
-    rc, res, out = run_py("""
+    rc, res, out = run_py(
+        """
         from dspark_harden.core import metrics
         metrics.defer_until_configured()
         ran = []
         metrics.when_ready(lambda: ran.append(1))
         emit({"ready": metrics.ready(), "ran": ran})
-    """, env={"PROMETHEUS_MULTIPROC_DIR": str(tmp_path)})
+    """,
+        env={"PROMETHEUS_MULTIPROC_DIR": str(tmp_path)},
+    )
     assert rc == 0, out
     assert res == {"ready": True, "ran": [1]}

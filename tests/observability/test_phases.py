@@ -7,9 +7,8 @@ from __future__ import annotations
 
 import pytest
 
-from dspark_harden.core import metrics
-from dspark_harden.observability.metrics import SCHEDULER_PHASES
 from dspark_harden.observability import phases
+from dspark_harden.observability.metrics import SCHEDULER_PHASES
 
 from ..plugin._proc import run_py
 
@@ -85,6 +84,7 @@ def test_timed_wrapper_records_calls_and_reraises():
     saved = phases.RECORDER
     phases.RECORDER = rec
     try:
+
         def stock(self, x):
             if x < 0:
                 raise ValueError("negative")
@@ -101,11 +101,17 @@ def test_timed_wrapper_records_calls_and_reraises():
         phases.RECORDER = saved
 
 
-@pytest.mark.parametrize("tp,dp,dpa,rank,expected", [
-    (2, 2, True, 0, True), (2, 2, True, 1, True),      # DP2 attention over TP2: attn-TP1, every rank
-    (4, 2, True, 1, False), (4, 2, True, 2, True),     # attn-TP2: first rank of each DP group
-    (2, 1, False, 1, False), (2, 1, False, 0, True),   # plain TP2: rank 0 only
-])
+@pytest.mark.parametrize(
+    "tp,dp,dpa,rank,expected",
+    [
+        (2, 2, True, 0, True),
+        (2, 2, True, 1, True),  # DP2 attention over TP2: attn-TP1, every rank
+        (4, 2, True, 1, False),
+        (4, 2, True, 2, True),  # attn-TP2: first rank of each DP group
+        (2, 1, False, 1, False),
+        (2, 1, False, 0, True),  # plain TP2: rank 0 only
+    ],
+)
 def test_records_only_on_first_attention_tp_rank(tp, dp, dpa, rank, expected):
     from types import SimpleNamespace
 

@@ -22,10 +22,13 @@ def run_py(code: str, env: dict | None = None, timeout: float = 240.0) -> tuple[
     full_env.update(env or {})
     proc = subprocess.run(
         [sys.executable, "-c", prelude + textwrap.dedent(code)],
-        env=full_env, capture_output=True, text=True, timeout=timeout,
+        env=full_env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
     )
     result = None
     for line in proc.stdout.splitlines():
         if line.startswith(MARK):
-            result = json.loads(line[len(MARK):])
+            result = json.loads(line[len(MARK) :])
     return proc.returncode, result, proc.stdout + proc.stderr

@@ -86,7 +86,10 @@ def test_other_plugin_selected_means_not_loaded_and_check_says_so():
     assert rc == 0 and result == {"loaded": False}, out[-2000:]
     proc = subprocess.run(
         [sys.executable, "-m", "dspark_harden", "check", "--json", "--role", "main"],
-        env={**os.environ, "SGLANG_PLUGINS": "someone_else"}, capture_output=True, text=True, timeout=300,
+        env={**os.environ, "SGLANG_PLUGINS": "someone_else"},
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert proc.returncode == 1
     data = json.loads(proc.stdout)
@@ -97,7 +100,10 @@ def test_other_plugin_selected_means_not_loaded_and_check_says_so():
 def test_check_json_against_real_sglang():
     proc = subprocess.run(
         [sys.executable, "-m", "dspark_harden", "check", "--json"],
-        env={**os.environ, "SGLANG_PLUGINS": "dspark_harden"}, capture_output=True, text=True, timeout=600,
+        env={**os.environ, "SGLANG_PLUGINS": "dspark_harden"},
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     data = json.loads(proc.stdout)
     assert proc.returncode == 0 and data["ok"] is True, data
@@ -116,10 +122,14 @@ def test_check_hides_test_only_features_unless_asked_or_failed():
     --include-test-features does; a FAILED test-only feature is always shown (it fails the check)."""
     base = [sys.executable, "-m", "dspark_harden", "check", "--json", "--role", "main"]
     env = {**os.environ, "SGLANG_PLUGINS": "dspark_harden"}
-    run = lambda *extra, **e: subprocess.run([*base, *extra], env={**env, **e}, capture_output=True, text=True,  # noqa: E731
-                                             timeout=300)
+
+    def run(*extra, **e):
+        return subprocess.run([*base, *extra], env={**env, **e}, capture_output=True, text=True, timeout=300)
+
     shown = json.loads(run().stdout)
-    assert "testfeature" not in {f["name"] for f in shown["features"]} and shown["hidden_test_features"] == ["testfeature"]
+    assert "testfeature" not in {f["name"] for f in shown["features"]} and shown["hidden_test_features"] == [
+        "testfeature"
+    ]
     table = subprocess.run([*base[:4], "--role", "main"], env=env, capture_output=True, text=True, timeout=300).stdout
     assert "testfeature" not in table.split("(1 test-only feature(s) not shown")[0]
     assert "--include-test-features shows them" in table
@@ -127,14 +137,18 @@ def test_check_hides_test_only_features_unless_asked_or_failed():
     assert "testfeature" in {f["name"] for f in everything["features"]}
     broken = run(DSPARK_TESTFEATURE="1", DSPARK_TESTFEATURE_BREAK="drift")
     data = json.loads(broken.stdout)
-    assert broken.returncode == 1 and [f["status"] for f in data["features"] if f["name"] == "testfeature"] == ["failed"]
+    assert broken.returncode == 1 and [f["status"] for f in data["features"] if f["name"] == "testfeature"] == [
+        "failed"
+    ]
 
 
 def test_bad_setting_makes_check_fail_naming_the_variable():
     proc = subprocess.run(
         [sys.executable, "-m", "dspark_harden", "check", "--json", "--role", "main"],
         env={**os.environ, "SGLANG_PLUGINS": "dspark_harden", "DSPARK_HARDEN_STRICT_EXTENSIONS": "yes"},
-        capture_output=True, text=True, timeout=300,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     data = json.loads(proc.stdout)
     assert proc.returncode == 1 and not data["ok"]
@@ -144,7 +158,9 @@ def test_bad_setting_makes_check_fail_naming_the_variable():
 def test_env_lists_every_setting():
     from dspark_harden.core.manager import all_setting_specs
 
-    proc = subprocess.run([sys.executable, "-m", "dspark_harden", "env", "--json"], capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "dspark_harden", "env", "--json"], capture_output=True, text=True, timeout=120
+    )
     rows = json.loads(proc.stdout)
     names = {r["name"] for r in rows}
     assert names == {s.name for s in all_setting_specs(make_manager())}
@@ -152,7 +168,9 @@ def test_env_lists_every_setting():
 
 
 def test_patch_ledger_explains_every_patch():
-    proc = subprocess.run([sys.executable, "-m", "dspark_harden", "patches", "--json"], capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "dspark_harden", "patches", "--json"], capture_output=True, text=True, timeout=120
+    )
     rows = json.loads(proc.stdout)
     for r in rows:
         assert r["why"].strip() and r["retire_when"].strip() and r["roles"], r

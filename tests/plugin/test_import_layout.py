@@ -10,7 +10,18 @@ from pathlib import Path
 PKG = Path(__file__).resolve().parents[2] / "src" / "dspark_harden"
 ROOT_NAME = "dspark_harden"
 #: top-level modules / packages that are not features (the platform everything may import)
-CORE = {"core", "cli", "devtools", "entry", "upstream", "metrics", "__init__", "__main__", "_dp2_native", "_traverse_native"}
+CORE = {
+    "core",
+    "cli",
+    "devtools",
+    "entry",
+    "upstream",
+    "metrics",
+    "__init__",
+    "__main__",
+    "_dp2_native",
+    "_traverse_native",
+}
 
 
 def _modules(root: Path = PKG) -> dict:
@@ -104,7 +115,8 @@ def test_detector_finds_a_lazy_cycle_and_accepts_a_tree(tmp_path):
 def test_the_package_has_no_import_cycles():
     found = cycles(import_graph())
     assert not found, "import cycles (move what both sides need into a module both import):\n" + "\n".join(
-        " <-> ".join(c) for c in found)
+        " <-> ".join(c) for c in found
+    )
 
 
 def test_features_never_import_each_other():
@@ -135,8 +147,12 @@ def test_product_code_and_the_demo_import_nothing_from_tests():
     server launcher, the lock) lives in dspark_harden.devtools."""
     scripts = sorted((PKG.parents[1] / "scripts").glob("*.py"))
     assert scripts, "scripts/demo.py is expected"
-    wrong = [f"{p.relative_to(PKG.parents[1])}: {n}" for p in [*scripts, *sorted(PKG.rglob("*.py"))]
-             for n in sorted(_imported_names(p)) if n == "tests" or n.startswith(("tests.", "dspark_testsupport"))]
+    wrong = [
+        f"{p.relative_to(PKG.parents[1])}: {n}"
+        for p in [*scripts, *sorted(PKG.rglob("*.py"))]
+        for n in sorted(_imported_names(p))
+        if n == "tests" or n.startswith(("tests.", "dspark_testsupport"))
+    ]
     for p in scripts:
         assert "sys.path" not in p.read_text(), f"{p.name} must not put the repository (tests/) on sys.path"
     assert not wrong, "product code imports test modules:\n" + "\n".join(wrong)

@@ -11,12 +11,12 @@ import pytest
 import sglang.srt.managers.data_parallel_controller  # noqa: F401,E402
 import sglang.srt.plugins.hook_registry  # noqa: F401,E402
 
+from dspark_harden.cli.ledger import patch_rows
 from dspark_harden.core import binder
 from dspark_harden.core.feature import Feature
 from dspark_harden.core.hookspecs import hookimpl
 from dspark_harden.core.manager import make_manager
 from dspark_harden.core.patch import Kind, Patch, PatchError, Role, fingerprint_source, raw_attr
-from dspark_harden.cli.ledger import patch_rows
 
 TARGET = "sglang.srt.managers.data_parallel_controller:DataParallelController.refresh_load_budget"
 FUNC_TARGET = "sglang.srt.utils.common:get_bool_env_var"
@@ -39,8 +39,14 @@ def _wrap_patch(target=TARGET, fingerprint=None, feature="t"):
         return wrapper
 
     return Patch(
-        feature=feature, target=target, kind=Kind.WRAP, roles={Role.CONTROLLER, Role.MAIN}, build=build,
-        fingerprint=fingerprint or fingerprint_source(stock), why="test", retire_when="never",
+        feature=feature,
+        target=target,
+        kind=Kind.WRAP,
+        roles={Role.CONTROLLER, Role.MAIN},
+        build=build,
+        fingerprint=fingerprint or fingerprint_source(stock),
+        why="test",
+        retire_when="never",
     )
 
 
@@ -64,7 +70,9 @@ def test_module_function_rebinding_is_reverted():
     import sglang.srt.utils.common as common
 
     stock = common.get_bool_env_var
-    importers = [m for m in __import__("sys").modules.values() if getattr(m, "__dict__", {}).get("get_bool_env_var") is stock]
+    importers = [
+        m for m in __import__("sys").modules.values() if getattr(m, "__dict__", {}).get("get_bool_env_var") is stock
+    ]
     assert len(importers) >= 2, "expected a `from ... import get_bool_env_var` somewhere"
     patch = _wrap_patch(FUNC_TARGET)
     patch.apply()
@@ -76,10 +84,9 @@ def test_module_function_rebinding_is_reverted():
 @pytest.mark.forked
 def test_every_declared_patch_round_trips():
     """apply -> revert -> apply for every patch any feature declares (all roles)."""
-    from dspark_harden.cli.ledger import declared_patches
-
     import torch
 
+    from dspark_harden.cli.ledger import declared_patches
     from dspark_harden.core.patch import source_text_fingerprint as source_fingerprint
 
     patches = declared_patches(make_manager())
@@ -98,7 +105,6 @@ def test_every_declared_patch_round_trips():
         assert patch.live_check() is None, patch.key
         patch.revert()
     assert len(patches) == len(patch_rows()) > 0
-
 
 
 def test_drift_refuses_naming_target_and_fingerprints():
@@ -124,7 +130,9 @@ def test_replaced_target_without_source_is_explained():
         patch.apply()
     msg = str(info.value)
     assert msg.startswith(TARGET + ": the live object is not the stock SGLang one")
-    assert "<lambda>" in msg and f"defined in {__name__!r}, not in 'sglang.srt.managers.data_parallel_controller'" in msg
+    assert (
+        "<lambda>" in msg and f"defined in {__name__!r}, not in 'sglang.srt.managers.data_parallel_controller'" in msg
+    )
     assert f"fingerprint {expected}" in msg
     assert "Remove that replacement, or disable feature 'my-feature'" in msg
     assert not patch.applied
@@ -147,16 +155,32 @@ def test_missing_target_refuses():
 
 
 def test_attribute_patch_refuses_existing_attribute():
-    patch = Patch(feature="t", target=TARGET, kind=Kind.ATTRIBUTE, roles={Role.MAIN}, build=lambda _: 1,
-                  fingerprint=None, why="t", retire_when="t")
+    patch = Patch(
+        feature="t",
+        target=TARGET,
+        kind=Kind.ATTRIBUTE,
+        roles={Role.MAIN},
+        build=lambda _: 1,
+        fingerprint=None,
+        why="t",
+        retire_when="t",
+    )
     with pytest.raises(PatchError, match="already exists"):
         patch.apply()
 
 
 def test_wrap_without_fingerprint_is_rejected_at_declaration():
     with pytest.raises(PatchError, match="fingerprint"):
-        Patch(feature="t", target=TARGET, kind=Kind.WRAP, roles={Role.MAIN}, build=lambda o: o,
-              fingerprint=None, why="t", retire_when="t")
+        Patch(
+            feature="t",
+            target=TARGET,
+            kind=Kind.WRAP,
+            roles={Role.MAIN},
+            build=lambda o: o,
+            fingerprint=None,
+            why="t",
+            retire_when="t",
+        )
 
 
 class _Plugin:
@@ -190,7 +214,8 @@ def test_operator_override_binds_with_warning(caplog):
     patch = _wrap_patch(fingerprint="f" * 16, feature="testing-feature")
     with caplog.at_level(logging.WARNING, logger="dspark_harden"):
         report = binder.bind(
-            Role.CONTROLLER, pm=make_manager(extra=(_Plugin([patch]),)),
+            Role.CONTROLLER,
+            pm=make_manager(extra=(_Plugin([patch]),)),
             environ={"DSPARK_HARDEN_ALLOW_DRIFT": TARGET},
         )
     assert report.ok, report.failures()

@@ -76,8 +76,9 @@ def _launch_server_help(env: dict):
     full = dict(os.environ)
     full.pop("DSPARK_HARDEN_ROLE", None)
     full.update(env)
-    return subprocess.run([sys.executable, "-m", "sglang.launch_server", "--help"], env=full,
-                          capture_output=True, text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "sglang.launch_server", "--help"], env=full, capture_output=True, text=True, timeout=300
+    )
 
 
 def test_role_variable_left_in_a_real_launch_stops_startup():

@@ -45,11 +45,14 @@ def test_third_party_feature_off_by_default():
     assert result["ours"] is None
 
 
-@pytest.mark.parametrize("mode,needle", [
-    ("drift", "expected fingerprint 0000000000000000"),
-    ("missing", "dspark_testfeature_no_such_method"),
-    ("replaced", "replaced by another plugin"),
-])
+@pytest.mark.parametrize(
+    "mode,needle",
+    [
+        ("drift", "expected fingerprint 0000000000000000"),
+        ("missing", "dspark_testfeature_no_such_method"),
+        ("replaced", "replaced by another plugin"),
+    ],
+)
 def test_broken_third_party_patch_aborts_startup(mode, needle):
     rc, result, out = _load("main", DSPARK_TESTFEATURE="1", DSPARK_TESTFEATURE_BREAK=mode)
     assert rc != 0, out[-3000:]

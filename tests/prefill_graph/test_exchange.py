@@ -39,8 +39,13 @@ def _worker(rank, port, session, steps):
 
     eng = W.RankEngine(rank, model_config)
     runner = R.build_runner(cfg)
-    rt = A.Runtime(dp_rank=rank, bs=list(cfg.buckets), server_mode=CaptureHiddenMode.NULL, attn_tp_size=1,
-                   tolerates_sum_len=lambda: False)
+    rt = A.Runtime(
+        dp_rank=rank,
+        bs=list(cfg.buckets),
+        server_mode=CaptureHiddenMode.NULL,
+        attn_tp_size=1,
+        tolerates_sum_len=lambda: False,
+    )
     vote = A.build_vote(R.stock(dp_attn._local_prefill_cuda_graph_vote), rt)
     update = A.build_update_gather(R.stock(dp_attn._update_gather_batch), rt)
     stock_all_gather = R.stock(dp_attn.MLPSyncBatchInfo.all_gather)
@@ -57,13 +62,27 @@ def _worker(rank, port, session, steps):
                 tokens = batch.batch_size()
             else:
                 tokens = batch.extend_num_tokens
-            ok = vote(local_batch=batch, num_tokens=tokens, prefill_graph_runner=runner, coordinated_prefill=True,
-                      breakable_prefill=False, spec_algorithm=none, model_config=model_config)
+            ok = vote(
+                local_batch=batch,
+                num_tokens=tokens,
+                prefill_graph_runner=runner,
+                coordinated_prefill=True,
+                breakable_prefill=False,
+                spec_algorithm=none,
+                model_config=model_config,
+            )
             mode = ForwardMode.IDLE if batch is None else batch.forward_mode
             info = dp_attn.MLPSyncBatchInfo(
-                num_dp_ranks=2, tp_size=1, cp_size=1, num_tokens=tokens, num_tokens_for_logprob=tokens,
-                can_run_decode_cuda_graph=mode.is_decode_or_idle(), can_run_draft_cuda_graph=True,
-                can_run_prefill_cuda_graph=ok, is_extend_in_batch=mode.is_extend(), local_can_run_tbo=False,
+                num_dp_ranks=2,
+                tp_size=1,
+                cp_size=1,
+                num_tokens=tokens,
+                num_tokens_for_logprob=tokens,
+                can_run_decode_cuda_graph=mode.is_decode_or_idle(),
+                can_run_draft_cuda_graph=True,
+                can_run_prefill_cuda_graph=ok,
+                is_extend_in_batch=mode.is_extend(),
+                local_can_run_tbo=False,
                 local_forward_mode=mode.value,
                 prefill_cuda_graph_max_prefix_len=max(batch.prefix_lens or [0]) if mode.is_extend() else 0,
             )
@@ -77,8 +96,12 @@ def _worker(rank, port, session, steps):
             update(target, info, True, None, skip_global_metadata=False)
             dec = rt.last if info.is_extend_in_batch else None
             rt.last = None
-            out.append((bool(target.can_run_dp_prefill_cuda_graph),
-                        None if dec is None else (dec.graph, dec.bucket, dec.reason)))
+            out.append(
+                (
+                    bool(target.can_run_dp_prefill_cuda_graph),
+                    None if dec is None else (dec.graph, dec.bucket, dec.reason),
+                )
+            )
             eng.release()
     finally:
         w.sync.channel.close()
@@ -90,8 +113,9 @@ def _idle_batch(eng, model_config):
     from sglang.srt.managers.schedule_batch import ScheduleBatch
     from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
 
-    idle = ScheduleBatch.init_new([], eng.req_to_token_pool, eng.allocator, eng.tree, model_config, False,
-                                  SpeculativeAlgorithm.NONE)
+    idle = ScheduleBatch.init_new(
+        [], eng.req_to_token_pool, eng.allocator, eng.tree, model_config, False, SpeculativeAlgorithm.NONE
+    )
     idle.prepare_for_idle()
     return idle
 

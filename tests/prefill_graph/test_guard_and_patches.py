@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from dspark_harden.prefill_graph import admission as A
-from dspark_harden.prefill_graph import runner as R
 from dspark_harden.prefill_graph import decision as D
+from dspark_harden.prefill_graph import runner as R
 
 
 @pytest.fixture()
@@ -28,9 +28,15 @@ def _fb(bucket=1024, **over):
     from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode, ForwardMode
 
     fields = dict(
-        forward_mode=ForwardMode.EXTEND, batch_size=2, extend_seq_lens_cpu=[600, 300], extend_prefix_lens_cpu=[0, 100],
-        seq_lens_cpu=torch.tensor([600, 400]), capture_hidden_mode=CaptureHiddenMode.NULL,
-        extend_logprob_start_lens_cpu=[599, 299], input_ids=range(bucket), global_num_tokens_cpu=[bucket, bucket],
+        forward_mode=ForwardMode.EXTEND,
+        batch_size=2,
+        extend_seq_lens_cpu=[600, 300],
+        extend_prefix_lens_cpu=[0, 100],
+        seq_lens_cpu=torch.tensor([600, 400]),
+        capture_hidden_mode=CaptureHiddenMode.NULL,
+        extend_logprob_start_lens_cpu=[599, 299],
+        input_ids=range(bucket),
+        global_num_tokens_cpu=[bucket, bucket],
         can_run_dp_prefill_cuda_graph=True,
     )
     fields.update(over)
@@ -52,16 +58,29 @@ def _forced(name):
         "token_indices_to_pool": dict(token_indices_to_pool=[torch.tensor([5])]),
         "input_embeds": dict(input_embeds=object()),
         "max_context": dict(seq_lens_cpu=torch.tensor([9000, 10]), extend_prefix_lens_cpu=[0, 0]),
-        "request_slots": dict(batch_size=40, extend_seq_lens_cpu=[1] * 40, extend_prefix_lens_cpu=[0] * 40,
-                              seq_lens_cpu=torch.ones(40, dtype=torch.int64), extend_logprob_start_lens_cpu=[0] * 40),
+        "request_slots": dict(
+            batch_size=40,
+            extend_seq_lens_cpu=[1] * 40,
+            extend_prefix_lens_cpu=[0] * 40,
+            seq_lens_cpu=torch.ones(40, dtype=torch.int64),
+            extend_logprob_start_lens_cpu=[0] * 40,
+        ),
         "inactive_dp_rank": dict(global_num_tokens_cpu=[1024, 0]),
         "num_tokens": dict(input_ids=range(20000), global_num_tokens_cpu=[20000, 20000]),
         "prefix": dict(extend_prefix_lens_cpu=[9000, 0], seq_lens_cpu=torch.tensor([600, 300])),
     }[name]
 
 
-CHECKS = ["capture_hidden_mode", "token_indices_to_pool", "input_embeds", "max_context", "request_slots",
-          "inactive_dp_rank", "num_tokens", "prefix"]
+CHECKS = [
+    "capture_hidden_mode",
+    "token_indices_to_pool",
+    "input_embeds",
+    "max_context",
+    "request_slots",
+    "inactive_dp_rank",
+    "num_tokens",
+    "prefix",
+]
 #: checks whose inputs are gathered / the same on every rank: eager everywhere, never a divergence
 UNIFORM = ["inactive_dp_rank", "num_tokens"]
 
@@ -94,7 +113,7 @@ def test_guard_raises_naming_the_check_under_a_shared_graph_verdict(runner, chec
     exc = info.value
     assert exc.check == check and check in exc.failed and exc.dp_rank == 1
     msg = str(exc)
-    assert f"dp_rank 1" in msg and repr(check) in msg and "batch_size=" in msg and "global_num_tokens=" in msg
+    assert "dp_rank 1" in msg and repr(check) in msg and "batch_size=" in msg and "global_num_tokens=" in msg
     assert seen == [exc]
 
 
@@ -144,8 +163,11 @@ def test_patches_bind_wrap_and_revert_on_real_sglang():
 
     from dspark_harden.prefill_graph import feature
 
-    stock = (dp_attn._local_prefill_cuda_graph_vote, dp_attn._update_gather_batch,
-             PrefillCudaGraphRunner.__dict__["can_run_graph"])
+    stock = (
+        dp_attn._local_prefill_cuda_graph_vote,
+        dp_attn._update_gather_batch,
+        PrefillCudaGraphRunner.__dict__["can_run_graph"],
+    )
     patches = feature.patches()
     for p in patches:
         p.apply()
@@ -162,8 +184,11 @@ def test_patches_bind_wrap_and_revert_on_real_sglang():
         runner.can_run_graph(fb)
     for p in reversed(patches):
         p.revert()
-    assert (dp_attn._local_prefill_cuda_graph_vote, dp_attn._update_gather_batch,
-            PrefillCudaGraphRunner.__dict__["can_run_graph"]) == stock
+    assert (
+        dp_attn._local_prefill_cuda_graph_vote,
+        dp_attn._update_gather_batch,
+        PrefillCudaGraphRunner.__dict__["can_run_graph"],
+    ) == stock
     assert runner.can_run_graph(fb) is False  # stock again: eager alone, silently
     for p in patches:  # and again
         p.apply()
@@ -190,16 +215,32 @@ def test_bound_vote_folds_forward_time_checks_into_the_stock_column():
     runner = R.build_runner(cfg)
     eng = W.RankEngine(0, model_config)
     batch = W.build_batch(eng, T.RankStep("extend", (T.TraceReq(extend=500, hidden=True),)), SpeculativeAlgorithm.NONE)
-    kw = dict(local_batch=batch, num_tokens=500, prefill_graph_runner=runner, coordinated_prefill=True,
-              breakable_prefill=False, spec_algorithm=SpeculativeAlgorithm.NONE, model_config=model_config)
+    kw = dict(
+        local_batch=batch,
+        num_tokens=500,
+        prefill_graph_runner=runner,
+        coordinated_prefill=True,
+        breakable_prefill=False,
+        spec_algorithm=SpeculativeAlgorithm.NONE,
+        model_config=model_config,
+    )
     assert dp_attn._local_prefill_cuda_graph_vote.__wrapped__(**kw) is True  # stock: "graph"
     assert dp_attn._local_prefill_cuda_graph_vote(**kw) is False  # ours: the forward-time check, now
     assert A.RUNTIME.step.local_reason == "capture_hidden_mode"
     # the vote still travels as the stock 0/1 column of MLPSyncBatchInfo
-    info = dp_attn.MLPSyncBatchInfo(num_dp_ranks=2, tp_size=1, cp_size=1, num_tokens=500, num_tokens_for_logprob=1,
-                                    can_run_decode_cuda_graph=False, can_run_draft_cuda_graph=True,
-                                    can_run_prefill_cuda_graph=dp_attn._local_prefill_cuda_graph_vote(**kw),
-                                    is_extend_in_batch=True, local_can_run_tbo=False, local_forward_mode=1)
+    info = dp_attn.MLPSyncBatchInfo(
+        num_dp_ranks=2,
+        tp_size=1,
+        cp_size=1,
+        num_tokens=500,
+        num_tokens_for_logprob=1,
+        can_run_decode_cuda_graph=False,
+        can_run_draft_cuda_graph=True,
+        can_run_prefill_cuda_graph=dp_attn._local_prefill_cuda_graph_vote(**kw),
+        is_extend_in_batch=True,
+        local_can_run_tbo=False,
+        local_forward_mode=1,
+    )
     assert info._get_local_tensor(device="cpu").tolist()[6] == 0
     # a speculative algorithm whose worker override is not modelled: the vote refuses to guess
     with pytest.raises(D.UnmodelledWorker, match="EAGLE"):
@@ -230,7 +271,12 @@ def test_recorder_and_uniform_failures_on_real_forward_batches():
     idle = T.RankStep("idle")
     steps = [
         T.Step((T.RankStep("extend", (T.TraceReq(extend=900),)), T.RankStep("extend", (T.TraceReq(extend=100),)))),
-        T.Step((T.RankStep("extend", (T.TraceReq(extend=500),)), T.RankStep("extend", (T.TraceReq(extend=50, hidden=True),)))),
+        T.Step(
+            (
+                T.RankStep("extend", (T.TraceReq(extend=500),)),
+                T.RankStep("extend", (T.TraceReq(extend=50, hidden=True),)),
+            )
+        ),
         T.Step((T.RankStep("extend", (T.TraceReq(extend=50),)), idle)),
     ]
     for s in steps:
@@ -249,6 +295,17 @@ def test_recorder_and_uniform_failures_on_real_forward_batches():
     assert value("dspark_harden_prefill_graph_tokens_total", kind="executed") == 960 + 64
     assert value("dspark_harden_prefill_graph_bucket_tokens_count") == 2
     assert value("dspark_harden_prefill_graph_divergence_total", check="backend_hook") == 0
+    # request slots per replay: rank 1 replayed two admitted steps, one request each (the idle participant's
+    # dummy extend is one request too); none above 1
+    slots = "dspark_harden_prefill_graph_request_slots"
+    assert value(slots + "_count") == 2 and value(slots + "_sum") == 2
+    assert value(slots + "_bucket", le="0.0") == 0 and value(slots + "_bucket", le="1.0") == 2
+    three = T.Step(
+        (T.RankStep("extend", (T.TraceReq(extend=300),)), T.RankStep("extend", (T.TraceReq(extend=40),) * 3))
+    )
+    assert [r.replays for r in world.step(three, "harden")] == [True, True]
+    assert value(slots + "_count") == 3 and value(slots + "_sum") == 5
+    assert value(slots + "_bucket", le="2.0") == 2 and value(slots + "_bucket", le="4.0") == 3
 
     # an admitted step; then the guard is asked again about each rank's real, padded ForwardBatch
     res = world.step(steps[0], "harden")
@@ -284,8 +341,16 @@ def test_uniform_failures_are_only_the_gathered_or_uniform_checks(runner):
     assert D.uniform_failures(runner, fb, ["inactive_dp_rank", "capture_hidden_mode"]) == ["inactive_dp_rank"]
     assert D.uniform_failures(runner, fb, ["num_tokens"]) == ["num_tokens"]  # every rank presents 1024 tokens
     assert D.uniform_failures(runner, _fb(global_num_tokens_cpu=[1024, 900]), ["num_tokens"]) == []  # SUM_LEN: local
-    for local in ("capture_hidden_mode", "token_indices_to_pool", "max_context", "backend_hook", "prefix",
-                  "request_slots", "input_embeds", "can_run_graph"):
+    for local in (
+        "capture_hidden_mode",
+        "token_indices_to_pool",
+        "max_context",
+        "backend_hook",
+        "prefix",
+        "request_slots",
+        "input_embeds",
+        "can_run_graph",
+    ):
         assert D.uniform_failures(runner, fb, [local]) == []
 
 
@@ -319,6 +384,7 @@ def test_bucket_choice_is_stocks_own_expression():
     assert D.stock_bucket(bs, 16385) is None
     assert D.stock_forces_max_len(verdict=True, is_extend_in_batch=True, bs=bs, global_num_tokens=[900, 0])
     assert not D.stock_forces_max_len(verdict=False, is_extend_in_batch=True, bs=bs, global_num_tokens=[900, 0])
-    assert not D.stock_forces_max_len(verdict=True, is_extend_in_batch=True, bs=bs, global_num_tokens=[900, 0],
-                                      tolerates_sum_len=True)
+    assert not D.stock_forces_max_len(
+        verdict=True, is_extend_in_batch=True, bs=bs, global_num_tokens=[900, 0], tolerates_sum_len=True
+    )
     assert not D.stock_forces_max_len(verdict=True, is_extend_in_batch=True, bs=bs, global_num_tokens=[20000, 0])

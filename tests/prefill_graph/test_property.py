@@ -29,8 +29,13 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 @pytest.fixture(scope="module")
 def crafted():
-    proc = subprocess.run([sys.executable, "-m", "tests.prefill_graph._world_driver", "--crafted"], cwd=ROOT,
-                          capture_output=True, text=True, timeout=850)
+    proc = subprocess.run(
+        [sys.executable, "-m", "tests.prefill_graph._world_driver", "--crafted"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=850,
+    )
     assert proc.returncode == 0, proc.stderr[-6000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])["crafted"]
 
@@ -47,7 +52,9 @@ def test_crafted_pair_stock_splits_harden_agrees(crafted, name):
     check = name.split("/")[1]
     stock, harden = rec["stock"], rec["harden"]
     assert stock["verdict"] == [True, True], stock  # stock's min-reduced vote said graph ...
-    assert stock["replays"][0] != stock["replays"][1], f"stock no longer splits on {name}: {stock}"  # ... one rank ran eager
+    assert stock["replays"][0] != stock["replays"][1], (
+        f"stock no longer splits on {name}: {stock}"
+    )  # ... one rank ran eager
     assert harden["replays"] == [False, False] and harden["raised"] == [None, None], harden
     if check in ("max_context", "backend_hook"):
         # only the idle rank's dummy extend (seq_len = bucket 3072 > 3000) fails: decided after the exchange

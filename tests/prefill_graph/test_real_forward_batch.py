@@ -43,7 +43,10 @@ def report():
 
     proc = subprocess.run(
         [sys.executable, "-m", "tests.prefill_graph._world_driver", "--steps", "240", "--mutation-steps", "60"],
-        cwd=ROOT, capture_output=True, text=True, timeout=1700,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=1700,
     )
     assert proc.returncode == 0, proc.stderr[-6000:]
     rep = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -62,8 +65,18 @@ def test_views_match_the_real_forward_batch(report, config):
 @pytest.mark.parametrize("config", CONFIGS)
 def test_the_comparison_is_not_vacuous(report, config):
     feat = report["configs"][config]["probe"]["features"]
-    for key in ("forward_batches", "mode_extend", "mode_idle", "idle_dummy_extend", "input_embeds", "replace_embeds",
-                "mm_inputs", "return_logprob", "cached_prefix", "decode_converted_to_extend"):
+    for key in (
+        "forward_batches",
+        "mode_extend",
+        "mode_idle",
+        "idle_dummy_extend",
+        "input_embeds",
+        "replace_embeds",
+        "mm_inputs",
+        "return_logprob",
+        "cached_prefix",
+        "decode_converted_to_extend",
+    ):
         assert feat.get(key, 0) > 0, (key, feat)
     if config == "dspark":
         assert feat["capture_full"] == feat["forward_batches"]  # the worker's FULL on every prefill and idle rank
@@ -105,6 +118,9 @@ def test_mutation_of_the_view_is_caught(report, name):
     comparison or the harden side's split / guard counts must see it (docs/prefill_graph.md lists
     which one caught each)."""
     rep = report["mutations"][name]
-    caught = {cfg: r for cfg, r in rep["configs"].items()
-              if r["probe_steps_with_differences"] or r["harden_splits"] or r["harden_raised"]}
+    caught = {
+        cfg: r
+        for cfg, r in rep["configs"].items()
+        if r["probe_steps_with_differences"] or r["harden_splits"] or r["harden_raised"]
+    }
     assert caught, rep

@@ -23,8 +23,10 @@ def test_each_scheduler_reports_why_the_feature_does_not_apply_on_cpu(dp2_server
     for _, reason in lines:
         assert "prefill CUDA graphs are not enabled (cuda_graph_config[prefill].backend=disabled)" in reason
     text = dp2_server.metrics_text()
-    assert re.search(r'dspark_harden_feature_bound\{[^}]*feature="prefill-graph-dp"[^}]*status="unavailable"[^}]*\} 0', text) \
-        or re.search(r'dspark_harden_feature_bound\{[^}]*status="unavailable"[^}]*feature="prefill-graph-dp"[^}]*\} 0', text), \
-        [l for l in text.splitlines() if "prefill-graph" in l]
+    assert re.search(
+        r'dspark_harden_feature_bound\{[^}]*feature="prefill-graph-dp"[^}]*status="unavailable"[^}]*\} 0', text
+    ) or re.search(
+        r'dspark_harden_feature_bound\{[^}]*status="unavailable"[^}]*feature="prefill-graph-dp"[^}]*\} 0', text
+    ), [ln for ln in text.splitlines() if "prefill-graph" in ln]
     out = dp2_server.generate("def main():", max_new_tokens=4)
     assert out

@@ -60,8 +60,10 @@ def test_idle_vote_probe_detects_a_veto(monkeypatch):
 
 @pytest.mark.forked  # patches inspect.getsource process-wide
 def test_decode_capture_probe_detects_a_model_condition(monkeypatch):
-    src = ("def capture_one_batch_size(self, batch, num_tokens):\n    if not is_tbo_enabled():\n        return\n"
-           "    if self.model_type != 'deepseek_v4':\n        return\n")
+    src = (
+        "def capture_one_batch_size(self, batch, num_tokens):\n    if not is_tbo_enabled():\n        return\n"
+        "    if self.model_type != 'deepseek_v4':\n        return\n"
+    )
     monkeypatch.setattr(tbo.inspect, "getsource", lambda obj: src)
     ok, detail = tbo.probe_decode_tbo_capture()
     assert not ok and "model_type" in detail
@@ -69,7 +71,9 @@ def test_decode_capture_probe_detects_a_model_condition(monkeypatch):
 
 def _args(backend, tbo_on=True):
     prefill = types.SimpleNamespace(backend=backend)
-    return types.SimpleNamespace(enable_two_batch_overlap=tbo_on, cuda_graph_config=types.SimpleNamespace(prefill=prefill))
+    return types.SimpleNamespace(
+        enable_two_batch_overlap=tbo_on, cuda_graph_config=types.SimpleNamespace(prefill=prefill)
+    )
 
 
 @pytest.mark.parametrize("backend", ["full", "breakable"])
@@ -89,8 +93,11 @@ def test_scheduler_startup_refuses_tbo_with_full_prefill_graph():
     from dspark_harden.core.patch import Role
     from dspark_harden.prefill_graph import feature
 
-    sa = types.SimpleNamespace(enable_dp_attention=True, enable_two_batch_overlap=True,
-                               cuda_graph_config=types.SimpleNamespace(prefill=types.SimpleNamespace(backend="full")))
+    sa = types.SimpleNamespace(
+        enable_dp_attention=True,
+        enable_two_batch_overlap=True,
+        cuda_graph_config=types.SimpleNamespace(prefill=types.SimpleNamespace(backend="full")),
+    )
     roles.CONTEXT = roles.ProcessContext(role=Role.SCHEDULER, server_args=sa, tp_rank=0, dp_rank=0)
     report = binder.bind(Role.SCHEDULER, environ={})
     st = next(f for f in report.features if f.name == feature.FEATURE)
@@ -101,17 +108,23 @@ def test_scheduler_startup_refuses_tbo_with_full_prefill_graph():
 
 
 @pytest.mark.forked
-@pytest.mark.parametrize("backend,dp,expect", [
-    ("disabled", True, "prefill CUDA graphs are not enabled"),
-    ("full", False, "DP attention is off"),
-])
+@pytest.mark.parametrize(
+    "backend,dp,expect",
+    [
+        ("disabled", True, "prefill CUDA graphs are not enabled"),
+        ("full", False, "DP attention is off"),
+    ],
+)
 def test_feature_unavailable_where_preconditions_are_absent(backend, dp, expect):
     from dspark_harden.core import binder, roles
     from dspark_harden.core.patch import Role
     from dspark_harden.prefill_graph import feature
 
-    sa = types.SimpleNamespace(enable_dp_attention=dp, enable_two_batch_overlap=False,
-                               cuda_graph_config=types.SimpleNamespace(prefill=types.SimpleNamespace(backend=backend)))
+    sa = types.SimpleNamespace(
+        enable_dp_attention=dp,
+        enable_two_batch_overlap=False,
+        cuda_graph_config=types.SimpleNamespace(prefill=types.SimpleNamespace(backend=backend)),
+    )
     roles.CONTEXT = roles.ProcessContext(role=Role.SCHEDULER, server_args=sa, tp_rank=0, dp_rank=0)
     report = binder.bind(Role.SCHEDULER, environ={})
     st = next(f for f in report.features if f.name == feature.FEATURE)
@@ -125,8 +138,12 @@ def test_feature_unavailable_where_preconditions_are_absent(backend, dp, expect)
 
 
 def _cli(*args, timeout=600):
-    proc = subprocess.run([sys.executable, "-m", "dspark_harden", "bench", "prefill-admission", *args],
-                          capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.run(
+        [sys.executable, "-m", "dspark_harden", "bench", "prefill-admission", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
     return proc
 
 
@@ -179,23 +196,32 @@ def test_bench_trace_file_replays_the_same_steps(tmp_path, bench_json):
 
 def test_bench_breakable_backend_converts_decoding_peers(tmp_path):
     path = tmp_path / "decode.jsonl"
-    T.write_jsonl([T.Step((T.RankStep("decode", seq=(900, 17, 3000)), T.RankStep("extend", (T.TraceReq(extend=600),)))),
-                   T.Step((T.RankStep("extend", (T.TraceReq(extend=600),)), T.RankStep("decode", seq=(40, 41)))),
-                   # one decode row: stock's vote bounds its local padding (bucket 4 > 2 x 1) inside the
-                   # conversion branch, where the local count is the batch size: both ranks eager (no split)
-                   T.Step((T.RankStep("extend", (T.TraceReq(extend=600),)), T.RankStep("decode", seq=(40,))))], str(path))
+    T.write_jsonl(
+        [
+            T.Step((T.RankStep("decode", seq=(900, 17, 3000)), T.RankStep("extend", (T.TraceReq(extend=600),)))),
+            T.Step((T.RankStep("extend", (T.TraceReq(extend=600),)), T.RankStep("decode", seq=(40, 41)))),
+            # one decode row: stock's vote bounds its local padding (bucket 4 > 2 x 1) inside the
+            # conversion branch, where the local count is the batch size: both ranks eager (no split)
+            T.Step((T.RankStep("extend", (T.TraceReq(extend=600),)), T.RankStep("decode", seq=(40,)))),
+        ],
+        str(path),
+    )
     full = json.loads(_cli("--json", "--trace", str(path)).stdout.strip().splitlines()[-1])
     brk = json.loads(_cli("--json", "--trace", str(path), "--backend", "breakable").stdout.strip().splitlines()[-1])
     # full backend: a decoding peer's stock vote is eager (no converted decode tails in full's request slots)
-    assert full["harden"]["graph_token_coverage"] == 0.0 and full["harden"]["eager_tokens_by_reason"] == {"forward_mode": 1800}
+    assert full["harden"]["graph_token_coverage"] == 0.0 and full["harden"]["eager_tokens_by_reason"] == {
+        "forward_mode": 1800
+    }
     assert brk["harden"]["eager_tokens_by_reason"] == {"forward_mode": 600} and brk["harden"]["splits"] == 0
     assert brk["harden"]["graph_token_coverage"] == round(1200 / 1800, 6)
 
 
 def test_bench_rejects_a_bad_trace_naming_the_line(tmp_path):
     path = tmp_path / "bad.jsonl"
-    path.write_text('{"ranks": [{"mode": "idle"}, {"mode": "extend", "reqs": [{"extend": 5}]}]}\n'
-                    '{"ranks": [{"mode": "extend", "reqs": [{"extend": 0}]}, {"mode": "idle"}]}\n')
+    path.write_text(
+        '{"ranks": [{"mode": "idle"}, {"mode": "extend", "reqs": [{"extend": 5}]}]}\n'
+        '{"ranks": [{"mode": "extend", "reqs": [{"extend": 0}]}, {"mode": "idle"}]}\n'
+    )
     proc = _cli("--trace", str(path))
     assert proc.returncode == 2 and f"{path}:2" in proc.stderr and "extend must be an integer >= 1" in proc.stderr
 
@@ -212,15 +238,18 @@ def test_bench_buckets_and_factor_options():
 
 
 def test_bench_and_cli_modules_do_not_import_the_feature_module():
-    code = ("import sys; import dspark_harden.prefill_graph.bench, dspark_harden.prefill_graph.bench_cli; "
-            "print('dspark_harden.prefill_graph.feature' in sys.modules)")
+    code = (
+        "import sys; import dspark_harden.prefill_graph.bench, dspark_harden.prefill_graph.bench_cli; "
+        "print('dspark_harden.prefill_graph.feature' in sys.modules)"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert out.stdout.strip().splitlines()[-1] == "False", out.stderr[-2000:]
 
 
 def test_trace_round_trip():
-    steps = T.generate(T.TraceShape(steps=50, seed=3, p_hidden=0.2, p_pool=0.2, p_embeds=0.2, p_logprob=0.5,
-                                    p_mm=0.2, p_replace=0.2))
+    steps = T.generate(
+        T.TraceShape(steps=50, seed=3, p_hidden=0.2, p_pool=0.2, p_embeds=0.2, p_logprob=0.5, p_mm=0.2, p_replace=0.2)
+    )
     again = [T.parse_step(T.step_to_json(s)) for s in steps]
     assert again == steps
 

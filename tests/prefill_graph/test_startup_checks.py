@@ -20,17 +20,26 @@ import types
 
 import pytest
 
-from dspark_harden.prefill_graph import runner as R
 from dspark_harden.prefill_graph import config_digest as C
 from dspark_harden.prefill_graph import decision as D
 from dspark_harden.prefill_graph import feature
-
+from dspark_harden.prefill_graph import runner as R
 
 # --- item 5: speculative workers and draft runners -------------------------------------------------
 
 
-@pytest.mark.parametrize("algo,refused", [(None, False), ("DSPARK", False), ("EAGLE", True), ("EAGLE3", True),
-                                          ("STANDALONE", True), ("NGRAM", True), ("DFLASH", True)])
+@pytest.mark.parametrize(
+    "algo,refused",
+    [
+        (None, False),
+        ("DSPARK", False),
+        ("EAGLE", True),
+        ("EAGLE3", True),
+        ("STANDALONE", True),
+        ("NGRAM", True),
+        ("DFLASH", True),
+    ],
+)
 def test_unmodelled_speculative_workers_are_refused(algo, refused):
     msg = feature.speculative_refusal(types.SimpleNamespace(speculative_algorithm=algo))
     assert (msg is not None) is refused
@@ -43,8 +52,12 @@ def test_scheduler_startup_refuses_eagle_with_prefill_graphs_under_dp_attention(
     from dspark_harden.core import binder, roles
     from dspark_harden.core.patch import Role
 
-    sa = types.SimpleNamespace(enable_dp_attention=True, enable_two_batch_overlap=False, speculative_algorithm="EAGLE",
-                               cuda_graph_config=types.SimpleNamespace(prefill=types.SimpleNamespace(backend="breakable")))
+    sa = types.SimpleNamespace(
+        enable_dp_attention=True,
+        enable_two_batch_overlap=False,
+        speculative_algorithm="EAGLE",
+        cuda_graph_config=types.SimpleNamespace(prefill=types.SimpleNamespace(backend="breakable")),
+    )
     roles.CONTEXT = roles.ProcessContext(role=Role.SCHEDULER, server_args=sa, tp_rank=0, dp_rank=0)
     report = binder.bind(Role.SCHEDULER, environ={})
     st = next(f for f in report.features if f.name == feature.FEATURE)
@@ -66,7 +79,6 @@ def test_the_worker_capture_modes_are_the_modelled_ones():
 
 def test_a_draft_runner_under_a_dp_table_runs_eager():
     from dspark_harden.prefill_graph import admission as A
-
     from tests.prefill_graph.test_guard_and_patches import _fb, _stock_can_run
 
     runner = R.build_runner(R.capture_config())
@@ -84,10 +96,16 @@ def test_every_mirrored_source_matches_its_fingerprint():
     assert ok, detail
     assert f"{len(feature.MIRRORED) + len(feature.MIRRORED_TEXT)} mirrored" in detail
     names = set(feature.MIRRORED) | set(feature.MIRRORED_TEXT)
-    for needed in ("ForwardBatch.init_new", "ForwardBatch._maybe_init_non_generation_fields",
-                   "DSparkWorkerV2.forward_batch_generation", "DSparkWorkerV2._forward_prefill",
-                   "ForwardBatch.prepare_mlp_sync_batch", "ScheduleBatch.convert_decode_to_extend",
-                   "EagleDraftWorker.init_cuda_graphs", "capture_prefill_graph"):
+    for needed in (
+        "ForwardBatch.init_new",
+        "ForwardBatch._maybe_init_non_generation_fields",
+        "DSparkWorkerV2.forward_batch_generation",
+        "DSparkWorkerV2._forward_prefill",
+        "ForwardBatch.prepare_mlp_sync_batch",
+        "ScheduleBatch.convert_decode_to_extend",
+        "EagleDraftWorker.init_cuda_graphs",
+        "capture_prefill_graph",
+    ):
         assert any(n.endswith(needed) for n in names), needed
 
 
@@ -106,7 +124,9 @@ def test_hybrid_ssm_speculative_idle_ranks_stay_out_of_the_graph():
     from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode
 
     runner = R.build_runner(R.capture_config())
-    kw = dict(vote=True, runner=runner, bs=list(R.capture_config().buckets), factor=4.0, server_mode=CaptureHiddenMode.NULL)
+    kw = dict(
+        vote=True, runner=runner, bs=list(R.capture_config().buckets), factor=4.0, server_mode=CaptureHiddenMode.NULL
+    )
     assert D.finalize([900, 0], **kw).graph
     dec = D.finalize([900, 0], idle_relabel=True, **kw)
     assert not dec.graph and dec.reason == "idle_participant" and "TARGET_VERIFY" in dec.detail
@@ -141,8 +161,9 @@ def _config_worker(rank, port, session, slots_by_rank, transport):
     runner = R.build_runner(R.capture_config(slots=slots_by_rank[rank]))
     try:
         if transport == "native":
-            RUNTIME.configure(session_id=session, timeout_ms=10000, spin_us=50, export=False, rank=rank,
-                              dp_label=str(rank))
+            RUNTIME.configure(
+                session_id=session, timeout_ms=10000, spin_us=50, export=False, rank=rank, dp_label=str(rank)
+            )
             C.check(runner, 4.0)  # picks the native channel: dp2's RUNTIME is configured
         else:
             C.check(runner, 4.0, group=w.group)  # gloo: the TP CPU group

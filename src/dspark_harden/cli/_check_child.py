@@ -1,13 +1,16 @@
-"""Child process of ``dspark-harden check``: runs SGLang's own ``load_plugins()`` for one role."""
+"""Child process of ``dspark-harden check``: runs SGLang's own ``load_plugins()`` for one role, or
+(``--roles a,b,...``) imports the modules from which SGLang calls ``load_plugins()`` once and forks one
+child per role from there, so the ~8 s SGLang import is paid once instead of once per role."""
 
 from __future__ import annotations
 
+import importlib
 import importlib.metadata
 import json
 import os
 import sys
 
-from .check import _MARK
+from .check import _MARK, failed_report
 
 
 def _report() -> dict:
@@ -16,9 +19,17 @@ def _report() -> dict:
     from ..entry import PLUGIN_NAME
 
     eps = [ep for ep in importlib.metadata.entry_points(group="sglang.srt.plugins") if ep.name == PLUGIN_NAME]
-    base = {"role": role, "sglang_version": binder.sglang_version(), "plugin_loaded": False, "features": [], "errors": []}
+    base = {
+        "role": role,
+        "sglang_version": binder.sglang_version(),
+        "plugin_loaded": False,
+        "features": [],
+        "errors": [],
+    }
     if not eps:
-        base["errors"].append(f"no entry point {PLUGIN_NAME!r} in group sglang.srt.plugins: is dspark-harden installed in this environment?")
+        base["errors"].append(
+            f"no entry point {PLUGIN_NAME!r} in group sglang.srt.plugins: is dspark-harden installed in this environment?"
+        )
         return base
     allowed = os.environ.get("SGLANG_PLUGINS")
     if allowed is not None and PLUGIN_NAME not in [p.strip() for p in allowed.split(",")]:
@@ -35,21 +46,97 @@ def _report() -> dict:
     except binder.BindError as exc:
         error = exc
     if binder.STATE.report is None:
-        base["errors"].append(str(error) if error else "load_plugins() returned without running the dspark_harden entry point")
+        base["errors"].append(
+            str(error) if error else "load_plugins() returned without running the dspark_harden entry point"
+        )
         return base
     rep = binder.STATE.report.to_dict()
     rep["plugin_loaded"] = True
     return rep
 
 
-def main() -> int:
+# the modules each role's process has imported when it calls load_plugins(): SGLang calls it from
+# inside these (engine.py for the main process, scheduler.py, data_parallel_controller.py,
+# detokenizer_manager.py); a role child binds in the same state, after their import
+PRELOAD = (
+    "sglang.srt.entrypoints.engine",
+    "sglang.srt.entrypoints.http_server",
+    "sglang.srt.managers.scheduler",
+    "sglang.srt.managers.data_parallel_controller",
+    "sglang.srt.managers.detokenizer_manager",
+)
+
+
+def _safe_report() -> dict:
     try:
-        rep = _report()
+        return _report()
     except BaseException as exc:  # noqa: BLE001 - the parent needs a report whatever happens
-        rep = {"role": os.environ.get("DSPARK_HARDEN_ROLE", "?"), "plugin_loaded": False, "features": [],
-               "sglang_version": "?", "errors": [f"{type(exc).__name__}: {exc}"]}
+        return failed_report(os.environ.get("DSPARK_HARDEN_ROLE", "?"), f"{type(exc).__name__}: {exc}")
+
+
+def _emit(rep: dict) -> None:
     sys.stdout.write(_MARK + json.dumps(rep) + "\n")
     sys.stdout.flush()
+
+
+def _fork_roles(roles: list) -> list:
+    """One forked child per role from this process (SGLang's modules imported, nothing bound, no
+    Python thread started): each reports through its own pipe. A child that dies without a report is an
+    error report naming its exit status."""
+    for name in PRELOAD:
+        try:
+            importlib.import_module(name)
+        except Exception:  # noqa: BLE001 - the role child's own load_plugins() reports it
+            pass
+    children = []
+    for role in roles:
+        r, w = os.pipe()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        pid = os.fork()
+        if pid == 0:  # pragma: no cover - runs in the forked child
+            os.close(r)
+            code = 0
+            try:
+                os.environ["DSPARK_HARDEN_ROLE"] = role
+                data = json.dumps(_safe_report()).encode()
+                with os.fdopen(w, "wb") as f:
+                    f.write(data)
+            except BaseException:  # noqa: BLE001
+                code = 1
+            finally:
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os._exit(code)
+        os.close(w)
+        children.append((role, pid, r))
+    reports = []
+    for role, pid, r in children:
+        with os.fdopen(r, "rb") as f:
+            data = f.read()
+        _, status = os.waitpid(pid, 0)
+        try:
+            reports.append(json.loads(data))
+        except ValueError:
+            reports.append(
+                failed_report(role, f"check child for role {role} ended ({_status(status)}) without a report")
+            )
+    return reports
+
+
+def _status(status: int) -> str:
+    if os.WIFSIGNALED(status):
+        return f"killed by signal {os.WTERMSIG(status)}"
+    return f"exit code {os.WEXITSTATUS(status)}"
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--roles"] and len(argv) == 2:
+        for rep in _fork_roles([r for r in argv[1].split(",") if r]):
+            _emit(rep)
+        return 0
+    _emit(_safe_report())
     return 0
 
 

@@ -6,22 +6,23 @@ import json
 import os
 
 from ..core.manager import all_setting_specs, make_manager
-from ..core.patch import Role
-from ..core.settings import Settings
+from ..core.porting import all_enabled_settings, declared_patches  # noqa: F401 - re-exported (tests, tools)
 
 
 def env_rows(load_extensions: bool = True) -> list[dict]:
     pm = make_manager(load_extensions=load_extensions)
     rows = []
     for spec in all_setting_specs(pm):
-        rows.append({
-            "name": spec.name,
-            "feature": spec.feature or "core",
-            "default": _show(spec.default),
-            "current": os.environ.get(spec.name),
-            "accepts": spec.describe_accepts(),
-            "doc": spec.doc,
-        })
+        rows.append(
+            {
+                "name": spec.name,
+                "feature": spec.feature or "core",
+                "default": _show(spec.default),
+                "current": os.environ.get(spec.name),
+                "accepts": spec.describe_accepts(),
+                "doc": spec.doc,
+            }
+        )
     return rows
 
 
@@ -70,36 +71,18 @@ def env_main(args) -> int:
     return 0
 
 
-def all_enabled_settings(pm) -> Settings:
-    """Default settings with every feature switch on (the ledger shows every patch)."""
-    specs = all_setting_specs(pm)
-    values = {s.name: s.default for s in specs}
-    for group in pm.hook.dspark_features():
-        for feat in group or []:
-            if feat.switch:
-                values[feat.switch] = True
-    return Settings(values=values, specs={s.name: s for s in specs})
-
-
-def declared_patches(pm=None) -> list:
-    """Every patch any feature declares, for every role, as if all features were enabled (one per key)."""
-    pm = pm or make_manager()
-    settings = all_enabled_settings(pm)
-    seen: dict = {}
-    for role in Role:
-        for group in pm.hook.dspark_patches(role=role, settings=settings):
-            for p in group or []:
-                seen.setdefault(p.key, p)
-    return list(seen.values())
-
-
 def patch_rows() -> list[dict]:
     """The patch ledger rows."""
     rows = [
         {
-            "target": p.key, "feature": p.feature, "kind": p.kind.value,
-            "roles": sorted(r.value for r in p.roles), "fingerprint": p.fingerprint,
-            "versions": p.versions, "why": p.why, "retire_when": p.retire_when,
+            "target": p.key,
+            "feature": p.feature,
+            "kind": p.kind.value,
+            "roles": sorted(r.value for r in p.roles),
+            "fingerprint": p.fingerprint,
+            "versions": p.versions,
+            "why": p.why,
+            "retire_when": p.retire_when,
         }
         for p in declared_patches()
     ]
@@ -112,7 +95,9 @@ def patches_main(args) -> int:
         print(json.dumps(rows))
         return 0
     for r in rows:
-        print(f"{r['target']}  [{r['feature']}; {r['kind']}; roles {','.join(r['roles'])}; sglang {r['versions']}; fp {r['fingerprint']}]")
+        print(
+            f"{r['target']}  [{r['feature']}; {r['kind']}; roles {','.join(r['roles'])}; sglang {r['versions']}; fp {r['fingerprint']}]"
+        )
         print(f"    why: {r['why']}")
         print(f"    retire when: {r['retire_when']}")
     return 0

@@ -92,8 +92,16 @@ def markdown(reg: M.Registry) -> str:
 
 def rows(reg: M.Registry) -> list[dict]:
     return [
-        {"name": f.name, "type": f.kind, "labels": list(f.labels), "feature": f.feature,
-         "roles": list(f.roles), "declared_by": reg.owner(f.name), "doc": f.doc, "aggregation": f.aggregation}
+        {
+            "name": f.name,
+            "type": f.kind,
+            "labels": list(f.labels),
+            "feature": f.feature,
+            "roles": list(f.roles),
+            "declared_by": reg.owner(f.name),
+            "doc": f.doc,
+            "aggregation": f.aggregation,
+        }
         for f in reg.values()
     ]
 

@@ -69,6 +69,9 @@ class BindReport:
     sglang_version: str
     features: list = field(default_factory=list)
     errors: list = field(default_factory=list)  # problems not tied to one feature (settings, extensions)
+    # SGLang outside the supported range: the one line (version, range, how many targets changed) that
+    # opens the refusal and `check`, before the per-target detail (core.porting.version_verdict)
+    verdict: Optional[str] = None
 
     @property
     def ok(self) -> bool:
@@ -91,6 +94,7 @@ class BindReport:
             "ok": self.ok,
             "role": self.role,
             "sglang_version": self.sglang_version,
+            "verdict": self.verdict,
             "errors": list(self.errors),
             "features": [asdict(f) for f in self.features],
         }
@@ -106,7 +110,7 @@ def sglang_version() -> str:
         return "not installed"
 
 
-def _version_problem(patch: Patch, installed: str) -> Optional[str]:
+def _version_problem(patch: Patch, installed: str, changed: Optional[set] = None) -> Optional[str]:
     try:
         spec = SpecifierSet(patch.versions)
     except InvalidSpecifier:
@@ -116,7 +120,10 @@ def _version_problem(patch: Patch, installed: str) -> Optional[str]:
             return None
     except Exception:  # noqa: BLE001 - "not installed" and similar
         pass
-    return f"sglang {installed} is outside the range this patch was written for ({patch.versions})"
+    source = ""
+    if changed is not None and patch.fingerprint:
+        source = "; its stock source changed" if patch.target in changed else "; its stock source is unchanged"
+    return f"sglang {installed} is outside the range this patch was written for ({patch.versions}){source}"
 
 
 class _ProcessState:
@@ -166,8 +173,14 @@ def bind(role: Role, *, environ: Optional[dict] = None, pm: Any = None) -> BindR
     for feat in features:
         if feat.roles is not None and role not in feat.roles:
             continue
-        st = FeatureStatus(name=feat.name, area=feat.area, status=F.BOUND, switch=feat.switch, default_on=feat.default_on,
-                           test_only=feat.test_only)
+        st = FeatureStatus(
+            name=feat.name,
+            area=feat.area,
+            status=F.BOUND,
+            switch=feat.switch,
+            default_on=feat.default_on,
+            test_only=feat.test_only,
+        )
         by_name[feat.name] = st
         report.features.append(st)
         if feat.upstream_probe is not None:
@@ -199,6 +212,7 @@ def bind(role: Role, *, environ: Optional[dict] = None, pm: Any = None) -> BindR
 
     allow = settings["DSPARK_HARDEN_ALLOW_DRIFT"]
     installed = report.sglang_version
+    changed = _out_of_range_verdict(report, pm)
     bound: list[Patch] = []
     for patch in patches:
         st = by_name.get(patch.feature)
@@ -207,7 +221,7 @@ def bind(role: Role, *, environ: Optional[dict] = None, pm: Any = None) -> BindR
             continue
         if patch.feature not in active:
             continue  # a plugin returned a patch for a disabled feature: never bind it
-        problem = _version_problem(patch, installed)
+        problem = _version_problem(patch, installed, changed)
         if problem is None:
             try:
                 patch.apply(allow_drift=("all" in allow or patch.target in allow))
@@ -215,7 +229,9 @@ def bind(role: Role, *, environ: Optional[dict] = None, pm: Any = None) -> BindR
                     logger.warning(
                         "dspark-harden: %s bound DESPITE source drift (expected %s, found %s) because "
                         "DSPARK_HARDEN_ALLOW_DRIFT allows it",
-                        patch.target, patch.fingerprint, patch.found_fingerprint,
+                        patch.target,
+                        patch.fingerprint,
+                        patch.found_fingerprint,
                     )
                 bound.append(patch)
             except PatchError as exc:
@@ -229,6 +245,28 @@ def bind(role: Role, *, environ: Optional[dict] = None, pm: Any = None) -> BindR
         STATE.settings, STATE.pm, STATE.report = settings, pm, report
     verify(report)
     return report
+
+
+def _out_of_range_verdict(report: BindReport, pm: Any) -> Optional[set]:
+    """For an SGLang outside the supported range: set ``report.verdict`` (logged now, and the first line
+    of the refusal) and return the targets whose stock source changed; ``None`` when in range."""
+    from . import porting
+
+    if porting.in_supported_range(report.sglang_version):
+        return None
+    try:
+        verdict = porting.version_verdict(pm)
+    except Exception as exc:  # noqa: BLE001 - the verdict is a summary: never hide the per-target detail
+        verdict = {
+            "line": f"sglang {report.sglang_version} is outside the supported range "
+            f"{porting.SUPPORTED_SGLANG} (counting changed targets failed: {type(exc).__name__}: {exc})",
+            "changed_targets": None,
+        }
+    if verdict is None:
+        return None
+    report.verdict = verdict["line"]
+    logger.warning("dspark-harden: %s", report.verdict)
+    return set(verdict["changed_targets"]) if verdict["changed_targets"] is not None else None
 
 
 def _bound_detail(patch: Patch) -> str:
@@ -265,7 +303,8 @@ def raise_if_failed(report: BindReport) -> None:
         return
     lines = report.failures()
     message = (
-        f"dspark-harden refuses to start ({report.role} process, sglang {report.sglang_version}): "
+        (f"{report.verdict}\n" if report.verdict else "")
+        + f"dspark-harden refuses to start ({report.role} process, sglang {report.sglang_version}): "
         f"{len(lines)} problem(s):\n  - " + "\n  - ".join(lines)
     )
     logger.critical(message)

@@ -52,6 +52,14 @@ def dspark_patches(role, settings):
 
 
 @hookspec
+def dspark_stock_sources():
+    """Return a list of :class:`~dspark_harden.core.porting.StockSource`: stock SGLang sources a feature
+    reproduces or relies on *without* patching them (read-only mirrors), each with the fingerprint of its
+    source in the supported release. ``dspark-harden port-report`` and the out-of-range verdict compare
+    them with an SGLang tree like the patch targets. Must not import SGLang."""
+
+
+@hookspec
 def dspark_process_bound(role, settings, report):
     """Called once in every process after all patches of ``role`` are bound and verified.
 

@@ -11,7 +11,7 @@ import pluggy
 
 from . import hookspecs
 from .feature import Feature
-from .settings import CORE_SETTINGS, Setting, Settings, load_settings
+from .settings import CORE_SETTINGS, Setting, Settings, SettingsError, load_settings
 
 logger = logging.getLogger("dspark_harden")
 
@@ -38,10 +38,17 @@ class ExtensionError(Exception):
 
 
 def make_manager(
-    *, load_extensions: bool = True, strict_extensions: bool = True, extra: tuple = ()
+    *, load_extensions: bool = True, strict_extensions: Optional[bool] = None, extra: tuple = ()
 ) -> pluggy.PluginManager:
     """Built-in features, then third-party ones (entry-point group ``dspark_harden.features``),
-    then ``extra`` plugin objects (tests); ``check_pending()`` rejects misspelled hook names."""
+    then ``extra`` plugin objects (tests); ``check_pending()`` rejects misspelled hook names.
+    ``strict_extensions`` ``None``: DSPARK_HARDEN_STRICT_EXTENSIONS from the environment (strict when unset
+    or invalid: binding reports an invalid value itself, naming it)."""
+    if strict_extensions is None:
+        try:
+            strict_extensions = strict_extensions_from_env() if load_extensions else True
+        except SettingsError:
+            strict_extensions = True
     pm = pluggy.PluginManager(hookspecs.PROJECT)
     pm.add_hookspecs(hookspecs)
     for name in BUILTIN_FEATURE_MODULES:
@@ -108,7 +115,8 @@ def feature_patches(pm: pluggy.PluginManager, feature: str, role, settings: Sett
     """The patches of one feature for ``role``, from the ``dspark_patches`` hook of the plugin(s)
     that contribute it (other plugins are not asked: ``settings`` may hold only this feature's)."""
     owners = {
-        impl.plugin_name for impl in pm.hook.dspark_features.get_hookimpls()
+        impl.plugin_name
+        for impl in pm.hook.dspark_features.get_hookimpls()
         if any(f.name == feature for f in impl.function() or [])
     }
     if not owners:
@@ -116,5 +124,7 @@ def feature_patches(pm: pluggy.PluginManager, feature: str, role, settings: Sett
     out = []
     for impl in pm.hook.dspark_patches.get_hookimpls():
         if impl.plugin_name in owners:
-            out += [p for p in impl.function(role=role, settings=settings) or [] if p.feature == feature and role in p.roles]
+            out += [
+                p for p in impl.function(role=role, settings=settings) or [] if p.feature == feature and role in p.roles
+            ]
     return out

@@ -32,8 +32,8 @@ import logging
 import re
 import sys
 import threading
-from dataclasses import dataclass
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Optional
 
 logger = logging.getLogger("dspark_harden")
@@ -42,16 +42,46 @@ PREFIX = "dspark_harden_"
 
 # default latency buckets: 1 µs .. 10 s
 LATENCY_BUCKETS = (
-    1e-6, 2.5e-6, 5e-6, 1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3,
-    1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
+    1e-6,
+    2.5e-6,
+    5e-6,
+    1e-5,
+    2.5e-5,
+    5e-5,
+    1e-4,
+    2.5e-4,
+    5e-4,
+    1e-3,
+    2.5e-3,
+    5e-3,
+    1e-2,
+    2.5e-2,
+    5e-2,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
 )
 
 KINDS = ("counter", "gauge", "histogram")
 # prometheus_client's gauge multiprocess modes ("all"/"liveall" add a pid label: avoid them)
-GAUGE_MODES = frozenset({
-    "min", "max", "sum", "mostrecent", "all",
-    "livemin", "livemax", "livesum", "livemostrecent", "liveall",
-})
+GAUGE_MODES = frozenset(
+    {
+        "min",
+        "max",
+        "sum",
+        "mostrecent",
+        "all",
+        "livemin",
+        "livemax",
+        "livesum",
+        "livemostrecent",
+        "liveall",
+    }
+)
 # placeholder in Family.precreate combinations: this process's dp_rank label value
 DP_RANK = "$dp_rank"
 
@@ -59,11 +89,27 @@ _NAME_RE = re.compile(r"^[a-z_][a-z0-9_]*$")
 _LABEL_RE = re.compile(r"^[a-z_][a-z0-9_]*$")
 # unit suffixes that are not Prometheus base units (seconds, bytes, ratios)
 _NON_BASE_UNITS = {
-    "ms": "seconds", "msec": "seconds", "milliseconds": "seconds", "us": "seconds",
-    "usec": "seconds", "microseconds": "seconds", "ns": "seconds", "nanoseconds": "seconds",
-    "minutes": "seconds", "hours": "seconds", "days": "seconds",
-    "kb": "bytes", "mb": "bytes", "gb": "bytes", "kib": "bytes", "mib": "bytes", "gib": "bytes",
-    "kilobytes": "bytes", "megabytes": "bytes", "gigabytes": "bytes", "percent": "ratio",
+    "ms": "seconds",
+    "msec": "seconds",
+    "milliseconds": "seconds",
+    "us": "seconds",
+    "usec": "seconds",
+    "microseconds": "seconds",
+    "ns": "seconds",
+    "nanoseconds": "seconds",
+    "minutes": "seconds",
+    "hours": "seconds",
+    "days": "seconds",
+    "kb": "bytes",
+    "mb": "bytes",
+    "gb": "bytes",
+    "kib": "bytes",
+    "mib": "bytes",
+    "gib": "bytes",
+    "kilobytes": "bytes",
+    "megabytes": "bytes",
+    "gigabytes": "bytes",
+    "percent": "ratio",
 }
 _RESERVED_SUFFIXES = ("_bucket", "_count", "_sum", "_created")
 
@@ -132,7 +178,9 @@ class Family:
         if not self.doc.strip():
             problems.append(f"{self.name}: empty documentation")
         if self.kind == "gauge" and self.multiprocess_mode not in GAUGE_MODES:
-            problems.append(f"{self.name}: multiprocess_mode {self.multiprocess_mode!r} not one of {sorted(GAUGE_MODES)}")
+            problems.append(
+                f"{self.name}: multiprocess_mode {self.multiprocess_mode!r} not one of {sorted(GAUGE_MODES)}"
+            )
         if self.kind == "gauge" and self.multiprocess_mode in ("all", "liveall"):
             problems.append(f"{self.name}: multiprocess_mode {self.multiprocess_mode!r} adds an unbounded pid label")
         for combo in self.precreate:
@@ -195,8 +243,7 @@ class Registry(Mapping):
         for d in self.groups:
             for fam in d.group.families:
                 if fam.name in self._by_name:
-                    raise MetricsError(
-                        f"metric {fam.name} declared twice (by {self._owner[fam.name]} and {d.plugin})")
+                    raise MetricsError(f"metric {fam.name} declared twice (by {self._owner[fam.name]} and {d.plugin})")
                 self._by_name[fam.name] = fam
                 self._owner[fam.name] = d.plugin
 
@@ -232,7 +279,9 @@ def collect(pm: Any, feature_names: Optional[Iterable[str]] = None) -> Registry:
             elif isinstance(item, Family):
                 loose.append(item)
             else:
-                raise MetricsError(f"{impl.plugin_name}: dspark_metrics returned {item!r} (not a Family or MetricGroup)")
+                raise MetricsError(
+                    f"{impl.plugin_name}: dspark_metrics returned {item!r} (not a Family or MetricGroup)"
+                )
         if loose:
             declared.append(Declared(impl.plugin_name, MetricGroup(impl.plugin_name, tuple(loose))))
     for d in declared:
@@ -265,8 +314,10 @@ class _ProcessRegistry(Mapping):
         with _LOCK:
             if self._reg is None:
                 if self._building:
-                    raise RuntimeError("the metric registry was read while it is being built "
-                                       "(a feature module reads dspark_harden metrics at import time)")
+                    raise RuntimeError(
+                        "the metric registry was read while it is being built "
+                        "(a feature module reads dspark_harden metrics at import time)"
+                    )
                 self._building = True
                 try:
                     from .manager import make_manager, strict_extensions_from_env
@@ -302,6 +353,7 @@ def use(reg: Registry) -> None:
 
 def current() -> Registry:
     return FAMILIES.current()
+
 
 # ------------------------------------------------------------------------------------------
 # runtime: lazily created prometheus_client objects
@@ -404,6 +456,7 @@ def precreate_process(role: str, active_features: Iterable[str], dp_label: str) 
 
 # -- readiness (main process) ----------------------------------------------------------------
 
+
 def ready() -> bool:
     return _READY
 
@@ -430,7 +483,8 @@ def configured() -> None:
                 logger.warning(
                     "dspark-harden metric %s was created in the main process before SGLang configured "
                     "Prometheus multiprocess mode; it is re-created now and earlier values are lost "
-                    "(use metrics.when_ready for start-up publishing)", name,
+                    "(use metrics.when_ready for start-up publishing)",
+                    name,
                 )
                 _forget(name)
             _EARLY.clear()
@@ -466,8 +520,10 @@ def _repair_value_class() -> None:
     if mod is None:
         return
     if not getattr(mod.ValueClass, "_multiprocess", False):
-        logger.warning("dspark-harden: prometheus_client was imported before PROMETHEUS_MULTIPROC_DIR was set; "
-                       "switching it to multiprocess values")
+        logger.warning(
+            "dspark-harden: prometheus_client was imported before PROMETHEUS_MULTIPROC_DIR was set; "
+            "switching it to multiprocess values"
+        )
         mod.ValueClass = mod.get_value_class()
 
 
@@ -521,3 +577,25 @@ def never_raises(fn: Callable) -> Callable:
             logger.debug("metric update %s failed", fn.__qualname__, exc_info=True)
 
     return run
+
+
+def add_histogram_counts(child: Any, counts: list, total: float) -> None:
+    """Add pre-bucketed observations to a prometheus_client histogram child: ``counts[i]`` observations
+    in bucket ``i`` (non-cumulative, one per upper bound including +Inf) summing to ``total``.
+
+    For hot paths that bucket in process (or in native code) and flush periodically: prometheus_client
+    has only ``observe(value)``, so this adds to the child's per-bucket and sum values directly (the
+    ones ``observe`` increments, mmap-backed in multiprocess mode). Raises ``ValueError`` if the child
+    does not have that shape (a prometheus_client that changed its histogram internals)."""
+    buckets = getattr(child, "_buckets", None)
+    total_value = getattr(child, "_sum", None)
+    if buckets is None or total_value is None or len(buckets) != len(counts):
+        raise ValueError(
+            f"histogram child {child!r} has no _buckets/_sum of {len(counts)} buckets: "
+            "prometheus_client's Histogram internals changed"
+        )
+    for value, n in zip(buckets, counts):
+        if n:
+            value.inc(n)
+    if total:
+        total_value.inc(total)

@@ -83,13 +83,19 @@ def source_text_fingerprint(target: str) -> str:
     body = ast.parse(src).body
     node = None
     for part in qual.split("."):
-        node = next((n for n in body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
-                     and n.name == part), None)
+        node = next(
+            (
+                n
+                for n in body
+                if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and n.name == part
+            ),
+            None,
+        )
         if node is None:
             raise PatchError(f"{target}: {part!r} not found in {path}")
         body = node.body
     start = (node.decorator_list[0].lineno if node.decorator_list else node.lineno) - 1
-    return hashlib.sha256(textwrap.dedent("".join(lines[start:node.end_lineno])).encode()).hexdigest()[:16]
+    return hashlib.sha256(textwrap.dedent("".join(lines[start : node.end_lineno])).encode()).hexdigest()[:16]
 
 
 def unwrap_descriptor(obj: Any) -> Any:
@@ -246,8 +252,11 @@ class Patch:
             module = getattr(func, "__module__", None) or "?"
             name = getattr(func, "__qualname__", None) or type(func).__name__
             expected_module = self.target.partition(":")[0]
-            origin = (f"defined in {module!r}, not in {expected_module!r}" if module != expected_module
-                      else f"its source cannot be read ({str(exc).rsplit(': ', 1)[-1]})")
+            origin = (
+                f"defined in {module!r}, not in {expected_module!r}"
+                if module != expected_module
+                else f"its source cannot be read ({str(exc).rsplit(': ', 1)[-1]})"
+            )
             raise PatchError(
                 f"{self.target}: the live object is not the stock SGLang one: it is {name} ({type(func).__name__}, "
                 f"{origin}), so its source cannot be fingerprinted. dspark-harden expected the stock source with "

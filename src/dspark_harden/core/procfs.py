@@ -45,9 +45,17 @@ def stat(pid: int) -> Optional[ProcStat]:
         return None
     try:
         lp, rp = raw.index("("), raw.rindex(")")
-        fields = raw[rp + 2:].split()
-        return ProcStat(pid=int(raw[:lp]), ppid=int(fields[1]), pgrp=int(fields[2]), start=int(fields[19]),
-                        state=fields[0], name=raw[lp + 1:rp], utime=int(fields[11]), stime=int(fields[12]))
+        fields = raw[rp + 2 :].split()
+        return ProcStat(
+            pid=int(raw[:lp]),
+            ppid=int(fields[1]),
+            pgrp=int(fields[2]),
+            start=int(fields[19]),
+            state=fields[0],
+            name=raw[lp + 1 : rp],
+            utime=int(fields[11]),
+            stime=int(fields[12]),
+        )
     except (IndexError, ValueError):
         return None
 

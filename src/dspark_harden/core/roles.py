@@ -21,13 +21,15 @@ _CALLERS = {
 }
 # main-process callers of load_plugins() in sglang 0.5.23: (file path suffix, function); "<module>"
 # is module-level code (python -m sglang.launch_server; our multi-tokenizer HTTP worker app)
-_MAIN_CALLERS = frozenset({
-    ("sglang/launch_server.py", "<module>"),
-    ("sglang/cli/serve.py", "serve"),
-    ("sglang/srt/entrypoints/engine.py", "__init__"),
-    ("sglang/srt/entrypoints/engine.py", "_launch_subprocesses"),
-    ("dspark_harden/ingress/app.py", "<module>"),
-})
+_MAIN_CALLERS = frozenset(
+    {
+        ("sglang/launch_server.py", "<module>"),
+        ("sglang/cli/serve.py", "serve"),
+        ("sglang/srt/entrypoints/engine.py", "__init__"),
+        ("sglang/srt/entrypoints/engine.py", "_launch_subprocesses"),
+        ("dspark_harden/ingress/app.py", "<module>"),
+    }
+)
 ROLE_ENV = "DSPARK_HARDEN_ROLE"
 
 

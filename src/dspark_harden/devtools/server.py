@@ -45,12 +45,17 @@ PLATFORM_ENV = {"DSPARK_TEST_CPU_PLATFORM": "1", "SGLANG_PLATFORM": "dspark_test
 PLATFORM_ENTRY_POINT = ("sglang.srt.platforms", "dspark_test_cpu")
 
 BASE_FLAGS = (
-    "--device", "cpu",
-    "--attention-backend", "torch_native",
-    "--sampling-backend", "pytorch",
+    "--device",
+    "cpu",
+    "--attention-backend",
+    "torch_native",
+    "--sampling-backend",
+    "pytorch",
     "--disable-cuda-graph",
-    "--max-total-tokens", "8192",
-    "--grammar-backend", "xgrammar",
+    "--max-total-tokens",
+    "8192",
+    "--grammar-backend",
+    "xgrammar",
     "--constrained-json-disable-any-whitespace",
     "--enable-metrics",
     "--sleep-on-idle",
@@ -88,9 +93,11 @@ def cpu_platform_problem() -> Optional[str]:
     group, name = PLATFORM_ENTRY_POINT
     if any(ep.name == name for ep in importlib.metadata.entry_points(group=group)):
         return None
-    return (f"the CPU platform for SGLang ({group} entry point {name!r}) is not installed: these servers "
-            f"run on CPU through the test-support distribution; install it with `pip install -e tests/support` "
-            f"(`make install` does)")
+    return (
+        f"the CPU platform for SGLang ({group} entry point {name!r}) is not installed: these servers "
+        f"run on CPU through the test-support distribution; install it with `pip install -e tests/support` "
+        f"(`make install` does)"
+    )
 
 
 def ready_timeout() -> float:
@@ -110,8 +117,9 @@ def port_bindable(port: int) -> bool:
     holds after its process died (FIN_WAIT2, LAST_ACK: no owning pid) blocks SGLang's check, and
     SGLang waits 30 s for it and exits ("metrics_port at N is not available in 30 seconds")."""
     try:
-        infos = socket.getaddrinfo(None, port, socket.AF_UNSPEC, socket.SOCK_STREAM, 0,
-                                   socket.AI_ADDRCONFIG | socket.AI_PASSIVE)
+        infos = socket.getaddrinfo(
+            None, port, socket.AF_UNSPEC, socket.SOCK_STREAM, 0, socket.AI_ADDRCONFIG | socket.AI_PASSIVE
+        )
     except socket.gaierror:
         infos = [(socket.AF_INET, socket.SOCK_STREAM, 0, "", ("0.0.0.0", port))]
     seen = set()
@@ -132,8 +140,11 @@ def port_bindable(port: int) -> bool:
 
 #: log lines of SGLang 0.5.23 when a port was taken between choice and bind: uvicorn's (the main
 #: process then hangs), SGLang's own 30 s port wait, a ZMQ bind
-PORT_RACE_MARKERS = ("error while attempting to bind on address", "is not available in 30 seconds",
-                     "Address already in use")
+PORT_RACE_MARKERS = (
+    "error while attempting to bind on address",
+    "is not available in 30 seconds",
+    "Address already in use",
+)
 
 #: the lowest port :func:`free_port` hands out (below it lie well-known services)
 LOWEST_PORT = 10000
@@ -152,8 +163,7 @@ def ephemeral_range() -> tuple[int, int]:
 
 
 def _port_footprint(port: int, span: int) -> list[range]:
-    return [range(port, port + span),
-            range(port + SGLANG_PORT_DELTA, port + SGLANG_PORT_DELTA + SGLANG_DERIVED_PORTS)]
+    return [range(port, port + span), range(port + SGLANG_PORT_DELTA, port + SGLANG_PORT_DELTA + SGLANG_DERIVED_PORTS)]
 
 
 def _candidate_ports(lowest: int, top: int) -> Iterator[int]:
@@ -295,9 +305,15 @@ class SGLangServer:
     def command(self) -> list[str]:
         c = self.config
         cmd = [
-            sys.executable, "-m", "sglang.launch_server",
-            "--model-path", model_path(c),
-            "--host", "127.0.0.1", "--port", str(self.port),
+            sys.executable,
+            "-m",
+            "sglang.launch_server",
+            "--model-path",
+            model_path(c),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
             *BASE_FLAGS,
         ]
         if c.tp_size != 1:
@@ -350,12 +366,24 @@ class SGLangServer:
             self.port = free_port()
             cmd = self.command()
             env = self.environment()
-            (self.workdir / "command.json").write_text(json.dumps({"cmd": cmd, "env": {
-                k: v for k, v in env.items() if k.startswith(("DSPARK_", "SGLANG_", "TMPDIR"))}}, indent=2))
+            (self.workdir / "command.json").write_text(
+                json.dumps(
+                    {
+                        "cmd": cmd,
+                        "env": {k: v for k, v in env.items() if k.startswith(("DSPARK_", "SGLANG_", "TMPDIR"))},
+                    },
+                    indent=2,
+                )
+            )
             self._log_file = open(self.log_path, "ab", buffering=0)
             self.proc = subprocess.Popen(
-                cmd, env=env, cwd=str(self.workdir), stdin=subprocess.DEVNULL,
-                stdout=self._log_file, stderr=subprocess.STDOUT, start_new_session=True,
+                cmd,
+                env=env,
+                cwd=str(self.workdir),
+                stdin=subprocess.DEVNULL,
+                stdout=self._log_file,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
             )
             self._t0 = time.monotonic()
             _LIVE.add(self)
@@ -381,7 +409,7 @@ class SGLangServer:
             if at >= 0:
                 start = text.rfind("\n", 0, at) + 1
                 end = text.find("\n", at)
-                return text[start:end if end >= 0 else len(text)].strip()
+                return text[start : end if end >= 0 else len(text)].strip()
         return None
 
     def wait_ready(self, timeout: Optional[float] = None) -> "SGLangServer":
@@ -512,8 +540,15 @@ class SGLangServer:
     def post(self, path: str, json: Any = None, **kw):
         return self.request("POST", path, json=json, **kw)
 
-    def generate(self, text: str = "def main():", *, max_new_tokens: int = 8, timeout: float = 120.0,
-                 sampling_params: Optional[dict] = None, **body) -> dict:
+    def generate(
+        self,
+        text: str = "def main():",
+        *,
+        max_new_tokens: int = 8,
+        timeout: float = 120.0,
+        sampling_params: Optional[dict] = None,
+        **body,
+    ) -> dict:
         """POST /generate (greedy by default); raises with the log tail on a non-200 answer."""
         sp = {"max_new_tokens": max_new_tokens, "temperature": 0.0}
         sp.update(sampling_params or {})
@@ -529,8 +564,12 @@ class SGLangServer:
 
 
 # DSPARK_* variables of the harness itself, kept when scrubbing the developer's environment.
-_KEEP_DSPARK = ("DSPARK_HARDEN_MODEL_CACHE", "DSPARK_SERVER_LOCK", "DSPARK_SERVER_LOCK_TIMEOUT",
-                "DSPARK_SERVER_READY_TIMEOUT")
+_KEEP_DSPARK = (
+    "DSPARK_HARDEN_MODEL_CACHE",
+    "DSPARK_SERVER_LOCK",
+    "DSPARK_SERVER_LOCK_TIMEOUT",
+    "DSPARK_SERVER_READY_TIMEOUT",
+)
 
 
 def _group_alive(pgid: int) -> bool:

@@ -62,9 +62,23 @@ CHATML_TEMPLATE = (
 )
 
 # Training corpus budget: enough text for a 32000-token vocabulary, small enough to train in
-# seconds on 2 cores.
+# seconds on 2 cores. A larger vocabulary (DeepSeek V3/V4's 129,280: ``bench grammar --vocab
+# 129280``) needs more distinct words than the standard library holds (all of CPython 3.11's gives
+# 115,394 tokens), so above 32000 tokens the corpus is the standard library followed by the
+# interpreter's site-packages sources (sorted, so deterministic for one installation), up to
+# _LARGE_CORPUS_MAX_BYTES. At or below 32000 the recipe, and so every cached tokenizer, is unchanged.
 _CORPUS_MAX_BYTES = 10_000_000
+_CORPUS_LARGE_VOCAB = 32000
+_LARGE_CORPUS_MAX_BYTES = 80_000_000
 _CORPUS_MAX_FILE = 200_000
+
+
+def _corpus_budget(vocab_size: int) -> tuple[int, bool]:
+    """(bytes of corpus, whether site-packages sources follow the standard library) for a
+    ``vocab_size`` tokenizer."""
+    if vocab_size <= _CORPUS_LARGE_VOCAB:
+        return _CORPUS_MAX_BYTES, False
+    return _LARGE_CORPUS_MAX_BYTES, True
 
 
 def cache_dir() -> Path:
@@ -104,21 +118,31 @@ def _build_once(name: str, build: Callable[[Path], None]) -> str:
 # tokenizer
 
 
-def _corpus_files() -> list[Path]:
-    """Python sources of the standard library, sorted (deterministic order), within the byte budget."""
+def _corpus_files(max_bytes: int = _CORPUS_MAX_BYTES, site_packages: bool = False) -> list[Path]:
+    """Python sources of the standard library (then, with ``site_packages``, of the interpreter's
+    site-packages), sorted (deterministic order), within ``max_bytes``."""
+    paths = sysconfig.get_paths()
     roots = []
     for key in ("stdlib", "platstdlib"):
-        path = sysconfig.get_paths().get(key)
+        path = paths.get(key)
         if path and Path(path).is_dir() and Path(path) not in roots:
             roots.append(Path(path))
     if not roots:
         raise RuntimeError("no Python standard library sources found on disk to train the tokenizer on")
+    extra = []
+    if site_packages:
+        for key in ("purelib", "platlib"):
+            path = paths.get(key)
+            if path and Path(path).is_dir() and Path(path) not in extra:
+                extra.append(Path(path))
     files: list[Path] = []
     total = 0
-    for root in roots:
+    for root, skip in [(r, ("site-packages", "dist-packages", "__pycache__")) for r in roots] + [
+        (r, ("__pycache__",)) for r in extra
+    ]:
         for path in sorted(root.rglob("*.py")):
             rel = path.relative_to(root).parts
-            if any(p in ("site-packages", "dist-packages", "__pycache__") for p in rel):
+            if any(p in skip for p in rel):
                 continue
             try:
                 size = path.stat().st_size
@@ -128,7 +152,7 @@ def _corpus_files() -> list[Path]:
                 continue
             files.append(path)
             total += size
-            if total >= _CORPUS_MAX_BYTES:
+            if total >= max_bytes:
                 return files
     return files
 
@@ -159,7 +183,7 @@ def _build_tokenizer(out: Path, vocab_size: int) -> None:
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    files = _corpus_files()
+    files = _corpus_files(*_corpus_budget(vocab_size))
     tok.train_from_iterator(_corpus_iter(files), trainer=trainer)
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok,
@@ -310,22 +334,38 @@ def _build_dspark_draft(out: Path) -> None:
 
     target = Path(ensure_model("qwen3"))
     tc = json.loads((target / "config.json").read_text())
-    H, V, I = tc["hidden_size"], tc["vocab_size"], tc["intermediate_size"]
+    H, V, inter = tc["hidden_size"], tc["vocab_size"], tc["intermediate_size"]
     nh, nkv, hd = tc["num_attention_heads"], tc["num_key_value_heads"], tc["head_dim"]
     L, R = DSPARK_DRAFT["layers"], DSPARK_DRAFT["markov_rank"]
     from transformers import AutoTokenizer
 
     mask_id = AutoTokenizer.from_pretrained(str(target)).convert_tokens_to_ids(DSPARK_DRAFT["mask_token"])
     cfg = dict(
-        architectures=["Qwen3DSparkModel"], model_type="qwen3", hidden_size=H, intermediate_size=I,
-        num_hidden_layers=L, num_attention_heads=nh, num_key_value_heads=nkv, head_dim=hd, vocab_size=V,
-        rms_norm_eps=tc.get("rms_norm_eps", 1e-6), rope_theta=tc.get("rope_theta", 1000000.0),
-        max_position_embeddings=tc["max_position_embeddings"], hidden_act="silu", tie_word_embeddings=False,
-        torch_dtype="bfloat16", dtype="bfloat16", block_size=DSPARK_DRAFT["block_size"],
-        num_target_layers=tc["num_hidden_layers"], markov_rank=R, markov_head_type="vanilla",
+        architectures=["Qwen3DSparkModel"],
+        model_type="qwen3",
+        hidden_size=H,
+        intermediate_size=inter,
+        num_hidden_layers=L,
+        num_attention_heads=nh,
+        num_key_value_heads=nkv,
+        head_dim=hd,
+        vocab_size=V,
+        rms_norm_eps=tc.get("rms_norm_eps", 1e-6),
+        rope_theta=tc.get("rope_theta", 1000000.0),
+        max_position_embeddings=tc["max_position_embeddings"],
+        hidden_act="silu",
+        tie_word_embeddings=False,
+        torch_dtype="bfloat16",
+        dtype="bfloat16",
+        block_size=DSPARK_DRAFT["block_size"],
+        num_target_layers=tc["num_hidden_layers"],
+        markov_rank=R,
+        markov_head_type="vanilla",
         enable_confidence_head=True,
         dflash_config={"target_layer_ids": list(DSPARK_DRAFT["target_layer_ids"]), "mask_token_id": mask_id},
-        bos_token_id=tc.get("bos_token_id"), eos_token_id=tc.get("eos_token_id"), pad_token_id=tc.get("pad_token_id"),
+        bos_token_id=tc.get("bos_token_id"),
+        eos_token_id=tc.get("eos_token_id"),
+        pad_token_id=tc.get("pad_token_id"),
     )
     (out / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
     g = torch.Generator().manual_seed(4321)
@@ -339,21 +379,33 @@ def _build_dspark_draft(out: Path) -> None:
     sd = {}
     for i in range(L):
         p = f"layers.{i}."
-        sd.update({
-            p + "self_attn.q_proj.weight": rand(nh * hd, H), p + "self_attn.k_proj.weight": rand(nkv * hd, H),
-            p + "self_attn.v_proj.weight": rand(nkv * hd, H), p + "self_attn.o_proj.weight": rand(H, nh * hd),
-            p + "self_attn.q_norm.weight": ones(hd), p + "self_attn.k_norm.weight": ones(hd),
-            p + "mlp.gate_proj.weight": rand(I, H), p + "mlp.up_proj.weight": rand(I, H),
-            p + "mlp.down_proj.weight": rand(H, I),
-            p + "input_layernorm.weight": ones(H), p + "post_attention_layernorm.weight": ones(H),
-        })
+        sd.update(
+            {
+                p + "self_attn.q_proj.weight": rand(nh * hd, H),
+                p + "self_attn.k_proj.weight": rand(nkv * hd, H),
+                p + "self_attn.v_proj.weight": rand(nkv * hd, H),
+                p + "self_attn.o_proj.weight": rand(H, nh * hd),
+                p + "self_attn.q_norm.weight": ones(hd),
+                p + "self_attn.k_norm.weight": ones(hd),
+                p + "mlp.gate_proj.weight": rand(inter, H),
+                p + "mlp.up_proj.weight": rand(inter, H),
+                p + "mlp.down_proj.weight": rand(H, inter),
+                p + "input_layernorm.weight": ones(H),
+                p + "post_attention_layernorm.weight": ones(H),
+            }
+        )
     k = len(DSPARK_DRAFT["target_layer_ids"])
-    sd.update({
-        "fc.weight": rand(H, k * H), "hidden_norm.weight": ones(H), "norm.weight": ones(H),
-        "markov_head.markov_w1.weight": rand(V, R), "markov_head.markov_w2.weight": rand(V, R),
-        "confidence_head.proj.weight": (torch.randn(1, H + R, generator=g) * 0.02).float(),
-        "confidence_head.proj.bias": torch.zeros(1),
-    })
+    sd.update(
+        {
+            "fc.weight": rand(H, k * H),
+            "hidden_norm.weight": ones(H),
+            "norm.weight": ones(H),
+            "markov_head.markov_w1.weight": rand(V, R),
+            "markov_head.markov_w2.weight": rand(V, R),
+            "confidence_head.proj.weight": (torch.randn(1, H + R, generator=g) * 0.02).float(),
+            "confidence_head.proj.bias": torch.zeros(1),
+        }
+    )
     save_file(sd, str(out / "model.safetensors"), metadata={"format": "pt"})
     for f in target.iterdir():
         if f.name.startswith(("tokenizer", "special_tokens", "chat_template")):
@@ -376,7 +428,9 @@ def dspark_draft_dir() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m dspark_harden.devtools.tiny_models", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(
+        prog="python -m dspark_harden.devtools.tiny_models", description=__doc__.split("\n\n")[0]
+    )
     ap.add_argument("--all", action="store_true", help="build every model arch and the 2048 + 32000 tokenizers")
     ap.add_argument("--arch", action="append", choices=ARCHS, default=[], help="model arch to build (repeatable)")
     ap.add_argument("--vocab", action="append", type=int, default=[], help="tokenizer vocab size to build (repeatable)")

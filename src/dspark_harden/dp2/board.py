@@ -81,15 +81,18 @@ class Board:
         """Open the board named by ``spec`` (``<pid>:<fd>:<token>``); raises :class:`BoardError`."""
         parts = spec.split(":")
         if len(parts) != 3 or not parts[0].isdigit() or not parts[1].isdigit() or len(parts[2]) != 32:
-            raise BoardError(f"{ENV}={spec!r} is not <pid>:<fd>:<32-hex token> (it is set by the main process; "
-                             "do not export it)")
+            raise BoardError(
+                f"{ENV}={spec!r} is not <pid>:<fd>:<32-hex token> (it is set by the main process; do not export it)"
+            )
         pid, fdno, token = int(parts[0]), int(parts[1]), parts[2]
         path = f"/proc/{pid}/fd/{fdno}"
         try:
             fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
         except OSError as exc:
-            raise BoardError(f"dp2 stall board {path} ({ENV}) cannot be opened: {exc.strerror} (the main process "
-                             f"{pid} is gone, or /proc hides it)") from None
+            raise BoardError(
+                f"dp2 stall board {path} ({ENV}) cannot be opened: {exc.strerror} (the main process "
+                f"{pid} is gone, or /proc hides it)"
+            ) from None
         try:
             st = os.fstat(fd)
             problems = []
@@ -107,8 +110,10 @@ class Board:
             magic, version, size, creator, tok = _HDR.unpack_from(mm, 0)
             if (magic, version, size, creator, tok.decode("ascii", "replace")) != (MAGIC, VERSION, SIZE, pid, token):
                 mm.close()
-                raise BoardError(f"dp2 stall board {path} ({ENV}) is not this server's: header magic {magic!r} "
-                                 f"version {version} size {size} pid {creator} token does not match")
+                raise BoardError(
+                    f"dp2 stall board {path} ({ENV}) is not this server's: header magic {magic!r} "
+                    f"version {version} size {size} pid {creator} token does not match"
+                )
         except BaseException:
             os.close(fd)
             raise
@@ -131,15 +136,24 @@ class Board:
             gen = _SLOT.unpack_from(self.mm, off)[0]
             gen += 1 if gen % 2 == 0 else 2  # odd: being written
             _SLOT.pack_into(self.mm, off, gen, 0)
-            self.mm[off + _SLOT.size: off + _SLOT.size + len(payload)] = payload
+            self.mm[off + _SLOT.size : off + _SLOT.size + len(payload)] = payload
             _SLOT.pack_into(self.mm, off, gen, len(payload))
             _SLOT.pack_into(self.mm, off, gen + 1, len(payload))  # even: complete
 
-    def publish_stall(self, *, rank: int, peer_rank: int, channel: str, waited_s: float, period_s: float,
-                      message: str) -> None:
-        rec = {"state": "stalled", "rank": rank, "peer_rank": peer_rank, "channel": channel,
-               "waited_s": round(waited_s, 3), "period_s": period_s, "pid": os.getpid(), "updated": time.time(),
-               "message": message[:600]}
+    def publish_stall(
+        self, *, rank: int, peer_rank: int, channel: str, waited_s: float, period_s: float, message: str
+    ) -> None:
+        rec = {
+            "state": "stalled",
+            "rank": rank,
+            "peer_rank": peer_rank,
+            "channel": channel,
+            "waited_s": round(waited_s, 3),
+            "period_s": period_s,
+            "pid": os.getpid(),
+            "updated": time.time(),
+            "message": message[:600],
+        }
         payload = json.dumps(rec, separators=(",", ":")).encode("utf-8", "replace")
         if len(payload) > _MAX_PAYLOAD:
             rec["message"] = message[:200]
@@ -159,7 +173,7 @@ class Board:
                 if g1 % 2:
                     time.sleep(0)
                     continue
-                data = bytes(self.mm[off + _SLOT.size: off + _SLOT.size + min(n, _MAX_PAYLOAD)])
+                data = bytes(self.mm[off + _SLOT.size : off + _SLOT.size + min(n, _MAX_PAYLOAD)])
                 g2 = _SLOT.unpack_from(self.mm, off)[0]
                 if g1 == g2:
                     break

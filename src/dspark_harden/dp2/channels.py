@@ -10,18 +10,28 @@ forked child, which never touches the parent's shared state).
 from __future__ import annotations
 
 import atexit
+import bisect
 import hashlib
 import logging
 import threading
 import time
 from typing import Optional
 
-from .native import Channel, Dp2Error, PY_ERROR
+from .metrics import DP2_HIST_EDGES_NS, DP2_HIST_EDGES_S
+from .native import PY_ERROR, Channel, Dp2Error, lib
 
 logger = logging.getLogger("dspark_harden.dp2")
 
 PHASES = ("call_total", "exchange_total", "peer_wait", "arrival_skew", "post_latest_arrival")
 FLUSH_INTERVAL_S = 1.0
+HIST_BUCKETS = len(DP2_HIST_EDGES_S) + 1
+
+
+def check_hist_edges() -> None:
+    """The native call buckets with its own edges: they must be the declared family's (fail closed)."""
+    native = tuple(int(lib.dspark_dp2_hist_edge_ns(b)) for b in range(int(lib.DSPARK_DP2_HIST_BUCKETS) - 1))
+    if native != DP2_HIST_EDGES_NS or int(lib.DSPARK_DP2_HIST_BUCKETS) != HIST_BUCKETS:
+        raise Dp2Error(-1, f"dp2: the native histogram edges {native} are not the declared {DP2_HIST_EDGES_NS}")
 
 
 def config_digest(channel: str, width: int, fields: tuple, geometry: tuple) -> int:
@@ -36,17 +46,21 @@ class _Acc:
     """Per-channel metrics: the native call accumulates its own phase sums/maxima in the stats
     struct; Python adds only the whole-call time. Flushed to Prometheus at most once per second."""
 
-    __slots__ = ("channel", "label", "export", "stats", "call_sum", "call_max", "deadline")
+    __slots__ = ("channel", "label", "export", "stats", "call_sum", "call_max", "call_hist", "deadline")
 
     def __init__(self, channel: str, label: str, export: bool, stats):
         self.channel, self.label, self.export, self.stats = channel, label, export, stats
         self.call_sum = self.call_max = 0.0
+        # the whole call's histogram counts (bucket i: <= DP2_HIST_EDGES_S[i]; last: above); the native
+        # phases are bucketed by the native call itself (stats.acc_hist)
+        self.call_hist = [0] * HIST_BUCKETS
         self.deadline = time.perf_counter() + FLUSH_INTERVAL_S
 
     def record(self, call_s: float, now: float) -> None:
         self.call_sum += call_s
         if call_s > self.call_max:
             self.call_max = call_s
+        self.call_hist[bisect.bisect_left(DP2_HIST_EDGES_S, call_s)] += 1
         if now >= self.deadline:
             self.flush(now)
 
@@ -57,11 +71,15 @@ class _Acc:
         sums = [self.call_sum] + [st.acc_sum_ns[i] * 1e-9 for i in range(4)]
         maxes = [self.call_max] + [st.acc_max_ns[i] * 1e-9 for i in range(4)]
         futex = st.acc_futex_waits
+        hists = [self.call_hist] + [list(st.acc_hist[i]) for i in range(4)]
         st.acc_calls = st.acc_futex_waits = 0
         for i in range(4):
             st.acc_sum_ns[i] = 0
             st.acc_max_ns[i] = 0
+            for b in range(HIST_BUCKETS):
+                st.acc_hist[i][b] = 0
         self.call_sum = self.call_max = 0.0
+        self.call_hist = [0] * HIST_BUCKETS
         if not self.export or not calls:
             return
         from ..core import metrics
@@ -72,9 +90,11 @@ class _Acc:
             metrics.get("dspark_harden_dp2_exchange_futex_waits_total").labels(ch, dp).inc(futex)
         secs = metrics.get("dspark_harden_dp2_exchange_seconds_total")
         mx = metrics.get("dspark_harden_dp2_exchange_max_seconds")
+        hist = metrics.get("dspark_harden_dp2_exchange_phase_seconds")
         for i, phase in enumerate(PHASES):
             secs.labels(ch, dp, phase).inc(sums[i])
             mx.labels(ch, dp, phase).set(maxes[i])
+            metrics.add_histogram_counts(hist.labels(ch, dp, phase), hists[i], sums[i])
         metrics.get("dspark_harden_dp2_exchange_sequence").labels(ch, dp).set(st.sequence)
 
     def error(self, name: str) -> None:
@@ -107,8 +127,19 @@ class Dp2Runtime:
         self.watch = None
         self._atexit = False
 
-    def configure(self, *, session_id: str, timeout_ms: int, spin_us: int, export: bool, rank: int, dp_label: str,
-                  hard_timeout_ms: int = 1_800_000, peer_stop_ms: int = 60_000, use_board: bool = True) -> None:
+    def configure(
+        self,
+        *,
+        session_id: str,
+        timeout_ms: int,
+        spin_us: int,
+        export: bool,
+        rank: int,
+        dp_label: str,
+        hard_timeout_ms: int = 1_800_000,
+        peer_stop_ms: int = 60_000,
+        use_board: bool = True,
+    ) -> None:
         if rank not in (0, 1):
             raise Dp2Error(-1, f"dp2: this scheduler's rank must be 0 or 1, got {rank!r}")
         self.session_id, self.timeout_ms, self.spin_ns = session_id, timeout_ms, spin_us * 1000
@@ -123,8 +154,11 @@ class Dp2Runtime:
             except board.BoardError as exc:
                 raise Dp2Error(-1, f"dp2: {exc}") from None
             if self.board is None:
-                logger.info("dspark-harden dp2: no stall board (%s unset: the launching process did not create "
-                            "one); /health_scheduler cannot name a rank that stalls the exchange", board.ENV)
+                logger.info(
+                    "dspark-harden dp2: no stall board (%s unset: the launching process did not create "
+                    "one); /health_scheduler cannot name a rank that stalls the exchange",
+                    board.ENV,
+                )
 
     def open(self, name: str, *, width: int, digest: int, out_tensor=None) -> Channel:
         with self.lock:
@@ -133,11 +167,20 @@ class Dp2Runtime:
                 return ch
             if self.session_id is None or self.rank is None:
                 raise Dp2Error(-1, "dp2: runtime not configured (the plugin did not bind in this process)")
+            check_hist_edges()
             ch = Channel(
-                self.session_id, name, rank=self.rank, width=width, timeout_ms=self.timeout_ms,
-                spin_ns=self.spin_ns, config_digest=digest, out_tensor=out_tensor,
-                hard_timeout_ms=self.hard_timeout_ms, on_stall=self._stall_reporter(name),
-                on_stall_end=self._stall_end(name), peer_stop_ms=self.peer_stop_ms,
+                self.session_id,
+                name,
+                rank=self.rank,
+                width=width,
+                timeout_ms=self.timeout_ms,
+                spin_ns=self.spin_ns,
+                config_digest=digest,
+                out_tensor=out_tensor,
+                hard_timeout_ms=self.hard_timeout_ms,
+                on_stall=self._stall_reporter(name),
+                on_stall_end=self._stall_end(name),
+                peer_stop_ms=self.peer_stop_ms,
             )
             self.channels[name] = ch
             self.accs[name] = _Acc(name, self.dp_label, self.export, ch.stats)
@@ -148,13 +191,19 @@ class Dp2Runtime:
             if not self._atexit:
                 atexit.register(self.close_all)
                 self._atexit = True
-            logger.info("dspark-harden dp2: opened channel %s (%s) as rank %d, width %d", name, ch.shm_name, self.rank, width)
+            logger.info(
+                "dspark-harden dp2: opened channel %s (%s) as rank %d, width %d", name, ch.shm_name, self.rank, width
+            )
             return ch
 
     def _stall_reporter(self, name: str):
         def report(message: str, waited_s: float) -> None:
-            logger.warning("dspark-harden dp2: channel %s: %s; still waiting (hard limit %s)", name, message,
-                           f"{self.hard_timeout_ms} ms" if self.hard_timeout_ms else "none")
+            logger.warning(
+                "dspark-harden dp2: channel %s: %s; still waiting (hard limit %s)",
+                name,
+                message,
+                f"{self.hard_timeout_ms} ms" if self.hard_timeout_ms else "none",
+            )
             if self.export:
                 from ..core import metrics
 
@@ -176,8 +225,14 @@ class Dp2Runtime:
         if self.board is None or self.rank is None:
             return False
         try:
-            self.board.publish_stall(rank=self.rank, peer_rank=1 - self.rank, channel=channel, waited_s=waited_s,
-                                     period_s=self.timeout_ms / 1000.0, message=message)
+            self.board.publish_stall(
+                rank=self.rank,
+                peer_rank=1 - self.rank,
+                channel=channel,
+                waited_s=waited_s,
+                period_s=self.timeout_ms / 1000.0,
+                message=message,
+            )
             return True
         except Exception:  # noqa: BLE001 - health reporting must not break the exchange
             logger.exception("dp2: publishing the stall to the health board failed")
@@ -246,10 +301,18 @@ RUNTIME = Dp2Runtime()
 def pair_exchange(runtime: "Dp2Runtime", channel: str, width: int, fields: tuple):
     """``exchange(row) -> [row0, row1]`` over a dedicated native channel opened for the one call
     (session / rank / timeouts of ``runtime``); the ``dspark_pair_exchange`` hook's answer."""
+
     def exchange(row) -> list:
-        ch = Channel(runtime.session_id, channel, rank=runtime.rank, width=width, timeout_ms=runtime.timeout_ms,
-                     spin_ns=runtime.spin_ns, config_digest=config_digest(channel, width, tuple(fields), (2, 1, 1)),
-                     hard_timeout_ms=runtime.hard_timeout_ms)
+        ch = Channel(
+            runtime.session_id,
+            channel,
+            rank=runtime.rank,
+            width=width,
+            timeout_ms=runtime.timeout_ms,
+            spin_ns=runtime.spin_ns,
+            config_digest=config_digest(channel, width, tuple(fields), (2, 1, 1)),
+            hard_timeout_ms=runtime.hard_timeout_ms,
+        )
         try:
             flat = ch.exchange(list(row))
         finally:

@@ -26,7 +26,9 @@ logger = logging.getLogger("dspark_harden.dp2")
 FEATURE = S.FEATURE
 MLP_TARGET = "sglang.srt.managers.scheduler_components.dp_attn:MLPSyncBatchInfo.all_gather"
 MLP_FINGERPRINT = "3d756e918ca607da"
-VERIFY_TARGET = "sglang.srt.speculative.dspark_components.dspark_planner:DSparkVerifyPlanner._maybe_gather_dp_verify_tier"
+VERIFY_TARGET = (
+    "sglang.srt.speculative.dspark_components.dspark_planner:DSparkVerifyPlanner._maybe_gather_dp_verify_tier"
+)
 VERIFY_FINGERPRINT = "92166f7e192f044f"
 
 # SGLang switches that select another sync path; both must be off (stock parsing) when enabled.
@@ -63,12 +65,13 @@ def conflicting_switches() -> list:
 def _available(settings) -> Optional[str]:
     problems = []
     ctx = roles.CONTEXT
-    if (not settings[S.SESSION_ID] and ctx is not None and ctx.role is not Role.MAIN
-            and ctx.server_args is not None):
+    if not settings[S.SESSION_ID] and ctx is not None and ctx.role is not Role.MAIN and ctx.server_args is not None:
         # the main process exports a per-launch id before it spawns us (dp2/session.py)
-        problems.append(f"{S.SESSION_ID} is not set in this {ctx.role.value} process: the main process "
-                        f"derives one per launch when dspark-harden is loaded there (SGLANG_PLUGINS must "
-                        f"include dspark_harden in the launching process), or export one")
+        problems.append(
+            f"{S.SESSION_ID} is not set in this {ctx.role.value} process: the main process "
+            f"derives one per launch when dspark-harden is loaded there (SGLANG_PLUGINS must "
+            f"include dspark_harden in the launching process), or export one"
+        )
     try:
         problems.extend(conflicting_switches())
     except Exception as exc:  # noqa: BLE001
@@ -141,11 +144,14 @@ def dspark_patches(role, settings):
     if role is Role.MAIN:
         return [
             Patch(
-                feature=FEATURE, target=session.LAUNCH_TARGET, kind=Kind.WRAP, roles={Role.MAIN},
+                feature=FEATURE,
+                target=session.LAUNCH_TARGET,
+                kind=Kind.WRAP,
+                roles={Role.MAIN},
                 build=session.build_launch_subprocesses(settings[S.SESSION_ID]),
                 fingerprint=session.LAUNCH_FINGERPRINT,
                 why=f"the native exchange needs a session id unique per server; when {S.SESSION_ID} is unset "
-                    "the main process derives one per launch, before the schedulers are spawned",
+                "the main process derives one per launch, before the schedulers are spawned",
                 retire_when="SGLang ships a shared-memory DP2 MLP sync that names its own segments",
             )
         ]
@@ -153,20 +159,28 @@ def dspark_patches(role, settings):
         return []
     patches = [
         Patch(
-            feature=FEATURE, target=MLP_TARGET, kind=Kind.REPLACE, roles={Role.SCHEDULER},
-            build=_mlp_builder, fingerprint=MLP_FINGERPRINT,
+            feature=FEATURE,
+            target=MLP_TARGET,
+            kind=Kind.REPLACE,
+            roles={Role.SCHEDULER},
+            build=_mlp_builder,
+            fingerprint=MLP_FINGERPRINT,
             why="per-step gloo all-gather of the MLP sync row costs ~1.3 ms (p99 ~7 ms) on two co-located "
-                "ranks; the native shared-memory exchange does the same in microseconds, fail-closed",
+            "ranks; the native shared-memory exchange does the same in microseconds, fail-closed",
             retire_when="SGLang ships a shared-memory DP2 MLP sync (single_node_dp2_sync) upstream",
         )
     ]
     if dspark_configured():
         patches.append(
             Patch(
-                feature=FEATURE, target=VERIFY_TARGET, kind=Kind.REPLACE, roles={Role.SCHEDULER},
-                build=_verify_builder, fingerprint=VERIFY_FINGERPRINT,
+                feature=FEATURE,
+                target=VERIFY_TARGET,
+                kind=Kind.REPLACE,
+                roles={Role.SCHEDULER},
+                build=_verify_builder,
+                fingerprint=VERIFY_FINGERPRINT,
                 why="DSpark's verify-tier gather is a second per-step gloo collective; it must switch together "
-                    "with the MLP sync so both ranks take the same path",
+                "with the MLP sync so both ranks take the same path",
                 retire_when="SGLang folds the verify tier into the MLP sync row or ships a native DP2 channel",
             )
         )
@@ -185,13 +199,18 @@ def dspark_process_bound(role, settings, report):
     if ctx is None or ctx.server_args is None:
         logger.info("dspark-harden dp2: no server_args in this process (self-check); channels not opened")
         return
-    from .channels import RUNTIME
     from . import mlp_sync, verify_tier
+    from .channels import RUNTIME
 
     RUNTIME.configure(
-        session_id=settings[S.SESSION_ID], timeout_ms=settings[S.TIMEOUT_MS], spin_us=settings[S.SPIN_US],
-        export=settings[S.METRICS], rank=ctx.tp_rank, dp_label=ctx.dp_label,
-        hard_timeout_ms=settings[S.HARD_TIMEOUT_MS], peer_stop_ms=settings[S.PEER_STOP_MS],
+        session_id=settings[S.SESSION_ID],
+        timeout_ms=settings[S.TIMEOUT_MS],
+        spin_us=settings[S.SPIN_US],
+        export=settings[S.METRICS],
+        rank=ctx.tp_rank,
+        dp_label=ctx.dp_label,
+        hard_timeout_ms=settings[S.HARD_TIMEOUT_MS],
+        peer_stop_ms=settings[S.PEER_STOP_MS],
     )
     mlp_sync.start(RUNTIME)
     RUNTIME.start_watch("mlp")  # a stopped peer is noticed wherever this scheduler is blocked (dp2/watch.py)
@@ -218,12 +237,25 @@ def dspark_pair_exchange(channel, width, fields):
 
 @hookimpl
 def dspark_cli(subparsers, bench_subparsers):
-    p = bench_subparsers.add_parser("dp2", help="native DP2 exchange vs gloo, and the whole MLPSyncBatchInfo.all_gather call")
-    p.add_argument("--iters", type=int, default=5000, help="exchanges per measurement (default 5000)")
+    p = bench_subparsers.add_parser(
+        "dp2", help="native DP2 exchange vs gloo, and the whole MLPSyncBatchInfo.all_gather call"
+    )
+    p.add_argument(
+        "--iters", type=int, default=20000, help="calls per block (default 20000, as the seed's speed table)"
+    )
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=5,
+        help="rounds, each one block of every path, stock and ours alternating first (default 5)",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--spin-us", type=int, default=50, help="native spin budget before futex wait (default 50)")
-    p.add_argument("--no-pin", action="store_true",
-                   help="do not pin the two processes to different CPUs (default: pinned, like two schedulers on their own cores)")
+    p.add_argument(
+        "--no-pin",
+        action="store_true",
+        help="do not pin the two processes to different CPUs (default: pinned, like two schedulers on their own cores)",
+    )
 
     def run(args):
         from .bench import main

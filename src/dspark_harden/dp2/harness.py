@@ -38,11 +38,13 @@ def init_worker(rank: int, port: int, session: str, spin_us: int = 50, timeout_m
 
     active = torch.ones(2, dtype=torch.int32)
     dp_attn.get_parallel = lambda: SimpleNamespace(tp_group=SimpleNamespace(active_ranks_cpu=active))
-    from .channels import Dp2Runtime
     from . import mlp_sync
+    from .channels import Dp2Runtime
 
     rt = Dp2Runtime()
-    rt.configure(session_id=session, timeout_ms=timeout_ms, spin_us=spin_us, export=False, rank=rank, dp_label=str(rank))
+    rt.configure(
+        session_id=session, timeout_ms=timeout_ms, spin_us=spin_us, export=False, rank=rank, dp_label=str(rank)
+    )
     sync = mlp_sync.MlpSync(dp_attn, mlp_sync.live_schema(dp_attn.MLPSyncBatchInfo))
     sync.open(rt)
     return SimpleNamespace(dist=dist, group=group, dp_attn=dp_attn, active=active, runtime=rt, sync=sync, torch=torch)
@@ -59,7 +61,9 @@ def random_info(dp_attn, rng: random.Random, rank: int) -> Any:
         mode = ForwardMode.IDLE
     n = 0 if idle else rng.randint(1, 8192)
     return dp_attn.MLPSyncBatchInfo(
-        num_dp_ranks=2, tp_size=1, cp_size=1,
+        num_dp_ranks=2,
+        tp_size=1,
+        cp_size=1,
         num_tokens=n,
         num_tokens_for_logprob=0 if idle else rng.randint(1, n),
         can_run_decode_cuda_graph=rng.random() < 0.6,
@@ -75,9 +79,17 @@ def random_info(dp_attn, rng: random.Random, rank: int) -> Any:
 
 
 GATHERED = (
-    "tp0_info_cpu", "global_num_tokens", "global_num_tokens_for_logprob", "can_run_decode_cuda_graph",
-    "is_extend_in_batch", "can_run_prefill_cuda_graph", "prefill_cuda_graph_max_prefix_len",
-    "can_run_draft_cuda_graph", "any_health_check", "global_attention_pairs", "dp_cooperation_info",
+    "tp0_info_cpu",
+    "global_num_tokens",
+    "global_num_tokens_for_logprob",
+    "can_run_decode_cuda_graph",
+    "is_extend_in_batch",
+    "can_run_prefill_cuda_graph",
+    "prefill_cuda_graph_max_prefix_len",
+    "can_run_draft_cuda_graph",
+    "any_health_check",
+    "global_attention_pairs",
+    "dp_cooperation_info",
 )
 
 

@@ -59,8 +59,10 @@ def build_launch_subprocesses(explicit: Optional[str]):
             else:
                 sid = derive()
                 os.environ[SESSION_ID] = sid
-                _announce(f"dspark-harden dp2: {SESSION_ID} unset; derived {sid} for this launch "
-                          f"(inherited by its DP controller and schedulers)")
+                _announce(
+                    f"dspark-harden dp2: {SESSION_ID} unset; derived {sid} for this launch "
+                    f"(inherited by its DP controller and schedulers)"
+                )
             return func(cls, *args, **kwargs)
 
         _launch_subprocesses.__name__ = func.__name__

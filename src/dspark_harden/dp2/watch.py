@@ -55,8 +55,15 @@ def _flush_logs() -> None:
 class PeerWatch:
     """Watches the peer of ``runtime``'s channel ``channel`` (see the module docstring)."""
 
-    def __init__(self, runtime, channel: str = "mlp", *, interval_s: Optional[float] = None,
-                 grace_s: float = GRACE_S, exit_fn: Callable[[int], None] = os._exit):
+    def __init__(
+        self,
+        runtime,
+        channel: str = "mlp",
+        *,
+        interval_s: Optional[float] = None,
+        grace_s: float = GRACE_S,
+        exit_fn: Callable[[int], None] = os._exit,
+    ):
         self.rt, self.channel = runtime, channel
         period_s = runtime.timeout_ms / 1000.0
         self.period_s = period_s
@@ -116,17 +123,21 @@ class PeerWatch:
             what = STUCK_STATES[state]
             if stuck_s >= self.period_s:
                 published = rt.board_publish(
-                    self.channel, stuck_s,
+                    self.channel,
+                    stuck_s,
                     f"peer rank {peer_rank} (pid {pid}) is {what} (process state {state}) for {stuck_s:.1f} s; "
-                    f"rank {rank} cannot finish a scheduler step without it")
+                    f"rank {rank} cannot finish a scheduler step without it",
+                )
             if rt.peer_stop_ms and stuck_s * 1000.0 >= rt.peer_stop_ms:
                 self._declare(pid, what, state, stuck_s)
                 return
 
     def _declare(self, pid: int, what: str, state: str, stuck_s: float) -> None:
         rt = self.rt
-        msg = (f"peer died: rank {1 - rt.rank} pid {pid} is {what} (state {state}) for {stuck_s:.1f} s, longer than "
-               f"the limit of {rt.peer_stop_ms} ms (SGLANG_DSPARK_DP2_SHM_PEER_STOP_MS)")
+        msg = (
+            f"peer died: rank {1 - rt.rank} pid {pid} is {what} (state {state}) for {stuck_s:.1f} s, longer than "
+            f"the limit of {rt.peer_stop_ms} ms (SGLANG_DSPARK_DP2_SHM_PEER_STOP_MS)"
+        )
         with rt.lock:
             ch = rt.channels.get(self.channel)
             exc = ch.declare_peer_dead(msg) if ch is not None and not ch.closed else None
@@ -138,6 +149,10 @@ class PeerWatch:
             return
         logger.critical(
             "dspark-harden dp2: %s; this scheduler (DP rank %d) is blocked outside the DP2 exchange (in a stock "
-            "cross-rank collective) and cannot fail on its own: exiting with code %d", msg, rt.rank, EXIT_CODE)
+            "cross-rank collective) and cannot fail on its own: exiting with code %d",
+            msg,
+            rt.rank,
+            EXIT_CODE,
+        )
         _flush_logs()
         self.exit_fn(EXIT_CODE)

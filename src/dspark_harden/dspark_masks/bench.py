@@ -24,14 +24,20 @@ BLOCK = 5  # timed steps per path per block (see measure)
 
 
 def register(bench_subparsers: Any) -> None:
-    p = bench_subparsers.add_parser("traversal", help="DSpark grammar masks: stock Python DFS vs native batched traversal")
+    p = bench_subparsers.add_parser(
+        "traversal", help="DSpark grammar masks: stock Python DFS vs native batched traversal"
+    )
     p.add_argument("--requests", type=int, default=64, help="requests per verify step (default 64)")
     p.add_argument("--chain", type=int, default=8, help="draft chain length incl. the committed token (default 8)")
     p.add_argument("--vocab", type=int, default=32000, help="tokenizer vocabulary (default 32000)")
     p.add_argument("--steps", type=int, default=30, help="measured steps per path (default 30)")
-    p.add_argument("--mix", choices=("json", "all"), default="json",
-                   help="grammar mix: json (JSON schemas + a regex, default) or all (adds an EBNF grammar with "
-                        "free-text identifiers, where xgrammar's own fills dominate)")
+    p.add_argument(
+        "--mix",
+        choices=("json", "all"),
+        default="json",
+        help="grammar mix: json (JSON schemas + a regex, default) or all (adds an EBNF grammar with "
+        "free-text identifiers, where xgrammar's own fills dominate)",
+    )
     p.add_argument("--engine", default=None, help="traversal engine (default: DSPARK_HARDEN_GRAMMAR_TRAVERSAL or auto)")
     p.add_argument("--threads", type=int, default=None, help="threads for threads/level engines")
     p.add_argument("--all-engines", action="store_true", help="also time every available engine (extra JSON key)")
@@ -45,14 +51,22 @@ def _settings():
     return settings_for(make_manager())
 
 
-def run(requests: int = 64, chain: int = 8, vocab: int = 32000, steps: int = 30, engine=None, threads=None,
-        all_engines: bool = False, mix: str = "json") -> dict:
+def run(
+    requests: int = 64,
+    chain: int = 8,
+    vocab: int = 32000,
+    steps: int = 30,
+    engine=None,
+    threads=None,
+    all_engines: bool = False,
+    mix: str = "json",
+) -> dict:
     if requests <= 0 or chain <= 1 or steps <= 0:
         raise SystemExit("--requests and --steps must be positive and --chain at least 2")
     from sglang.srt.speculative import spec_utils
 
-    from . import settings as feat
     from . import integration as I
+    from . import settings as feat
     from .traversal import ENGINES, batch_traverse_available
     from .workload import GrammarFactory, matcher_state
 
@@ -77,7 +91,9 @@ def run(requests: int = 64, chain: int = 8, vocab: int = 32000, steps: int = 30,
     def stock_step():
         info = types.SimpleNamespace(vocab_size=wl.vocab_size, grammar_mask=object())
         tree = spec_utils.GrammarTree.from_host(nxt, sib, wl.draft)
-        gm = spec_utils.build_grammar_vocab_mask(reqs=wl.reqs, tree=tree, sampling_info=info, device="cpu", barrier=None)
+        gm = spec_utils.build_grammar_vocab_mask(
+            reqs=wl.reqs, tree=tree, sampling_info=info, device="cpu", barrier=None
+        )
         return None if gm is None else gm.vocab_mask
 
     tree_cls = I.build_tree_class(spec_utils.GrammarTree)
@@ -133,6 +149,7 @@ def run(requests: int = 64, chain: int = 8, vocab: int = 32000, steps: int = 30,
     measure([stock_step, ours], 2)  # warm-up (xgrammar caches, allocator, thread pools)
     times, masks = measure([stock_step, ours], steps)
     step_cpu = [list(c) for c in cpu]
+
     def same(a, b):
         a = all_ones if a is None else a
         b = all_ones if b is None else b
@@ -154,10 +171,15 @@ def run(requests: int = 64, chain: int = 8, vocab: int = 32000, steps: int = 30,
         "harden_cpu_s_per_step": round(statistics.median(step_cpu[1]), 6),
     }
     if all_engines:
-        extra = {"engine": chosen, "vocab_size": wl.vocab_size, "mix": mix,
-                 # fastest step of each path: closest to an unloaded host on a shared machine
-                 "stock_min_ms": round(min(times[0]) * 1e3, 3), "harden_min_ms": round(min(times[1]) * 1e3, 3),
-                 "engines_ms": {}}
+        extra = {
+            "engine": chosen,
+            "vocab_size": wl.vocab_size,
+            "mix": mix,
+            # fastest step of each path: closest to an unloaded host on a shared machine
+            "stock_min_ms": round(min(times[0]) * 1e3, 3),
+            "harden_min_ms": round(min(times[1]) * 1e3, 3),
+            "engines_ms": {},
+        }
         for eng in ENGINES:
             if eng == "auto" or (eng == "batch" and not batch_traverse_available()):
                 continue
@@ -175,7 +197,9 @@ def run(requests: int = 64, chain: int = 8, vocab: int = 32000, steps: int = 30,
 
 
 def main(args) -> int:
-    result = run(args.requests, args.chain, args.vocab, args.steps, args.engine, args.threads, args.all_engines, args.mix)
+    result = run(
+        args.requests, args.chain, args.vocab, args.steps, args.engine, args.threads, args.all_engines, args.mix
+    )
     if args.json:
         print(json.dumps(result))
     else:
@@ -183,27 +207,35 @@ def main(args) -> int:
         print(f"  stock build_grammar_vocab_mask : {result['stock_ms']:.3f} ms/step")
         print(f"  dspark-harden                  : {result['harden_ms']:.3f} ms/step")
         print(f"  speedup {result['speedup']}x, identical masks: {result['identical']}")
-        print(f"  CPU s/step: stock {result['stock_cpu_s_per_step']:.6f}, dspark-harden {result['harden_cpu_s_per_step']:.6f}")
+        print(
+            f"  CPU s/step: stock {result['stock_cpu_s_per_step']:.6f}, dspark-harden {result['harden_cpu_s_per_step']:.6f}"
+        )
         for eng, v in result.get("detail", {}).get("engines_ms", {}).items():
             print(f"  engine {eng:8s}: {v['ms']:.3f} ms (stock {v['stock_ms']:.3f}), identical {v['identical']}")
     return 0 if result["identical"] else 1
 
 
-def native_engine_times(requests: int = 64, chain: int = 8, vocab: int = 32000, steps: int = 30,
-                        threads=(2, 4, 8)) -> dict:
+def native_engine_times(
+    requests: int = 64, chain: int = 8, vocab: int = 32000, steps: int = 30, threads=(2, 4, 8)
+) -> dict:
     """Our engines only, no SGLang (for the GPU host, which has none): median ms per step of each
-    engine on the same :class:`~.workload.NativeFactory` batch, after checking that every engine
-    produces the scalar engine's masks bit for bit."""
+    engine on the same :class:`~.workload.NativeFactory` batch, each engine's masks compared bit for
+    bit with one independent reference (:func:`~.workload.reference_masks`: plain xgrammar calls in
+    stock's order, no engine of ours); ``all_identical`` is False when any engine differs."""
     from .traversal import ChainTraverser
-    from .workload import NativeFactory, native_jobs
+    from .workload import NativeFactory, native_jobs, reference_masks
 
     factory = NativeFactory(vocab=vocab, pad=64)
     matchers, roots, draft = factory.batch(requests, chain, seed=7)
     V = factory.vocab_size
-    words = (V + 31) // 32
-    ref = torch.empty((requests * chain, words), dtype=torch.int32)
-    ChainTraverser("scalar").traverse(native_jobs(matchers, roots, draft, V), draft, ref, V)
-    out = {"requests": requests, "chain": chain, "vocab_size": V, "engines_ms": {}}
+    ref = reference_masks(matchers, roots, draft, V)
+    out = {
+        "requests": requests,
+        "chain": chain,
+        "vocab_size": V,
+        "reference": "workload.reference_masks",
+        "engines_ms": {},
+    }
     configs = [("scalar", 1), ("native", 1)] + [(e, n) for e in ("native", "threads", "level") for n in threads]
     for eng, n in configs:
         t = ChainTraverser(eng, threads=n)
@@ -214,7 +246,10 @@ def native_engine_times(requests: int = 64, chain: int = 8, vocab: int = 32000, 
             t.traverse(native_jobs(matchers, roots, draft, V), draft, buf, V)
             if i >= 3:
                 times.append(time.perf_counter() - t0)
-        out["engines_ms"][f"{eng}x{n}"] = {"ms": round(statistics.median(times) * 1e3, 3),
-                                           "identical": bool(torch.equal(buf, ref))}
+        out["engines_ms"][f"{eng}x{n}"] = {
+            "ms": round(statistics.median(times) * 1e3, 3),
+            "identical": bool(torch.equal(buf, ref)),
+        }
         t.close()
+    out["all_identical"] = all(e["identical"] for e in out["engines_ms"].values())
     return out

@@ -38,7 +38,7 @@ def dspark_features():
             name=FEATURE,
             area="dspark-masks",
             description="DSpark grammar masks: one batched native draft-chain traversal per verify step, "
-                        "double-buffered pinned slots uploaded on a copy stream (stock-identical masks)",
+            "double-buffered pinned slots uploaded on a copy stream (stock-identical masks)",
             switch=SWITCH,
             default_on=False,
             available=_available,
@@ -68,8 +68,10 @@ def _available(settings: Any):
         from .traversal import batch_traverse_available
 
         if not batch_traverse_available():
-            return (f"{ENGINE}=batch needs xgrammar.BatchGrammarMatcher.batch_traverse_draft_tree, which the "
-                    f"installed xgrammar does not have")
+            return (
+                f"{ENGINE}=batch needs xgrammar.BatchGrammarMatcher.batch_traverse_draft_tree, which the "
+                f"installed xgrammar does not have"
+            )
     return None
 
 
@@ -99,16 +101,27 @@ def patches(role: Role, settings: Any) -> list:
 
     common = dict(feature=FEATURE, roles={Role.SCHEDULER}, propagate=False)
     return [
-        Patch(target=I.TREE_TARGET, kind=Kind.REPLACE, build=build_tree, fingerprint=I.TREE_FINGERPRINT,
-              why="stock DSpark copies the draft chain with a fresh pageable D2H on the compute stream; the "
-                  "pipeline copies it into a pinned slot on a persistent copy stream (DSpark module only)",
-              retire_when="SGLang's DSpark worker ships a native batched grammar traversal with pinned, "
-                          "double-buffered mask slots", **common),
-        Patch(target=I.BUILD_TARGET, kind=Kind.REPLACE, build=build_mask, fingerprint=I.BUILD_FINGERPRINT,
-              why="stock walks every request's draft chain with a Python DFS on the scheduler thread "
-                  "(~67 ms for 64x8 at 32k vocab) while the GPU waits",
-              retire_when="xgrammar's batch_traverse_draft_tree is released and SGLang's DSpark path uses it",
-              **common),
+        Patch(
+            target=I.TREE_TARGET,
+            kind=Kind.REPLACE,
+            build=build_tree,
+            fingerprint=I.TREE_FINGERPRINT,
+            why="stock DSpark copies the draft chain with a fresh pageable D2H on the compute stream; the "
+            "pipeline copies it into a pinned slot on a persistent copy stream (DSpark module only)",
+            retire_when="SGLang's DSpark worker ships a native batched grammar traversal with pinned, "
+            "double-buffered mask slots",
+            **common,
+        ),
+        Patch(
+            target=I.BUILD_TARGET,
+            kind=Kind.REPLACE,
+            build=build_mask,
+            fingerprint=I.BUILD_FINGERPRINT,
+            why="stock walks every request's draft chain with a Python DFS on the scheduler thread "
+            "(~67 ms for 64x8 at 32k vocab) while the GPU waits",
+            retire_when="xgrammar's batch_traverse_draft_tree is released and SGLang's DSpark path uses it",
+            **common,
+        ),
     ]
 
 
@@ -204,11 +217,15 @@ def server_args_problems(args: Any) -> list[str]:
     out = []
     backend = getattr(args, "grammar_backend", None)
     if backend not in (None, "xgrammar", "none"):
-        out.append(f"--grammar-backend {backend} is not supported by the native DSpark traversal (xgrammar only); "
-                   f"unset {SWITCH} or use xgrammar")
+        out.append(
+            f"--grammar-backend {backend} is not supported by the native DSpark traversal (xgrammar only); "
+            f"unset {SWITCH} or use xgrammar"
+        )
     if getattr(args, "enable_strict_thinking", False):
-        out.append(f"--enable-strict-thinking token filters are not reproduced by the native DSpark traversal; "
-                   f"unset {SWITCH} or drop --enable-strict-thinking")
+        out.append(
+            f"--enable-strict-thinking token filters are not reproduced by the native DSpark traversal; "
+            f"unset {SWITCH} or drop --enable-strict-thinking"
+        )
     return out
 
 

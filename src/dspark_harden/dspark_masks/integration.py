@@ -82,10 +82,14 @@ def check_semantic_pins(allow_drift: tuple = ()) -> list[str]:
         try:
             found = fingerprint_source(_resolve(target))
         except Exception as exc:  # noqa: BLE001
-            raise PatchError(f"{target}: cannot check the source our DSpark mask equivalence relies on: {exc}") from None
+            raise PatchError(
+                f"{target}: cannot check the source our DSpark mask equivalence relies on: {exc}"
+            ) from None
         if found != want:
             if "all" in allow_drift or target in allow_drift:
-                logger.warning("dspark-harden: %s drifted (expected %s, found %s); allowed by operator", target, want, found)
+                logger.warning(
+                    "dspark-harden: %s drifted (expected %s, found %s); allowed by operator", target, want, found
+                )
                 drifted.append(target)
                 continue
             raise PatchError(
@@ -134,7 +138,8 @@ class DSparkMaskRuntime:
         if pipe is None:
             raise PipelineError("DSpark grammar mask requested without a begun step (GrammarTree patch not used?)")
         if torch.device(device) != pipe.device and not (
-            torch.device(device).type == pipe.device.type == "cuda" and torch.device(device).index in (None, pipe.device.index)
+            torch.device(device).type == pipe.device.type == "cuda"
+            and torch.device(device).index in (None, pipe.device.index)
         ):
             pipe.abandon(ticket)
             raise PipelineError(f"logits are on {device}, the draft chain was on {pipe.device}")
@@ -240,11 +245,15 @@ def pipeline_device_problem(device_type: str) -> Optional[str]:
     if device_type == "cpu":
         return None
     if device_type != "cuda":
-        return (f"the DSpark mask pipeline runs on CUDA (pinned slots, copy stream, events) or on the CPU "
-                f"(synchronous); the server's device is {device_type!r}")
+        return (
+            f"the DSpark mask pipeline runs on CUDA (pinned slots, copy stream, events) or on the CPU "
+            f"(synchronous); the server's device is {device_type!r}"
+        )
     if not torch.cuda.is_available():
-        return ("the server's device is cuda but torch sees no CUDA device: the DSpark mask pipeline needs "
-                "pinned host memory, a CUDA copy stream and CUDA events")
+        return (
+            "the server's device is cuda but torch sees no CUDA device: the DSpark mask pipeline needs "
+            "pinned host memory, a CUDA copy stream and CUDA events"
+        )
     missing = [name for name in ("Stream", "Event") if not callable(getattr(torch.cuda, name, None))]
     if missing:
         return f"torch.cuda lacks {', '.join(missing)}, which the DSpark mask pipeline needs"

@@ -10,6 +10,7 @@ verify step; see :class:`~.traversal.ChainTraverser` (engine ``native``).
 from __future__ import annotations
 
 import os
+import threading
 import time
 import weakref
 from typing import Any, Optional, Sequence
@@ -39,8 +40,10 @@ def unavailable_reason() -> Optional[str]:
     if IMPORT_ERROR:
         return IMPORT_ERROR
     if lib.DSH_TRAV_ABI_VERSION != ABI_VERSION:
-        return (f"dspark_harden._traverse_native ABI {lib.DSH_TRAV_ABI_VERSION} does not match the Python wrapper "
-                f"(expects {ABI_VERSION}); rebuild the package")
+        return (
+            f"dspark_harden._traverse_native ABI {lib.DSH_TRAV_ABI_VERSION} does not match the Python wrapper "
+            f"(expects {ABI_VERSION}); rebuild the package"
+        )
     return None
 
 
@@ -83,16 +86,21 @@ class NativeTraversal:
         probe = _probe_matcher()
         out = ffi.new("dsh_trav **")
         err = ffi.new("char[]", lib.DSH_TRAV_ERRBUF_MIN)
-        rc = lib.dsh_trav_open(tvm_ffi_library().encode(), ffi.cast("void *", _handle(probe)), threads, out, err,
-                               len(err))
+        rc = lib.dsh_trav_open(
+            tvm_ffi_library().encode(), ffi.cast("void *", _handle(probe)), threads, out, err, len(err)
+        )
         if rc:
-            raise TraversalError(f"native traversal could not bind to xgrammar: {ffi.string(err).decode(errors='replace')}")
+            raise TraversalError(
+                f"native traversal could not bind to xgrammar: {ffi.string(err).decode(errors='replace')}"
+            )
         self._t = out[0]
         self.threads = threads
         self._pid = os.getpid()
         self._err = err
         self._failed = ffi.new("int32_t *")
         self._cache: dict = {}  # per_matcher cache of _describe
+        self._cj = ffi.new("dsh_trav_job[]", 64)  # the job array, reused while large enough
+        self._run_lock = threading.Lock()  # guards _cj, _err and _failed through one step
         self._finalizer = weakref.finalize(self, NativeTraversal._close_handle, self._t, self._pid)
         self._gap_ewma_us: Optional[float] = None  # recent prewake -> run gap
         self._prewoke_at: Optional[float] = None
@@ -136,11 +144,25 @@ class NativeTraversal:
     def _describe(matcher: Any):
         """(handle as void *, stop ids as int32[] or NULL, their count) of a matcher."""
         stops = list(matcher.stop_token_ids)
-        return (ffi.cast("void *", _handle(matcher)), ffi.new("int32_t[]", stops) if stops else ffi.NULL,
-                len(stops))
+        return (ffi.cast("void *", _handle(matcher)), ffi.new("int32_t[]", stops) if stops else ffi.NULL, len(stops))
 
-    def run(self, jobs: Sequence[Job], draft: torch.Tensor, out: torch.Tensor, bs: int, chain: int,
-            vocab_size: int) -> None:
+    def _pack(self, jobs: Sequence[Job]):
+        """The step's jobs in the reused C array (every field of entries [0, n) rewritten: the C side
+        clips ``end`` in place); per-matcher fields from :func:`~.jobs.per_matcher`'s cache."""
+        n = len(jobs)
+        if len(self._cj) < n:
+            self._cj = ffi.new("dsh_trav_job[]", max(n, 2 * len(self._cj)))
+        cj, cache = self._cj, self._cache
+        for i, j in enumerate(jobs):
+            d = per_matcher(cache, j.matcher, self._describe)
+            c = cj[i]
+            c.matcher, c.stop, c.n_stop = d
+            c.row, c.root, c.end = j.row, j.root, j.end
+        return cj
+
+    def run(
+        self, jobs: Sequence[Job], draft: torch.Tensor, out: torch.Tensor, bs: int, chain: int, vocab_size: int
+    ) -> None:
         """Fill ``out[:bs*chain]``; a job's ``end`` is clipped in C at its first draft token
         ``>= vocab_size`` (so :func:`~.resolve.resolve_jobs` may leave it at ``chain``)."""
         if self.stale():
@@ -151,17 +173,23 @@ class NativeTraversal:
             self._prewoke_at = None
         n = len(jobs)
         self._last_jobs = max(1, n)
-        cj = ffi.new("dsh_trav_job[]", n) if n else ffi.NULL
-        for i, j in enumerate(jobs):
-            c = cj[i]
-            c.matcher, c.stop, c.n_stop = per_matcher(self._cache, j.matcher, self._describe)
-            c.row, c.root, c.end = j.row, j.root, j.end
-        rc = lib.dsh_trav_run(
-            self._t, cj, n, ffi.cast("const int64_t *", draft.data_ptr()), bs, chain, vocab_size,
-            ffi.cast("int32_t *", out.data_ptr()), out.shape[1], self._failed, self._err, len(self._err),
-        )
+        with self._run_lock:
+            rc = lib.dsh_trav_run(
+                self._t,
+                self._pack(jobs) if n else ffi.NULL,
+                n,
+                ffi.cast("const int64_t *", draft.data_ptr()),
+                bs,
+                chain,
+                vocab_size,
+                ffi.cast("int32_t *", out.data_ptr()),
+                out.shape[1],
+                self._failed,
+                self._err,
+                len(self._err),
+            )
+            if rc:
+                msg, k = ffi.string(self._err).decode(errors="replace"), self._failed[0]
         if rc:
-            msg = ffi.string(self._err).decode(errors="replace")
-            k = self._failed[0]
             who = f"request {jobs[k].rid}" if 0 <= k < n else "native traversal"
             raise TraversalError(f"{who}: {msg}")

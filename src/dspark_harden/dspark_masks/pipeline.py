@@ -113,8 +113,13 @@ class MaskPipeline:
         self._slots = []
         for i in range(self.nslots):
             slot = _Slot(
-                i, torch.empty((capacity, self.chain), dtype=torch.int64, pin_memory=self.pin), None, None,
-                self._event(), self._event(), self._event(),
+                i,
+                torch.empty((capacity, self.chain), dtype=torch.int64, pin_memory=self.pin),
+                None,
+                None,
+                self._event(),
+                self._event(),
+                self._event(),
             )
             self._slots.append(slot)
         self.capacity = capacity
@@ -133,9 +138,7 @@ class MaskPipeline:
         """Wait until nothing may still read or write any slot (before reallocating)."""
         for s in self._slots:
             if s.state != IDLE:
-                raise PipelineError(
-                    f"cannot resize the mask pipeline while slot {s.index} is {s.state} (step {s.seq})"
-                )
+                raise PipelineError(f"cannot resize the mask pipeline while slot {s.index} is {s.state} (step {s.seq})")
         for s in self._slots:
             if self.cuda:
                 if s.consumed_pending:
@@ -151,7 +154,9 @@ class MaskPipeline:
         ids = verify_ids_2d
         if ids.dim() != 2 or ids.dtype != torch.int64:
             raise PipelineError(f"verify ids must be a 2-D int64 tensor, got {tuple(ids.shape)} {ids.dtype}")
-        if ids.device != self.device and not (ids.device.type == self.device.type == "cuda" and ids.device.index == self.device.index):
+        if ids.device != self.device and not (
+            ids.device.type == self.device.type == "cuda" and ids.device.index == self.device.index
+        ):
             raise PipelineError(f"verify ids are on {ids.device}, the mask pipeline on {self.device}")
         if not ids.is_contiguous():
             raise PipelineError("verify ids must be contiguous")
@@ -211,8 +216,7 @@ class MaskPipeline:
         cur = self._current
         if cur is None or cur.seq != ticket.seq:
             raise PipelineError(
-                f"{what}() of step {ticket.seq} out of order: current step is "
-                f"{'none' if cur is None else cur.seq}"
+                f"{what}() of step {ticket.seq} out of order: current step is {'none' if cur is None else cur.seq}"
             )
 
     def finish(

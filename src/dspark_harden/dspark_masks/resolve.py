@@ -55,8 +55,9 @@ def _describe(obj: Any) -> str:
     return f"{t.__module__}.{t.__qualname__}"
 
 
-def resolve_jobs(reqs: Sequence[Any], draft: torch.Tensor, vocab_size: int, *,
-                 clip_end: bool = True) -> tuple[list[Job], int]:
+def resolve_jobs(
+    reqs: Sequence[Any], draft: torch.Tensor, vocab_size: int, *, clip_end: bool = True
+) -> tuple[list[Job], int]:
     """Return the traversal jobs for this step and the number of requests that carry a grammar
     object at all (stock builds a mask whenever that number is non-zero).
 
@@ -116,7 +117,9 @@ def resolve_jobs(reqs: Sequence[Any], draft: torch.Tensor, vocab_size: int, *,
         end = int(first_bad[row]) if clip_end else chain
         if any_negative and negative[row, root : end - 1].any():
             col = int(np.argmax(negative[row, root : end - 1])) + root + 1
-            raise TraversalError(f"request {_rid(req)}: negative draft token {int(toks[row, col])} at chain position {col}")
+            raise TraversalError(
+                f"request {_rid(req)}: negative draft token {int(toks[row, col])} at chain position {col}"
+            )
         jobs.append(Job(row=row, matcher=matcher, root=root, end=end, rid=_rid(req)))
     return jobs, with_grammar
 

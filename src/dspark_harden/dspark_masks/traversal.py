@@ -53,6 +53,7 @@ from .settings import ENGINES
 
 logger = logging.getLogger("dspark_harden.dspark_masks")
 
+
 def batch_traverse_available() -> bool:
     return callable(getattr(xgr.BatchGrammarMatcher, "batch_traverse_draft_tree", None))
 
@@ -263,8 +264,13 @@ class ChainTraverser:
                 if j.end < chain:
                     tokens[j.row, j.end :] = np.iinfo(np.int32).max
         results = self._batch.batch_traverse_draft_tree(
-            [j.matcher for j in jobs], nxt, sib, tokens, out[: draft.shape[0] * chain],
-            indices=[j.row for j in jobs], root_positions=[j.root for j in jobs],
+            [j.matcher for j in jobs],
+            nxt,
+            sib,
+            tokens,
+            out[: draft.shape[0] * chain],
+            indices=[j.row for j in jobs],
+            root_positions=[j.root for j in jobs],
         )
         for j, ok in zip(jobs, results):
             if not ok:
@@ -328,11 +334,17 @@ class ChainTraverser:
 
 def _check_buffers(draft: torch.Tensor, out: torch.Tensor, bs: int, chain: int, vocab_size: int) -> None:
     if draft.device.type != "cpu" or draft.dtype != torch.int64 or not draft.is_contiguous() or draft.dim() != 2:
-        raise TraversalError(f"draft tokens must be a contiguous 2-D int64 CPU tensor, got {tuple(draft.shape)} {draft.dtype} {draft.device}")
+        raise TraversalError(
+            f"draft tokens must be a contiguous 2-D int64 CPU tensor, got {tuple(draft.shape)} {draft.dtype} {draft.device}"
+        )
     words = (vocab_size + 31) // 32
     if (
-        out.device.type != "cpu" or out.dtype != torch.int32 or not out.is_contiguous() or out.dim() != 2
-        or out.shape[1] != words or out.shape[0] < bs * chain
+        out.device.type != "cpu"
+        or out.dtype != torch.int32
+        or not out.is_contiguous()
+        or out.dim() != 2
+        or out.shape[1] != words
+        or out.shape[0] < bs * chain
     ):
         raise TraversalError(
             f"bitmask must be a contiguous int32 CPU tensor of at least ({bs * chain}, {words}) rows for "
@@ -388,7 +400,7 @@ def probe_batch_engine(traverser: ChainTraverser) -> None:
     """Before trusting ``batch_traverse_draft_tree`` (absent from stock xgrammar), check that it
     matches the scalar engine bit for bit on a small grammar with accepted, rejected and
     terminating chains. Raises :class:`TraversalError` on any difference."""
-    vocab = ["a", "b", "{", "}", "\"", ":", " ", "1", "2", "<eos>"]
+    vocab = ["a", "b", "{", "}", '"', ":", " ", "1", "2", "<eos>"]
     info = xgr.TokenizerInfo(vocab, vocab_size=len(vocab), stop_token_ids=[9])
     compiled = xgr.GrammarCompiler(info).compile_grammar('root ::= "{" ("a" | "b")* "}"')
     chains = [[0, 2, 0, 1, 3, 9, 0, 0], [0, 2, 7, 0, 0, 0, 0, 0], [0, 2, 3, 9, 1, 0, 0, 0], [0, 0, 0, 2, 0, 3, 9, 9]]
@@ -434,8 +446,10 @@ def auto_unavailable_reason():
     reason = native_unavailable_reason()
     if reason is None:
         return None
-    return (f"{AUTO_REFUSAL} (the batch API is not in xgrammar {getattr(xgr, '__version__', '?')}; native: "
-            f"{reason}). {SCALAR_HINT}")
+    return (
+        f"{AUTO_REFUSAL} (the batch API is not in xgrammar {getattr(xgr, '__version__', '?')}; native: "
+        f"{reason}). {SCALAR_HINT}"
+    )
 
 
 def resolved_engine(engine: str) -> str:

@@ -21,24 +21,36 @@ from typing import Any, Optional
 import torch
 
 SCHEMAS = [
-    ("json", '{"type":"object","properties":{"name":{"type":"string"},"age":{"type":"integer"}},"required":["name","age"]}',
-     '{"name": "Alice Smith", "age": 42}'),
-    ("json", '{"type":"array","items":{"type":"number"}}', '[1.5, 2, 3.25, 4, 5, 6.125, 7]'),
-    ("json", '{"type":"object","properties":{"color":{"enum":["red","green","blue"]},"point":{"type":"object",'
-             '"properties":{"x":{"type":"integer"},"y":{"type":"integer"}},"required":["x","y"]}},'
-             '"required":["color","point"]}',
-     '{"color": "green", "point": {"x": 10, "y": -3}}'),
-    ("json", '{"type":"object","properties":{"id":{"type":"string","pattern":"^[a-z]{3}-[0-9]{4}$"},'
-             '"tags":{"type":"array","items":{"type":"string"}},"ok":{"type":"boolean"}},"required":["id","tags","ok"]}',
-     '{"id": "abc-1234", "tags": ["x", "yy", "zzz"], "ok": true}'),
+    (
+        "json",
+        '{"type":"object","properties":{"name":{"type":"string"},"age":{"type":"integer"}},"required":["name","age"]}',
+        '{"name": "Alice Smith", "age": 42}',
+    ),
+    ("json", '{"type":"array","items":{"type":"number"}}', "[1.5, 2, 3.25, 4, 5, 6.125, 7]"),
+    (
+        "json",
+        '{"type":"object","properties":{"color":{"enum":["red","green","blue"]},"point":{"type":"object",'
+        '"properties":{"x":{"type":"integer"},"y":{"type":"integer"}},"required":["x","y"]}},'
+        '"required":["color","point"]}',
+        '{"color": "green", "point": {"x": 10, "y": -3}}',
+    ),
+    (
+        "json",
+        '{"type":"object","properties":{"id":{"type":"string","pattern":"^[a-z]{3}-[0-9]{4}$"},'
+        '"tags":{"type":"array","items":{"type":"string"}},"ok":{"type":"boolean"}},"required":["id","tags","ok"]}',
+        '{"id": "abc-1234", "tags": ["x", "yy", "zzz"], "ok": true}',
+    ),
     ("regex", r"(\d{3}-){2}\d{4} (yes|no)", "555-123-4567 yes"),
 ]
 # Free-text identifier states are where xgrammar's own mask fill is expensive (~0.1-0.25 ms per
 # fill at a 32k code-trained vocabulary, vs 1-30 us for JSON structure and strings); stock and ours
 # do exactly the same fills, so such grammars bound the speedup (docs/dspark_masks.md).
 EXPENSIVE = [
-    ("ebnf", 'root ::= "SELECT " cols " FROM " name ";"\ncols ::= name (", " name)*\nname ::= [a-z]+',
-     "SELECT alpha, beta, gamma FROM delta;"),
+    (
+        "ebnf",
+        'root ::= "SELECT " cols " FROM " name ";"\ncols ::= name (", " name)*\nname ::= [a-z]+',
+        "SELECT alpha, beta, gamma FROM delta;",
+    ),
 ]
 MIXES = {"json": SCHEMAS, "all": SCHEMAS + EXPENSIVE}
 
@@ -63,17 +75,19 @@ class GrammarFactory:
     """Compiles each grammar once with the stock backend; hands out per-request copies."""
 
     def __init__(self, vocab: int = 32000, pad: int = 0, mix: str = "json") -> None:
+        from sglang.srt.constrained.xgrammar_backend import XGrammarGrammarBackend
         from transformers import AutoTokenizer
 
         from ..devtools.tiny_models import ensure_tokenizer
-        from sglang.srt.constrained.xgrammar_backend import XGrammarGrammarBackend
 
         self.tokenizer = AutoTokenizer.from_pretrained(ensure_tokenizer(vocab))
         # model vocab padded past the tokenizer, as real checkpoints do
         self.vocab_size = len(self.tokenizer) + pad
         self.eos_id = self.tokenizer.convert_tokens_to_ids("<|im_end|>")
         self.think_end_ids = (self.tokenizer.convert_tokens_to_ids("</think>"),)
-        self.backend = XGrammarGrammarBackend(self.tokenizer, vocab_size=self.vocab_size, model_eos_token_ids=[self.eos_id])
+        self.backend = XGrammarGrammarBackend(
+            self.tokenizer, vocab_size=self.vocab_size, model_eos_token_ids=[self.eos_id]
+        )
         self.compiled = []
         if mix not in MIXES:
             raise ValueError(f"unknown grammar mix {mix!r}; expected one of {sorted(MIXES)}")
@@ -93,8 +107,17 @@ class GrammarFactory:
         obj.maybe_init_reasoning(reasoning)
         return obj
 
-    def workload(self, bs: int, chain: int, seed: int = 0, *, no_grammar: float = 0.1, reasoning: float = 0.2,
-                 corrupt: float = 0.3, tail: float = 1.0) -> Workload:
+    def workload(
+        self,
+        bs: int,
+        chain: int,
+        seed: int = 0,
+        *,
+        no_grammar: float = 0.1,
+        reasoning: float = 0.2,
+        corrupt: float = 0.3,
+        tail: float = 1.0,
+    ) -> Workload:
         """``corrupt``: fraction of grammar chains with one invalid / out-of-vocab / stop token at a
         random depth; ``tail``: fraction whose accepted prefix is drawn from the whole instance (so
         the chain may run into the end of the instance and the stop token: termination mid-chain);
@@ -166,8 +189,12 @@ def matcher_state(grammar: Any) -> Optional[tuple]:
     inner = getattr(grammar, "grammar", None) if hasattr(grammar, "think_end_ids") else grammar
     wrapper = None
     if inner is not grammar:
-        wrapper = (grammar.tokens_in_think, grammar.tokens_after_end, grammar._matched_think_end_tokens,
-                   tuple(grammar._thinking_match_history))
+        wrapper = (
+            grammar.tokens_in_think,
+            grammar.tokens_after_end,
+            grammar._matched_think_end_tokens,
+            tuple(grammar._thinking_match_history),
+        )
     if inner is None:
         return (wrapper,)
     m = inner.matcher
@@ -192,7 +219,9 @@ class NativeFactory:
         self.tokenizer = AutoTokenizer.from_pretrained(ensure_tokenizer(vocab))
         self.vocab_size = len(self.tokenizer) + pad
         self.eos_id = self.tokenizer.convert_tokens_to_ids("<|im_end|>")
-        info = xgr.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=self.vocab_size, stop_token_ids=[self.eos_id])
+        info = xgr.TokenizerInfo.from_huggingface(
+            self.tokenizer, vocab_size=self.vocab_size, stop_token_ids=[self.eos_id]
+        )
         compiler = xgr.GrammarCompiler(info)
         self.compiled = []
         for kind, spec, instance in SCHEMAS:
@@ -252,3 +281,37 @@ def native_jobs(matchers, roots, draft: torch.Tensor, vocab_size: int) -> list:
             continue
         jobs.append(Job(row=row, matcher=m, root=root, end=end, rid=f"row{row}"))
     return jobs
+
+
+def reference_masks(matchers, roots, draft: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """The stock bitmask of a :class:`NativeFactory` batch, built one node at a time with plain
+    xgrammar calls in stock's order (``fill_next_token_bitmask``, a bit test of the next draft
+    token, ``accept_token``, ``rollback`` at the end) -- no ``traverse_draft_tree``, no engine of
+    :mod:`.traversal`: the independent reference every engine is compared with on the GPU host.
+
+    Rows stock never fills stay all-ones: rows without a matcher, rows before the root, a matcher
+    terminated at its root, the row of a rejected node (outside its parent's mask or ``>= vocab``)
+    or of a node whose token terminated the grammar, and every row after it."""
+    bs, chain = draft.shape
+    words = (vocab_size + 31) // 32
+    out = torch.full((bs * chain, words), -1, dtype=torch.int32)
+    toks = draft.tolist()
+    for j in native_jobs(matchers, roots, draft, vocab_size):
+        m = j.matcher
+        if m.is_terminated():
+            continue
+        accepted = 0
+        for i in range(j.root, j.end):
+            m.fill_next_token_bitmask(out, j.row * chain + i)
+            if i + 1 >= j.end:
+                break
+            t = toks[j.row][i + 1]
+            word = int(out[j.row * chain + i, t // 32]) & 0xFFFFFFFF
+            if not (word >> (t % 32)) & 1 or not m.accept_token(t):
+                break
+            accepted += 1
+            if m.is_terminated():
+                break
+        if accepted:
+            m.rollback(accepted)
+    return out

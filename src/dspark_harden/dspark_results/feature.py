@@ -18,6 +18,15 @@ from ..core.patch import Kind, Patch, Role
 from .settings import FEATURE, QUEUE, SETTINGS, SWITCH, TIMEOUT
 
 
+@hookimpl
+def dspark_stock_sources():
+    """The read-only stock sources the result record mirrors (integration.MIRRORED): port-report lists them."""
+    from ..core.porting import StockSource
+    from .integration import MIRRORED
+
+    return [StockSource(FEATURE, target, fp, "mirrored by the DSpark result record") for target, fp in MIRRORED.items()]
+
+
 def _resolved(server_args: Any, name: str) -> Any:
     try:
         from sglang.srt.arg_groups.model_override_base import resolved_view
@@ -38,8 +47,10 @@ def preconditions(server_args: Any) -> list:
     if name != "DSPARK":
         out.append(f"speculative algorithm is {name}, not DSPARK (--speculative-algorithm DSPARK)")
     if _resolved(server_args, "disable_overlap_schedule"):
-        out.append("overlap scheduling is disabled (--disable-overlap-schedule or a model override): stock "
-                   "converts results synchronously and issues no copy to wait on")
+        out.append(
+            "overlap scheduling is disabled (--disable-overlap-schedule or a model override): stock "
+            "converts results synchronously and issues no copy to wait on"
+        )
     return out
 
 
@@ -69,7 +80,7 @@ def dspark_features():
             name=FEATURE,
             area="dspark-results",
             description="DSpark decode results: copy enqueued behind the forward on the scheduler thread, event "
-                        "wait and tolist on one bounded background thread; consumers read the record",
+            "wait and tolist on one bounded background thread; consumers read the record",
             switch=SWITCH,
             default_on=False,
             available=_available,
@@ -98,24 +109,47 @@ def patches(role: Role, settings: Any) -> list:
     I.configure(settings[QUEUE], settings[TIMEOUT])
     common = dict(feature=FEATURE, roles={Role.SCHEDULER})
     return [
-        Patch(target=I.COPY_TARGET, kind=Kind.WRAP, build=I.build_copy, fingerprint=I.COPY_FINGERPRINT,
-              why="stock enqueues the DSpark result copy behind the forward (kept), but the event wait and every "
-                  "tolist() then run on the scheduler thread; the wrapper hands the recorded copy event of a "
-                  "DSpark decode result to the background materializer",
-              retire_when="SGLang materializes spec results off the scheduler thread (AsyncD2HCopyWorker for "
-                          "DSpark with the enqueue kept behind the forward)", **common),
-        Patch(target=I.RESOLVE_TARGET, kind=Kind.REPLACE, build=I.build_resolve, fingerprint=I.RESOLVE_FINGERPRINT,
-              why="reads next_token_ids / accept_lens / block_accept_lens / cap_lens of a DSpark decode result from "
-                  "its materializer record instead of tolist() (stock for every other result)",
-              retire_when="stock consumes host lists prepared off the scheduler thread", **common),
-        Patch(target=I.ADVANCE_TARGET, kind=Kind.REPLACE, build=I.build_advance, fingerprint=I.ADVANCE_FINGERPRINT,
-              why="the grammar barrier (inside the next verify) reads the DSpark decode result's lists from its "
-                  "record instead of synchronizing and converting on the scheduler thread",
-              retire_when="stock consumes host lists prepared off the scheduler thread", **common),
-        Patch(target=I.NORMALIZE_TARGET, kind=Kind.REPLACE, build=I.build_normalize,
-              fingerprint=I.NORMALIZE_FINGERPRINT,
-              why="under return_logprob, a DSpark decode result's logprob lists come from its record",
-              retire_when="stock consumes host lists prepared off the scheduler thread", **common),
+        Patch(
+            target=I.COPY_TARGET,
+            kind=Kind.WRAP,
+            build=I.build_copy,
+            fingerprint=I.COPY_FINGERPRINT,
+            why="stock enqueues the DSpark result copy behind the forward (kept), but the event wait and every "
+            "tolist() then run on the scheduler thread; the wrapper hands the recorded copy event of a "
+            "DSpark decode result to the background materializer",
+            retire_when="SGLang materializes spec results off the scheduler thread (AsyncD2HCopyWorker for "
+            "DSpark with the enqueue kept behind the forward)",
+            **common,
+        ),
+        Patch(
+            target=I.RESOLVE_TARGET,
+            kind=Kind.REPLACE,
+            build=I.build_resolve,
+            fingerprint=I.RESOLVE_FINGERPRINT,
+            why="reads next_token_ids / accept_lens / block_accept_lens / cap_lens of a DSpark decode result from "
+            "its materializer record instead of tolist() (stock for every other result)",
+            retire_when="stock consumes host lists prepared off the scheduler thread",
+            **common,
+        ),
+        Patch(
+            target=I.ADVANCE_TARGET,
+            kind=Kind.REPLACE,
+            build=I.build_advance,
+            fingerprint=I.ADVANCE_FINGERPRINT,
+            why="the grammar barrier (inside the next verify) reads the DSpark decode result's lists from its "
+            "record instead of synchronizing and converting on the scheduler thread",
+            retire_when="stock consumes host lists prepared off the scheduler thread",
+            **common,
+        ),
+        Patch(
+            target=I.NORMALIZE_TARGET,
+            kind=Kind.REPLACE,
+            build=I.build_normalize,
+            fingerprint=I.NORMALIZE_FINGERPRINT,
+            why="under return_logprob, a DSpark decode result's logprob lists come from its record",
+            retire_when="stock consumes host lists prepared off the scheduler thread",
+            **common,
+        ),
     ]
 
 

@@ -25,14 +25,19 @@ from .materializer import Materializer, done_class, record_of
 
 COPY_TARGET = "sglang.srt.managers.scheduler:Scheduler._copy_result_to_cpu"
 COPY_FINGERPRINT = "aa27a06488d6bac9"
-RESOLVE_TARGET = ("sglang.srt.managers.scheduler_components.batch_result_processor:"
-                  "SchedulerBatchResultProcessor._resolve_spec_v2_tokens")
+RESOLVE_TARGET = (
+    "sglang.srt.managers.scheduler_components.batch_result_processor:"
+    "SchedulerBatchResultProcessor._resolve_spec_v2_tokens"
+)
 RESOLVE_FINGERPRINT = "dd103aa7dd424080"
-ADVANCE_TARGET = ("sglang.srt.managers.scheduler_components.batch_result_processor:"
-                  "SchedulerBatchResultProcessor.advance_grammar_fsm")
+ADVANCE_TARGET = (
+    "sglang.srt.managers.scheduler_components.batch_result_processor:SchedulerBatchResultProcessor.advance_grammar_fsm"
+)
 ADVANCE_FINGERPRINT = "30b46f5b13c2b1b6"
-NORMALIZE_TARGET = ("sglang.srt.managers.scheduler_components.batch_result_processor:"
-                    "SchedulerBatchResultProcessor._normalize_decode_outputs")
+NORMALIZE_TARGET = (
+    "sglang.srt.managers.scheduler_components.batch_result_processor:"
+    "SchedulerBatchResultProcessor._normalize_decode_outputs"
+)
 NORMALIZE_FINGERPRINT = "e8fd0e0079a61484"
 # read-only: what the record mirrors (the copies it waits for; the done interface it subclasses)
 MIRRORED = {
@@ -82,8 +87,13 @@ def new_materializer(dp_label: Optional[str] = None) -> Materializer:
     from . import metrics
 
     label = dp_label if dp_label is not None else metrics.dp_label()
-    mat = Materializer(queue_size=_CONFIG["queue_size"], timeout_s=_CONFIG["timeout_s"], done_cls=_done_cls(),
-                       observe=metrics.observer(label), count=metrics.counter(label))
+    mat = Materializer(
+        queue_size=_CONFIG["queue_size"],
+        timeout_s=_CONFIG["timeout_s"],
+        done_cls=_done_cls(),
+        observe=metrics.observer(label),
+        count=metrics.counter(label),
+    )
     _LIVE.add(mat)
     return mat
 
@@ -107,6 +117,7 @@ def shutdown_all() -> None:
 
 
 # -- patch builders --------------------------------------------------------------------------------
+
 
 def build_copy(stock):
     @functools.wraps(stock)
@@ -214,7 +225,8 @@ def build_normalize(stock):
 
             raise MaterializerError(
                 f"SchedulerBatchResultProcessor._normalize_decode_outputs: DSpark result of step "
-                f"{result.copy_done.seq} was materialized without its logprob lists (return_logprob)")
+                f"{result.copy_done.seq} was materialized without its logprob lists (return_logprob)"
+            )
         next_token_logprobs = lists["next_token_logprobs"]
         if logits_output.next_token_top_logprobs_val:
             logits_output.next_token_top_logprobs_val = lists["next_token_top_logprobs_val"]

@@ -34,7 +34,15 @@ logger = logging.getLogger("dspark_harden.dspark_results")
 SEQ_ATTR = "_dspark_harden_result_seq"
 RECORD_ATTR = "_dspark_harden_result_record"
 PHASES = ("queue", "copy_wait", "convert", "consumer_wait")
-OUTCOMES = ("materialized", "failed", "timed_out", "thread_dead", "missing_record", "wrong_step")
+OUTCOMES = (
+    "materialized",
+    "converted_by_consumer",
+    "failed",
+    "timed_out",
+    "thread_dead",
+    "missing_record",
+    "wrong_step",
+)
 _POLL_S = 0.05
 
 
@@ -75,8 +83,7 @@ def convert_result(result: Any, seq: int, return_logprob: bool) -> ResultRecord:
             logprobs["next_token_top_logprobs_val"] = [v.tolist() for v in lo.next_token_top_logprobs_val]
             logprobs["next_token_top_logprobs_idx"] = [x.tolist() for x in lo.next_token_top_logprobs_idx]
         if lo.next_token_token_ids_logprobs_val:
-            logprobs["next_token_token_ids_logprobs_val"] = [
-                v.tolist() for v in lo.next_token_token_ids_logprobs_val]
+            logprobs["next_token_token_ids_logprobs_val"] = [v.tolist() for v in lo.next_token_token_ids_logprobs_val]
     return ResultRecord(
         seq=seq,
         next_token_ids=result.next_token_ids.tolist(),
@@ -116,6 +123,10 @@ def done_class(base: type) -> type:
             self.materializer = materializer
             self.seq = seq
             self.waited = False
+            # whoever takes it converts this step: the thread, or the consumer when the copy is
+            # complete and the thread has not started (the thread needs the GIL the scheduler holds)
+            self.claim = threading.Lock()
+            self.item: Any = None  # (result, event, return_logprob) until converted
 
         def synchronize(self) -> None:
             self.materializer.wait(self)
@@ -137,10 +148,17 @@ class Materializer:
     ``observe(phase, seconds)`` and ``count(outcome)`` report metrics (no-ops by default);
     ``convert`` is :func:`convert_result` (tests inject faults through it)."""
 
-    def __init__(self, *, queue_size: int = 4, timeout_s: float = 60.0, done_cls: Optional[type] = None,
-                 observe: Callable[[str, float], None] = _noop, count: Callable[[str], None] = _noop,
-                 convert: Callable[[Any, int, bool], ResultRecord] = convert_result,
-                 name: str = "dspark-harden-result-materializer") -> None:
+    def __init__(
+        self,
+        *,
+        queue_size: int = 4,
+        timeout_s: float = 60.0,
+        done_cls: Optional[type] = None,
+        observe: Callable[[str, float], None] = _noop,
+        count: Callable[[str], None] = _noop,
+        convert: Callable[[Any, int, bool], ResultRecord] = convert_result,
+        name: str = "dspark-harden-result-materializer",
+    ) -> None:
         if queue_size < 1 or not timeout_s > 0:
             raise ValueError("queue_size must be >= 1 and timeout_s > 0")
         self.timeout_s = float(timeout_s)
@@ -165,24 +183,65 @@ class Materializer:
             self._count("thread_dead")
             raise MaterializerError(
                 f"DSpark result of step {seq}: the materializer thread is not running "
-                f"({'shut down' if self.closed else 'it died'}; last step completed: {self.completed})")
+                f"({'shut down' if self.closed else 'it died'}; last step completed: {self.completed})"
+            )
         self.seq = seq
         done = self._done_cls(self, seq)
         setattr(result, SEQ_ATTR, seq)
         result.copy_done = done
+        done.item = (result, event, return_logprob)
         try:
             self._queue.put((result, event, done, time.perf_counter(), return_logprob), timeout=self.timeout_s)
         except queue.Full:
             self._count("timed_out")
             raise MaterializerError(
                 f"DSpark result of step {seq}: the materializer queue stayed full for {self.timeout_s:g} s "
-                f"(last step completed: {self.completed})") from None
+                f"(last step completed: {self.completed})"
+            ) from None
         return done
 
+    def _fail(self, done: Any, exc: BaseException, what: str) -> None:
+        """A claimed step failed: count it, log it, and set done with the error (synchronize re-raises)."""
+        self._count("failed")
+        logger.error("dspark-harden: DSpark result of step %d: %s: %s: %s", done.seq, what, type(exc).__name__, exc)
+        done.item = None
+        done.set_done(error=exc)
+        self.completed = max(self.completed, done.seq)
+
+    def _convert_claimed(self, done: Any, by_consumer: bool) -> None:
+        """Convert one claimed step (the caller holds ``done.claim``); sets done, with the error on failure."""
+        result, event, return_logprob = done.item
+        t1 = time.perf_counter()
+        try:
+            record = self._convert(result, done.seq, return_logprob)
+            t2 = time.perf_counter()
+            record.timings = {"convert": t2 - t1}
+            setattr(result, RECORD_ATTR, record)
+        except BaseException as exc:  # noqa: BLE001 - every failure reaches the consumer
+            self._fail(done, exc, "materializer failed")
+            if not isinstance(exc, Exception):
+                raise
+            return
+        self._observe("convert", t2 - t1)
+        self._count("converted_by_consumer" if by_consumer else "materialized")
+        done.item = None
+        self.completed = max(self.completed, done.seq)
+        done.set_done()
+
     def wait(self, done: Any) -> None:
-        """``copy_done.synchronize()`` of a materialized result: bounded, thread-aware, re-raises."""
+        """``copy_done.synchronize()`` of a materialized result: bounded, thread-aware, re-raises.
+        When the copy is complete but the thread has not started converting (it waits for the GIL
+        this thread holds), the consumer converts the step itself instead of handing the GIL over."""
         start = time.perf_counter()
         deadline = start + self.timeout_s
+        if not done._done.is_set():
+            item = done.item
+            query = getattr(item[1], "query", None) if item is not None else None
+            if query is not None and query() and done.claim.acquire(blocking=False):
+                if done.item is not None:
+                    self._convert_claimed(done, by_consumer=True)
+                else:
+                    done.claim.release()
         while not done._done.wait(_POLL_S):
             if done._done.is_set():
                 break
@@ -190,19 +249,21 @@ class Materializer:
                 self._count("thread_dead")
                 raise MaterializerError(
                     f"DSpark result of step {done.seq}: the materializer thread died before materializing it "
-                    f"(last step completed: {self.completed})")
+                    f"(last step completed: {self.completed})"
+                )
             if time.perf_counter() > deadline:
                 self._count("timed_out")
                 raise MaterializerError(
                     f"DSpark result of step {done.seq}: no record after {self.timeout_s:g} s (the copy event "
-                    f"or the conversion never completed; last step completed: {self.completed})")
+                    f"or the conversion never completed; last step completed: {self.completed})"
+                )
         if not done.waited:
             done.waited = True
             self._observe("consumer_wait", time.perf_counter() - start)
         if done.error is not None:
             raise MaterializerError(
-                f"DSpark result of step {done.seq}: the materializer failed: "
-                f"{type(done.error).__name__}: {done.error}") from done.error
+                f"DSpark result of step {done.seq}: the materializer failed: {type(done.error).__name__}: {done.error}"
+            ) from done.error
 
     def shutdown(self, timeout_s: Optional[float] = None) -> bool:
         """Stop the thread (bounded join); True when it stopped."""
@@ -218,8 +279,12 @@ class Materializer:
         self._thread.join(max(0.0, deadline - time.perf_counter()))
         stopped = not self._thread.is_alive()
         if not stopped:
-            logger.error("dspark-harden: the DSpark result materializer thread did not stop within %.3g s "
-                         "(step %d pending); leaving it (daemon)", bound, self.seq)
+            logger.error(
+                "dspark-harden: the DSpark result materializer thread did not stop within %.3g s "
+                "(step %d pending); leaving it (daemon)",
+                bound,
+                self.seq,
+            )
         return stopped
 
     # -- background thread ------------------------------------------------------------------
@@ -233,25 +298,16 @@ class Materializer:
             self._observe("queue", t0 - submitted)
             try:
                 event.synchronize()
-                t1 = time.perf_counter()
-                record = self._convert(result, done.seq, return_logprob)
-                t2 = time.perf_counter()
-                record.timings = {"queue": t0 - submitted, "copy_wait": t1 - t0, "convert": t2 - t1}
-                setattr(result, RECORD_ATTR, record)
             except BaseException as exc:  # noqa: BLE001 - every failure reaches the consumer
-                self._count("failed")
-                logger.error("dspark-harden: DSpark result of step %d: materializer failed: %s: %s",
-                             done.seq, type(exc).__name__, exc)
-                done.set_done(error=exc)
-                self.completed = done.seq
+                if done.claim.acquire(blocking=False):
+                    self._fail(done, exc, "copy wait failed")
                 if not isinstance(exc, Exception):
                     raise
                 continue
-            self._observe("copy_wait", t1 - t0)
-            self._observe("convert", t2 - t1)
-            self._count("materialized")
-            self.completed = done.seq
-            done.set_done()
+            self._observe("copy_wait", time.perf_counter() - t0)
+            if not done.claim.acquire(blocking=False):
+                continue  # the consumer took this step
+            self._convert_claimed(done, by_consumer=False)
 
 
 def record_of(result: Any, where: str) -> ResultRecord:
@@ -264,7 +320,8 @@ def record_of(result: Any, where: str) -> ResultRecord:
         last = f"; last step submitted: {mat.seq}" if mat is not None else ""
         raise MaterializerError(
             f"{where}: a DSpark decode result reached the consumer without a materializer step (it did not pass "
-            f"through the wrapped Scheduler._copy_result_to_cpu{last})")
+            f"through the wrapped Scheduler._copy_result_to_cpu{last})"
+        )
     done.synchronize()
     record = getattr(result, RECORD_ATTR, None)
     if record is None:
@@ -274,5 +331,6 @@ def record_of(result: Any, where: str) -> ResultRecord:
         mat._count("wrong_step")
         raise MaterializerError(
             f"{where}: DSpark result of step {seq} carries the record of step {record.seq} "
-            f"(copy_done of step {done.seq})")
+            f"(copy_done of step {done.seq})"
+        )
     return record

@@ -10,17 +10,32 @@ QUEUE = "DSPARK_HARDEN_DSPARK_RESULTS_QUEUE"
 TIMEOUT = "DSPARK_HARDEN_DSPARK_RESULTS_TIMEOUT_S"
 
 SETTINGS = [
-    Setting(SWITCH, flag01, False,
-            "1: DSpark decode results under overlap scheduling are converted to host lists (tolist, event "
-            "wait) on one background thread per scheduler; the consumers read the record. 0: stock (the "
-            "scheduler thread synchronizes and converts).", feature=FEATURE),
-    Setting(QUEUE, int_range(1, 64), 4,
-            "Bound of the materializer's queue (results waiting for their copy). A full queue blocks the "
-            "scheduler thread at enqueue (back-pressure, timed as phase `queue`); overlap keeps at most "
-            "two results in flight, so the default never fills.", feature=FEATURE),
-    Setting(TIMEOUT, positive_float, 60.0,
-            "Seconds a consumer (the result processor or the grammar barrier) waits for one record before "
-            "the step fails with a named error; also the bound of a full-queue enqueue and of the "
-            "shutdown join. A dead materializer thread is detected at once, not after this timeout.",
-            feature=FEATURE, accepts="a positive number of seconds"),
+    Setting(
+        SWITCH,
+        flag01,
+        False,
+        "1: DSpark decode results under overlap scheduling are converted to host lists (tolist, event "
+        "wait) on one background thread per scheduler; the consumers read the record. 0: stock (the "
+        "scheduler thread synchronizes and converts).",
+        feature=FEATURE,
+    ),
+    Setting(
+        QUEUE,
+        int_range(1, 64),
+        4,
+        "Bound of the materializer's queue (results waiting for their copy). A full queue blocks the "
+        "scheduler thread at enqueue (back-pressure, timed as phase `queue`); overlap keeps at most "
+        "two results in flight, so the default never fills.",
+        feature=FEATURE,
+    ),
+    Setting(
+        TIMEOUT,
+        positive_float,
+        60.0,
+        "Seconds a consumer (the result processor or the grammar barrier) waits for one record before "
+        "the step fails with a named error; also the bound of a full-queue enqueue and of the "
+        "shutdown join. A dead materializer thread is detected at once, not after this timeout.",
+        feature=FEATURE,
+        accepts="a positive number of seconds",
+    ),
 ]

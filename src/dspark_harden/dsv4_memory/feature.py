@@ -55,8 +55,10 @@ def _pool_available(settings: Any) -> Optional[str]:
     from .pool import caller_owned_output_supported
 
     if caller_owned_output_supported(flash_mla.flash_mla_sparse_fwd):
-        return ("the installed FlashMLA's flash_mla_sparse_fwd takes caller-owned outputs; this dspark-harden "
-                "release knows only sgl-flash-mla 1.0.0's allocating API and will not guess the new one")
+        return (
+            "the installed FlashMLA's flash_mla_sparse_fwd takes caller-owned outputs; this dspark-harden "
+            "release knows only sgl-flash-mla 1.0.0's allocating API and will not guess the new one"
+        )
     return None
 
 
@@ -68,15 +70,28 @@ def _available(settings: Any) -> Optional[str]:
 def dspark_features():
     common = dict(area="dsv4-memory", default_on=False, roles=frozenset({Role.SCHEDULER}))
     return [
-        Feature(name=S.POOL_FEATURE, switch=S.POOL, available=_pool_available,
-                description="DSV4 sparse-prefill FlashMLA outputs served from a private CUDA memory pool reserved "
-                            "at start-up for the largest shape (no fresh contiguous block after fragmentation)",
-                **common),
-        Feature(name=S.QNORM_FEATURE, switch=S.QNORM, available=_available,
-                description="DSV4 q_head_norm Q norm + RoPE in place (one tokens x heads x 512 buffer less per "
-                            "layer call)", **common),
-        Feature(name=S.GUARDS_FEATURE, switch=S.GUARDS, available=_available,
-                description="host-side bounds checks of the DSV4 compress planner before every launch", **common),
+        Feature(
+            name=S.POOL_FEATURE,
+            switch=S.POOL,
+            available=_pool_available,
+            description="DSV4 sparse-prefill FlashMLA outputs served from a private CUDA memory pool reserved "
+            "at start-up for the largest shape (no fresh contiguous block after fragmentation)",
+            **common,
+        ),
+        Feature(
+            name=S.QNORM_FEATURE,
+            switch=S.QNORM,
+            available=_available,
+            description="DSV4 q_head_norm Q norm + RoPE in place (one tokens x heads x 512 buffer less per layer call)",
+            **common,
+        ),
+        Feature(
+            name=S.GUARDS_FEATURE,
+            switch=S.GUARDS,
+            available=_available,
+            description="bounds checks of the DSV4 compress planner before every eager plan launch, and a device-side guarded decode planner recorded in CUDA graphs (generate_online is not guarded)",
+            **common,
+        ),
     ]
 
 
@@ -85,13 +100,40 @@ def dspark_settings():
     return list(S.SETTINGS)
 
 
-def pool_capacity(settings: Any, server_args: Any) -> int:
+def prefill_graph_bucket_max() -> Optional[int]:
+    """The largest prefill CUDA-graph bucket (tokens) this process captures, from the published runtime
+    config (``cuda_graph_config.prefill``), or None when prefill graphs are off. Under DP attention a
+    replayed prefill is padded to its bucket (MAX_LEN: the smallest bucket >= the largest rank's tokens),
+    and an idle rank's dummy extend covers the whole bucket, so sparse-prefill calls see up to this many
+    tokens even when the chunk is smaller."""
+    from sglang.srt.model_executor.cuda_graph_config import Backend
+    from sglang.srt.model_executor.runner.prefill_cuda_graph_runner import get_prefill_num_tokens_to_capture
+    from sglang.srt.runtime_context import get_exec
+
+    cfg = get_exec().graph.cuda_graph_config.prefill
+    if str(cfg.backend).lower() in (Backend.DISABLED, "none") or not cfg.bs:
+        return None
+    return int(max(get_prefill_num_tokens_to_capture(cfg.bs)))
+
+
+def pool_capacity(settings: Any, server_args: Any, bucket_max: Optional[int] = None) -> int:
+    """Tokens to reserve: the explicit capacity, else the chunk (``--chunked-prefill-size``, or
+    ``--max-prefill-tokens`` without chunking), raised to the largest prefill-graph bucket when prefill
+    graphs are on. An explicit capacity below that bucket stops start-up naming both."""
     if settings[S.POOL_TOKENS]:
-        return int(settings[S.POOL_TOKENS])
+        tokens = int(settings[S.POOL_TOKENS])
+        if bucket_max is not None and tokens < bucket_max:
+            from .pool import SparsePrefillPoolError
+
+            raise SparsePrefillPoolError(
+                f"DSPARK_HARDEN_DSV4_SPARSE_PREFILL_TOKENS={tokens} cannot hold the largest prefill CUDA-graph "
+                f"bucket ({bucket_max} tokens): under DP attention a replayed prefill is padded to its bucket and "
+                f"an idle rank's dummy extend covers the whole bucket; raise it to >= {bucket_max} or unset it"
+            )
+        return tokens
     chunk = getattr(server_args, "chunked_prefill_size", None)
-    if chunk is not None and chunk > 0:
-        return int(chunk)
-    return int(getattr(server_args, "max_prefill_tokens"))
+    tokens = int(chunk) if chunk is not None and chunk > 0 else int(server_args.max_prefill_tokens)
+    return max(tokens, bucket_max or 0)
 
 
 def _local_heads(model_runner: Any) -> int:
@@ -100,24 +142,42 @@ def _local_heads(model_runner: Any) -> int:
     return int(model_runner.model_config.num_attention_heads) // int(get_attention_tp_size())
 
 
+def _uses_q8kv8(backend: Any) -> bool:
+    from sglang.srt.layers.attention.dsv4.sparse_prefill_utils import use_dsv4_q8kv8_sparse_prefill
+
+    return bool(use_dsv4_q8kv8_sparse_prefill(getattr(backend, "dsv4_prefill_backend", "auto")))
+
+
 def reserve_for_backend(backend: Any, model_runner: Any, settings: Any) -> None:
     from . import metrics as m
     from . import pool as P
 
-    want = P.SparsePrefillPool(
-        tokens=pool_capacity(settings, model_runner.server_args), heads=_local_heads(model_runner),
-        d_v=int(backend.head_dim_v), device=backend.device, slots=int(settings[S.POOL_SLOTS]),
-    )
-    cur = P.POOL
+    if getattr(backend, "mega_attn", False):
+        raise P.SparsePrefillPoolError(
+            "DSPARK_HARDEN_DSV4_SPARSE_PREFILL_POOL=1 with the DeepSeek V4 MegaAttention backend: its prefill "
+            "(DeepseekV4MegaAttnBackend._forward_mega_prefill -> flash_mla_mega_prefill) allocates its outputs itself "
+            "and the pool does not cover it; turn the pool off or use the standard DSV4 attention backend"
+        )
+    tokens = pool_capacity(settings, model_runner.server_args, prefill_graph_bucket_max())
+    common = dict(tokens=tokens, d_v=int(backend.head_dim_v), device=backend.device, slots=int(settings[S.POOL_SLOTS]))
+    if _uses_q8kv8(backend):  # Q8KV8 prefill never calls flash_mla_sparse_fwd: no MemPool reservation
+        from sglang.kernels.ops.attention.sparse_mla_q8kv8_prefill_sm90 import q8kv8_padded_num_heads
+
+        attr, what = "Q8", "Q8KV8 outputs of "
+        want = P.Q8KV8Reservation(heads=int(q8kv8_padded_num_heads(_local_heads(model_runner))), **common)
+    else:
+        attr, what = "POOL", ""
+        want = P.SparsePrefillPool(heads=_local_heads(model_runner), **common)
+    cur = getattr(P, attr)
     if cur is not None:
         if want.tokens <= cur.tokens and want.heads == cur.heads and want.d_v == cur.d_v:
             return  # another DSV4 backend of this process (multi-step / draft): same reservation
         raise P.SparsePrefillPoolError(
-            f"a second DSV4 attention backend needs {want.tokens} tokens x {want.heads} heads x d_v {want.d_v}, the "
-            f"process reserved {cur.tokens} x {cur.heads} x {cur.d_v}"
+            f"a second DSV4 attention backend needs {what}{want.tokens} tokens x {want.heads} heads x d_v {want.d_v}, "
+            f"the process reserved {cur.tokens} x {cur.heads} x {cur.d_v}"
         )
-    P.POOL = want.reserve()
-    m.pool_reserved(P.POOL.reserved_bytes)
+    setattr(P, attr, want.reserve())
+    m.pool_reserved(getattr(P, attr).reserved_bytes)
 
 
 def _build_backend_init(settings: Any):
@@ -135,7 +195,14 @@ def _build_sparse_fwd(stock):
     from . import metrics as m
     from .pool import build_sparse_fwd
 
-    return build_sparse_fwd(stock, m.pool_call, m.pool_refused)
+    return build_sparse_fwd(stock, m.pool_call, m.pool_refused, m.pool_captured)
+
+
+def _build_q8kv8_fwd(stock):
+    from . import metrics as m
+    from .pool import build_q8kv8_fwd
+
+    return build_q8kv8_fwd(stock, m.pool_call, m.pool_refused, m.pool_captured)
 
 
 def _build_q_b(stock):
@@ -166,36 +233,75 @@ def patches(role: Role, settings: Any) -> list:
     if settings[S.POOL]:
         common = dict(feature=S.POOL_FEATURE, roles={Role.SCHEDULER})
         out += [
-            Patch(target=S.FLASH_MLA_TARGET, kind=Kind.WRAP, build=_build_sparse_fwd,
-                  fingerprint=S.FLASH_MLA_FINGERPRINT, requires_cuda=True,
-                  why="sgl-flash-mla 1.0.0 allocates the sparse-prefill output (1 GiB at 8k tokens x 128 heads) and "
-                      "its statistics on every layer call; after fragmentation a fresh contiguous block may not exist",
-                  retire_when="FlashMLA's sparse prefill takes caller-owned outputs and SGLang's DSV4 backend passes a "
-                              "reserved workspace", **common),
-            Patch(target=S.BACKEND_INIT_TARGET, kind=Kind.WRAP, build=_build_backend_init(settings),
-                  fingerprint=S.BACKEND_INIT_FINGERPRINT,
-                  why="reserve the sparse-prefill pool after the weights load and before graph capture",
-                  retire_when="as the flash_mla_sparse_fwd patch", **common),
+            Patch(
+                target=S.FLASH_MLA_TARGET,
+                kind=Kind.WRAP,
+                build=_build_sparse_fwd,
+                fingerprint=S.FLASH_MLA_FINGERPRINT,
+                requires_cuda=True,
+                why="sgl-flash-mla 1.0.0 allocates the sparse-prefill output (1 GiB at 8k tokens x 128 heads) and "
+                "its statistics on every layer call; after fragmentation a fresh contiguous block may not exist",
+                retire_when="FlashMLA's sparse prefill takes caller-owned outputs and SGLang's DSV4 backend passes a "
+                "reserved workspace",
+                **common,
+            ),
+            Patch(
+                target=S.Q8KV8_TARGET,
+                kind=Kind.WRAP,
+                build=_build_q8kv8_fwd,
+                fingerprint=S.Q8KV8_FINGERPRINT,
+                requires_cuda=True,
+                why="the SM90 Q8KV8 sparse prefill (H200's prefill path) allocates fresh out / max_logits / lse on "
+                "every layer call although it takes caller-owned outputs",
+                retire_when="SGLang's DSV4 backend passes reserved outputs to sparse_mla_q8kv8_prefill_fwd",
+                **common,
+            ),
+            Patch(
+                target=S.BACKEND_INIT_TARGET,
+                kind=Kind.WRAP,
+                build=_build_backend_init(settings),
+                fingerprint=S.BACKEND_INIT_FINGERPRINT,
+                why="reserve the sparse-prefill pool after the weights load and before graph capture",
+                retire_when="as the flash_mla_sparse_fwd patch",
+                **common,
+            ),
         ]
     if settings[S.QNORM]:
-        out.append(Patch(
-            target=S.Q_B_TARGET, kind=Kind.WRAP, build=_build_q_b, fingerprint=S.Q_B_FINGERPRINT,
-            feature=S.QNORM_FEATURE, roles={Role.SCHEDULER},
-            why="stock allocates q_out = torch.empty_like(q) per layer call for an out-of-place fused_q_norm_rope "
+        out.append(
+            Patch(
+                target=S.Q_B_TARGET,
+                kind=Kind.WRAP,
+                build=_build_q_b,
+                fingerprint=S.Q_B_FINGERPRINT,
+                feature=S.QNORM_FEATURE,
+                roles={Role.SCHEDULER},
+                why="stock allocates q_out = torch.empty_like(q) per layer call for an out-of-place fused_q_norm_rope "
                 "although the kernel is alias-safe",
-            retire_when="SGLang's _compute_q_b runs fused_q_norm_rope in place"))
+                retire_when="SGLang's _compute_q_b runs fused_q_norm_rope in place",
+            )
+        )
     if settings[S.GUARDS]:
         common = dict(feature=S.GUARDS_FEATURE, roles={Role.SCHEDULER})
         out += [
-            Patch(target=S.PREFILL_PLAN_TARGET, kind=Kind.WRAP, build=_build_prefill_plan,
-                  fingerprint=S.PREFILL_PLAN_FINGERPRINT,
-                  why="the GPU-input prefill planner appends one plan entry per extend token into buffers sized "
-                      "num_q_tokens and trusts extend/sequence lengths and req_to_token indices unchecked",
-                  retire_when="c_plan.cuh validates its inputs on every path", **common),
-            Patch(target=S.DECODE_PLAN_TARGET, kind=Kind.WRAP, build=_build_decode_plan,
-                  fingerprint=S.DECODE_PLAN_FINGERPRINT,
-                  why="the decode planner indexes req_to_token[rid, seq_len - 1] and full_to_state unchecked",
-                  retire_when="c_plan.cuh validates its inputs on every path", **common),
+            Patch(
+                target=S.PREFILL_PLAN_TARGET,
+                kind=Kind.WRAP,
+                build=_build_prefill_plan,
+                fingerprint=S.PREFILL_PLAN_FINGERPRINT,
+                why="the GPU-input prefill planner appends one plan entry per extend token into buffers sized "
+                "num_q_tokens and trusts extend/sequence lengths and req_to_token indices unchecked",
+                retire_when="c_plan.cuh validates its inputs on every path",
+                **common,
+            ),
+            Patch(
+                target=S.DECODE_PLAN_TARGET,
+                kind=Kind.WRAP,
+                build=_build_decode_plan,
+                fingerprint=S.DECODE_PLAN_FINGERPRINT,
+                why="the decode planner indexes req_to_token[rid, seq_len - 1] and full_to_state unchecked",
+                retire_when="c_plan.cuh validates its inputs on every path",
+                **common,
+            ),
         ]
     return out
 
@@ -219,10 +325,14 @@ def dspark_process_bound(role, settings, report):
             tokens = settings[S.POOL_TOKENS]
             slots = settings[S.POOL_SLOTS]
             example = reservation_bytes(tokens or 8192, 128, 512, slots)
-            feat.detail = prefix + (f"reserves {slots} x {tokens or '--chunked-prefill-size'} tokens x local heads x "
-                           f"(512 x 2 + 8) bytes at model init (e.g. {tokens or 8192} tokens x 128 heads: "
-                           f"{example} bytes)")
+            feat.detail = prefix + (
+                f"reserves {slots} x {tokens or '--chunked-prefill-size'} tokens x local heads x "
+                f"(512 x 2 + 8) bytes at model init (e.g. {tokens or 8192} tokens x 128 heads: "
+                f"{example} bytes)"
+            )
         elif feat.name == S.QNORM_FEATURE:
-            feat.detail = prefix + ("saves tokens x heads x 512 x 2 bytes per layer call (128 heads: "
-                           + ", ".join(f"{t // 1024}k tokens {saved_bytes(t, 128)} bytes" for t in (4096, 8192, 16384))
-                           + ")")
+            feat.detail = prefix + (
+                "saves tokens x heads x 512 x 2 bytes per layer call (128 heads: "
+                + ", ".join(f"{t // 1024}k tokens {saved_bytes(t, 128)} bytes" for t in (4096, 8192, 16384))
+                + ")"
+            )

@@ -14,8 +14,12 @@ The planner turns (request pool indices, sequence and extend lengths, ``req_to_t
 
 :func:`prefill_problems` / :func:`decode_problems` check all of that before the launch and the
 patched ``generate`` raises :class:`PlannerBoundsError` naming each violation. Shape checks are
-free; checks that read device tensors cost one reduction and one device sync per plan (measured
-in tests/gpu), and are skipped while a CUDA graph is being captured (no sync is allowed there;
+free; plans recorded during a CUDA-graph capture (the decode graph) record the device-side guarded
+kernel instead (:mod:`.planner_device`): the same plan on every replay, with its bounds checked on
+the device and reported through a flag read at the next eager check (which syncs anyway); checks that
+read device tensors touch only the positions the plan reads (O(num_q_tokens +
+batch) int64 temporaries, never batch x columns) and cost one device sync per plan (measured in
+tests/gpu), and are skipped while a CUDA graph is being captured (no sync is allowed there;
 the captured plan's static buffers are sized for the bucket by the capture code itself).
 """
 
@@ -23,66 +27,83 @@ from __future__ import annotations
 
 from typing import Any, Callable, Optional
 
+from .common import PlannerBoundsError
+from .common import capturing as _capturing
+
 MAX_TOKENS = 65536  # ragged ids are uint16 (c_plan.cuh kMaxTokens)
 MAX_GPU_PREFILL_BATCH = 1024  # c_plan.cuh kMaxPrefillBatchSize
-CALLS = {"checked": 0, "rejected": 0, "data_checks_skipped_in_capture": 0}
+CALLS = {"checked": 0, "rejected": 0, "data_checks_skipped_in_capture": 0, "device_guarded_captures": 0}
 
 
-class PlannerBoundsError(RuntimeError):
-    pass
+def _r2t_flags(rid, seq, lo, r2t, f2s, *, need_f2s: bool, bound: int) -> list:
+    """Device flags (no sync): rid in [0, rows), every read position ``< columns``, and -- with
+    ``need_f2s`` -- the full location of every position the plan reads inside ``full_to_state``.
 
-
-def _capturing() -> bool:
-    try:
-        import torch
-
-        return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
-    except Exception:  # noqa: BLE001
-        return False
-
-
-def _r2t_problems(rid, last_pos, r2t, f2s, *, need_f2s: bool) -> list[str]:
-    """rid in [0, rows), last position < columns, and the mapped full locations < len(full_to_state)."""
+    The positions read are the window ``[lo[i], seq[i])`` of each request (c_plan.cuh: decode reads
+    ``seq-1`` and ``max(seq-1-ratio, 0)``; prefill reads the extend positions and up to ``ratio``
+    before them). The windows are flattened into ``bound`` slots (``bound`` >= their total length
+    whenever the lengths are valid; an invalid batch is flagged by its length checks), so the
+    temporaries are O(bound + batch) int64, never batch x columns."""
     import torch
 
-    out = []
+    dev = r2t.device
     rows, cols = int(r2t.shape[0]), int(r2t.shape[1])
-    rid = rid.to(r2t.device, torch.int64)
-    last_pos = last_pos.to(r2t.device, torch.int64)
-    bad_rid = (rid < 0) | (rid >= rows)
-    bad_pos = (last_pos < 0) | (last_pos >= cols)
-    flags = [bad_rid.any(), bad_pos.any()]
-    if need_f2s and rid.numel():
-        safe_rid = rid.clamp(0, max(rows - 1, 0))
-        safe_pos = last_pos.clamp(0, max(cols - 1, 0))
-        # the largest position each request reads is its last one; locations grow with position in a
-        # request's row only by convention, so check every position up to it (masked gather)
-        span = torch.arange(cols, device=r2t.device).unsqueeze(0) <= safe_pos.unsqueeze(1)
-        locs = r2t.index_select(0, safe_rid)
-        used = torch.where(span, locs.to(torch.int64), torch.zeros((), dtype=torch.int64, device=r2t.device))
-        n = int(f2s.numel())
-        flags.append(((used < 0) | (used >= n)).any())
-    else:
-        flags.append(torch.zeros((), dtype=torch.bool, device=r2t.device))
-    got = torch.stack([f.to(torch.bool) for f in flags]).tolist()  # the one device sync
+    rid = rid.to(dev, torch.int64)
+    seq = seq.to(dev, torch.int64)
+    lo = lo.to(dev, torch.int64)
+    bad_rid = ((rid < 0) | (rid >= rows)).any()
+    bad_pos = ((seq - 1 < 0) | (seq - 1 >= cols) | (lo < 0)).any()
+    if not need_f2s or rid.numel() == 0 or bound <= 0:
+        return [bad_rid, bad_pos, torch.zeros((), dtype=torch.bool, device=dev)]
+    width = (seq - lo).clamp(min=0)
+    ends = torch.cumsum(width, 0)
+    starts = ends - width
+    slot = torch.arange(bound, device=dev, dtype=torch.int64)
+    req = torch.searchsorted(ends, slot, right=True).clamp(max=rid.numel() - 1)
+    live = slot < ends[-1]
+    pos = (lo.index_select(0, req) + slot - starts.index_select(0, req)).clamp(0, max(cols - 1, 0))
+    row = rid.clamp(0, max(rows - 1, 0)).index_select(0, req)
+    loc = r2t[row, pos].to(torch.int64)
+    n = int(f2s.numel())
+    bad_loc = (live & ((loc < 0) | (loc >= n))).any()
+    return [bad_rid, bad_pos, bad_loc]
+
+
+def _r2t_messages(got: list, r2t, f2s) -> list[str]:
+    out = []
     if got[0]:
-        out.append(f"req_pool_indices outside req_to_token's {rows} rows")
+        out.append(f"req_pool_indices outside req_to_token's {int(r2t.shape[0])} rows")
     if got[1]:
-        out.append(f"a sequence reads position >= req_to_token's {cols} columns (or < 0)")
+        out.append(f"a sequence reads position >= req_to_token's {int(r2t.shape[1])} columns (or < 0)")
     if got[2]:
-        out.append(f"req_to_token maps a read position to a full location outside full_to_state's {int(f2s.numel())} entries")
+        out.append(
+            f"req_to_token maps a read position to a full location outside full_to_state's {int(f2s.numel())} entries"
+        )
     return out
 
 
-def prefill_problems(compress_ratio, req_pool_indices, seq_lens, extend_lens, req_to_token, full_to_state,
-                     swa_page_size, ring_size, num_q_tokens, use_cuda_graph=False, use_req_ring=False) -> list[str]:
+def prefill_problems(
+    compress_ratio,
+    req_pool_indices,
+    seq_lens,
+    extend_lens,
+    req_to_token,
+    full_to_state,
+    swa_page_size,
+    ring_size,
+    num_q_tokens,
+    use_cuda_graph=False,
+    use_req_ring=False,
+) -> list[str]:
     import torch
 
     out = []
     b = int(seq_lens.shape[0]) if seq_lens.dim() == 1 else -1
     if seq_lens.dim() != 1 or extend_lens.shape != seq_lens.shape or req_pool_indices.shape != seq_lens.shape:
-        return [f"seq_lens {tuple(seq_lens.shape)}, extend_lens {tuple(extend_lens.shape)} and req_pool_indices "
-                f"{tuple(req_pool_indices.shape)} must be the same 1-D batch"]
+        return [
+            f"seq_lens {tuple(seq_lens.shape)}, extend_lens {tuple(extend_lens.shape)} and req_pool_indices "
+            f"{tuple(req_pool_indices.shape)} must be the same 1-D batch"
+        ]
     n = int(num_q_tokens)
     if compress_ratio not in (4, 128):
         out.append(f"compress_ratio {compress_ratio} (must be 4 or 128)")
@@ -102,27 +123,46 @@ def prefill_problems(compress_ratio, req_pool_indices, seq_lens, extend_lens, re
     ext = extend_lens.to(torch.int64)
     bad_len = ((ext <= 0) | (ext > seq)).any()
     total = ext.sum()
-    flags = torch.stack([bad_len, total > n, total != n]).tolist()
+    need_f2s = not (compress_ratio == 128 or use_req_ring)
+    lo = (seq - ext - compress_ratio).clamp(min=0)
+    r2t_flags = _r2t_flags(
+        req_pool_indices, seq, lo, req_to_token, full_to_state, need_f2s=need_f2s, bound=n + b * int(compress_ratio)
+    )
+    dev = req_to_token.device
+    flags = torch.stack(
+        [bad_len.to(dev), (total > n).to(dev), (total != n).to(dev)] + [f.to(torch.bool) for f in r2t_flags]
+    ).tolist()  # the one device sync
     if flags[0]:
         out.append("an extend length is <= 0 or larger than its sequence length")
     if flags[1]:
-        out.append(f"the extend lengths add up to {int(total)} tokens, more than num_q_tokens {n} "
-                   f"(the plan buffers hold {n} entries)")
+        out.append(
+            f"the extend lengths add up to {int(total)} tokens, more than num_q_tokens {n} "
+            f"(the plan buffers hold {n} entries)"
+        )
     elif flags[2] and not gpu_input:
         out.append(f"the extend lengths add up to {int(total)} tokens, not num_q_tokens {n}")
-    if out:
+    if out:  # the window check assumed valid lengths: report the lengths alone
         return out
-    need_f2s = not (compress_ratio == 128 or use_req_ring)
-    return _r2t_problems(req_pool_indices, seq - 1, req_to_token, full_to_state, need_f2s=need_f2s)
+    return _r2t_messages(flags[3:], req_to_token, full_to_state)
 
 
-def decode_problems(compress_ratio, req_pool_indices, req_to_token, full_to_state, seq_lens, swa_page_size,
-                    ring_size, use_req_ring=False) -> list[str]:
+def decode_problems(
+    compress_ratio,
+    req_pool_indices,
+    req_to_token,
+    full_to_state,
+    seq_lens,
+    swa_page_size,
+    ring_size,
+    use_req_ring=False,
+) -> list[str]:
     import torch
 
     if seq_lens.dim() != 1 or req_pool_indices.shape != seq_lens.shape:
-        return [f"seq_lens {tuple(seq_lens.shape)} and req_pool_indices {tuple(req_pool_indices.shape)} must be the "
-                f"same 1-D batch"]
+        return [
+            f"seq_lens {tuple(seq_lens.shape)} and req_pool_indices {tuple(req_pool_indices.shape)} must be the "
+            f"same 1-D batch"
+        ]
     out = []
     if compress_ratio not in (4, 128):
         out.append(f"compress_ratio {compress_ratio} (must be 4 or 128)")
@@ -132,47 +172,162 @@ def decode_problems(compress_ratio, req_pool_indices, req_to_token, full_to_stat
         CALLS["data_checks_skipped_in_capture"] += 1
         return out
     seq = seq_lens.to(torch.int64)
-    if bool((seq <= 0).any()):
-        return ["a decode sequence length is <= 0"]
     need_f2s = not (compress_ratio == 128 or use_req_ring)
-    return _r2t_problems(req_pool_indices, seq - 1, req_to_token, full_to_state, need_f2s=need_f2s)
+    lo = (seq - 1 - compress_ratio).clamp(min=0)
+    # decode reads only seq-1 and max(seq-1-ratio, 0): check those two, not the window between
+    dev = req_to_token.device
+    ends = torch.stack([lo, seq - 1], 1).reshape(-1)
+    flags = _r2t_flags(
+        req_pool_indices.repeat_interleave(2),
+        ends + 1,
+        ends,
+        req_to_token,
+        full_to_state,
+        need_f2s=need_f2s,
+        bound=2 * int(seq.numel()),
+    )
+    got = torch.stack([(seq <= 0).any().to(dev)] + [f.to(torch.bool) for f in flags]).tolist()  # one sync
+    if got[0]:
+        return ["a decode sequence length is <= 0"]
+    return _r2t_messages(got[1:], req_to_token, full_to_state)
 
 
 def _raise(kind: str, problems: list[str]) -> None:
     CALLS["rejected"] += 1
     raise PlannerBoundsError(
         f"DSV4 compress {kind} plan refused before launch (it would index past an allocation): "
-        + "; ".join(problems) + " (DSPARK_HARDEN_DSV4_PLANNER_GUARDS)"
+        + "; ".join(problems)
+        + " (DSPARK_HARDEN_DSV4_PLANNER_GUARDS)"
     )
 
 
 def build_prefill_generate(stock: Callable, on_call: Callable[[bool], None]) -> Callable:
-    def generate(compress_ratio, req_pool_indices, seq_lens, extend_lens, req_to_token, full_to_state,
-                 swa_page_size, ring_size, num_q_tokens, use_cuda_graph=False, use_req_ring=False):
+    def generate(
+        compress_ratio,
+        req_pool_indices,
+        seq_lens,
+        extend_lens,
+        req_to_token,
+        full_to_state,
+        swa_page_size,
+        ring_size,
+        num_q_tokens,
+        use_cuda_graph=False,
+        use_req_ring=False,
+    ):
         CALLS["checked"] += 1
-        problems = prefill_problems(compress_ratio, req_pool_indices, seq_lens, extend_lens, req_to_token,
-                                    full_to_state, swa_page_size, ring_size, num_q_tokens, use_cuda_graph,
-                                    use_req_ring)
+        problems = prefill_problems(
+            compress_ratio,
+            req_pool_indices,
+            seq_lens,
+            extend_lens,
+            req_to_token,
+            full_to_state,
+            swa_page_size,
+            ring_size,
+            num_q_tokens,
+            use_cuda_graph,
+            use_req_ring,
+        )
         on_call(not problems)
         if problems:
             _raise("prefill", problems)
-        return stock(compress_ratio, req_pool_indices, seq_lens, extend_lens, req_to_token, full_to_state,
-                     swa_page_size, ring_size, num_q_tokens, use_cuda_graph, use_req_ring)
+        _device_flag_check()
+        return stock(
+            compress_ratio,
+            req_pool_indices,
+            seq_lens,
+            extend_lens,
+            req_to_token,
+            full_to_state,
+            swa_page_size,
+            ring_size,
+            num_q_tokens,
+            use_cuda_graph,
+            use_req_ring,
+        )
 
     return staticmethod(generate)
 
 
-def build_decode_generate(stock: Callable, on_call: Callable[[bool], None]) -> Callable:
-    def generate(compress_ratio, req_pool_indices, req_to_token, full_to_state, seq_lens, swa_page_size, ring_size,
-                 use_req_ring=False):
+def _device_flag_check() -> None:
+    """Read the device-side guard's flag at this (already syncing) eager check, when a guarded plan
+    was ever captured in this process."""
+    if CALLS["device_guarded_captures"]:
+        from . import planner_device
+
+        planner_device.check()
+
+
+def build_decode_generate(
+    stock: Callable, on_call: Callable[[bool], None], device_generate: Optional[Callable] = None
+) -> Callable:
+    """``device_generate`` (default :func:`.planner_device.generate_decode`) is what a CUDA-graph
+    capture records instead of stock: the same plan, with device-side bounds checks on every replay."""
+
+    def generate(
+        compress_ratio,
+        req_pool_indices,
+        req_to_token,
+        full_to_state,
+        seq_lens,
+        swa_page_size,
+        ring_size,
+        use_req_ring=False,
+    ):
         CALLS["checked"] += 1
-        problems = decode_problems(compress_ratio, req_pool_indices, req_to_token, full_to_state, seq_lens,
-                                   swa_page_size, ring_size, use_req_ring)
+        if _capturing():
+            fn = device_generate
+            if fn is None:
+                from .planner_device import generate_decode as fn
+            CALLS["device_guarded_captures"] += 1
+            problems = decode_problems(
+                compress_ratio,
+                req_pool_indices,
+                req_to_token,
+                full_to_state,
+                seq_lens,
+                swa_page_size,
+                ring_size,
+                use_req_ring,
+            )  # shape checks only here
+            if problems:
+                on_call(False)
+                _raise("decode", problems)
+            return fn(
+                compress_ratio,
+                req_pool_indices,
+                req_to_token,
+                full_to_state,
+                seq_lens,
+                swa_page_size,
+                ring_size,
+                use_req_ring,
+            )
+        problems = decode_problems(
+            compress_ratio,
+            req_pool_indices,
+            req_to_token,
+            full_to_state,
+            seq_lens,
+            swa_page_size,
+            ring_size,
+            use_req_ring,
+        )
         on_call(not problems)
         if problems:
             _raise("decode", problems)
-        return stock(compress_ratio, req_pool_indices, req_to_token, full_to_state, seq_lens, swa_page_size,
-                     ring_size, use_req_ring)
+        _device_flag_check()
+        return stock(
+            compress_ratio,
+            req_pool_indices,
+            req_to_token,
+            full_to_state,
+            seq_lens,
+            swa_page_size,
+            ring_size,
+            use_req_ring,
+        )
 
     return staticmethod(generate)
 

@@ -25,7 +25,7 @@ Only the ``q_head_norm`` path with no caller-provided ``q_out`` changes; every o
 from __future__ import annotations
 
 import threading
-from typing import Any, Callable
+from typing import Callable
 
 CALLS = {"inplace": 0}
 _LOCK = threading.Lock()

@@ -17,6 +17,8 @@ GUARDS = "DSPARK_HARDEN_DSV4_PLANNER_GUARDS"
 
 FLASH_MLA_TARGET = "sglang.kernels.ops.attention.flash_mla_interface:flash_mla_sparse_fwd"
 FLASH_MLA_FINGERPRINT = "dfc3f8b1a22d1ba0"  # checked against the installed source by tests/dsv4_memory
+Q8KV8_TARGET = "sglang.kernels.ops.attention.sparse_mla_q8kv8_prefill_sm90:sparse_mla_q8kv8_prefill_fwd"
+Q8KV8_FINGERPRINT = "7bea049b190ecddc"
 BACKEND_INIT_TARGET = "sglang.srt.layers.attention.deepseek_v4_backend:DeepseekV4AttnBackend.__init__"
 BACKEND_INIT_FINGERPRINT = "ca0f301c0b0998d8"
 Q_B_TARGET = "sglang.srt.models.deepseek_v4:MQALayer._compute_q_b"
@@ -27,27 +29,52 @@ DECODE_PLAN_TARGET = "sglang.kernels.ops.attention.dsv4.compress:CompressorDecod
 DECODE_PLAN_FINGERPRINT = "7f38a6579d3d76dc"
 
 SETTINGS = [
-    Setting(POOL, flag01, False,
-            "1: every DSV4 sparse-prefill FlashMLA call (flash_mla_sparse_fwd: output, max_logits, lse) "
-            "allocates from a private CUDA memory pool reserved once, after the weights load and before "
-            "graph capture, for the largest sparse-prefill shape; a call larger than the reservation "
-            "fails naming both sizes. Needs CUDA. 0: stock (fresh allocations per layer call).",
-            feature=POOL_FEATURE),
-    Setting(POOL_TOKENS, positive_int, None,
-            "Token capacity of the sparse-prefill reservation. Unset: the server's --chunked-prefill-size "
-            "(or --max-prefill-tokens when chunking is off).", feature=POOL_FEATURE,
-            accepts="positive integer (tokens)"),
-    Setting(POOL_SLOTS, int_range(1, 4), 1,
-            "Sparse-prefill outputs that may be alive at once (1: one layer's output is consumed before "
-            "the next layer's call, as in eager prefill; 2 with two-batch overlap).", feature=POOL_FEATURE),
-    Setting(QNORM, flag01, False,
-            "1: DSV4's q_head_norm path runs fused_q_norm_rope in place (input aliased to output; "
-            "alias safety established from the kernel source and tested on the GPU), removing one "
-            "tokens x heads x head_dim allocation per layer call. 0: stock (out of place). Needs CUDA.",
-            feature=QNORM_FEATURE),
-    Setting(GUARDS, flag01, False,
-            "1: validate the DSV4 compress planner's geometry on the host before every launch "
-            "(CompressorPrefillPlan.generate / CompressorDecodePlan.generate) and raise a named error "
-            "instead of letting the kernels write or read past an allocation. 0: stock.",
-            feature=GUARDS_FEATURE),
+    Setting(
+        POOL,
+        flag01,
+        False,
+        "1: every DSV4 sparse-prefill FlashMLA call (flash_mla_sparse_fwd: output, max_logits, lse) "
+        "allocates from a private CUDA memory pool reserved once, after the weights load and before "
+        "graph capture, for the largest sparse-prefill shape; a call larger than the reservation "
+        "fails naming both sizes. Needs CUDA. 0: stock (fresh allocations per layer call).",
+        feature=POOL_FEATURE,
+    ),
+    Setting(
+        POOL_TOKENS,
+        positive_int,
+        None,
+        "Token capacity of the sparse-prefill reservation. Unset: the server's --chunked-prefill-size "
+        "(or --max-prefill-tokens when chunking is off), raised to the largest prefill CUDA-graph bucket "
+        "when prefill graphs are on; a value below that bucket stops start-up.",
+        feature=POOL_FEATURE,
+        accepts="positive integer (tokens)",
+    ),
+    Setting(
+        POOL_SLOTS,
+        int_range(1, 4),
+        1,
+        "Sparse-prefill outputs that may be alive at once (1: one layer's output is consumed before "
+        "the next layer's call, as in eager prefill; 2 with two-batch overlap).",
+        feature=POOL_FEATURE,
+    ),
+    Setting(
+        QNORM,
+        flag01,
+        False,
+        "1: DSV4's q_head_norm path runs fused_q_norm_rope in place (input aliased to output; "
+        "alias safety established from the kernel source and tested on the GPU), removing one "
+        "tokens x heads x head_dim allocation per layer call. 0: stock (out of place). Needs CUDA.",
+        feature=QNORM_FEATURE,
+    ),
+    Setting(
+        GUARDS,
+        flag01,
+        False,
+        "1: validate the DSV4 compress planner's geometry before every eager plan launch "
+        "(CompressorPrefillPlan.generate / CompressorDecodePlan.generate; one device sync per plan), record a "
+        "device-side guarded decode planner in CUDA graphs (its flag read at the next eager plan; "
+        "generate_online is not guarded) and raise a named error "
+        "instead of letting the kernels write or read past an allocation. 0: stock.",
+        feature=GUARDS_FEATURE,
+    ),
 ]

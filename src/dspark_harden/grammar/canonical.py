@@ -34,10 +34,21 @@ from typing import Any
 ANY_JSON = "$$ANY$$"
 
 # keywords whose value is one schema
-_SCHEMA_VALUED = frozenset({
-    "items", "additionalProperties", "additionalItems", "not", "if", "then", "else", "contains",
-    "propertyNames", "unevaluatedProperties", "unevaluatedItems",
-})
+_SCHEMA_VALUED = frozenset(
+    {
+        "items",
+        "additionalProperties",
+        "additionalItems",
+        "not",
+        "if",
+        "then",
+        "else",
+        "contains",
+        "propertyNames",
+        "unevaluatedProperties",
+        "unevaluatedItems",
+    }
+)
 # keywords whose value is a list of schemas
 _SCHEMA_LIST_VALUED = frozenset({"anyOf", "oneOf", "allOf", "prefixItems"})
 # keywords whose value is a map name -> schema whose ORDER is kept
@@ -73,9 +84,7 @@ def _reject_constant(name: str) -> Any:
     raise _NotCanonical(f"non-standard constant {name}")
 
 
-_DECODER = json.JSONDecoder(
-    object_pairs_hook=_pairs, parse_float=_Num, parse_int=_Num, parse_constant=_reject_constant
-)
+_DECODER = json.JSONDecoder(object_pairs_hook=_pairs, parse_float=_Num, parse_int=_Num, parse_constant=_reject_constant)
 
 
 def _dump_str(s: str) -> str:
@@ -200,8 +209,13 @@ class _Memo:
 
     def stats(self) -> dict:
         with self._lock:
-            return {"entries": len(self._items), "bytes": self.nbytes, "hits": self.hits,
-                    "misses": self.misses, "skipped": self.skipped}
+            return {
+                "entries": len(self._items),
+                "bytes": self.nbytes,
+                "hits": self.hits,
+                "misses": self.misses,
+                "skipped": self.skipped,
+            }
 
 
 _MEMO = _Memo(MEMO_MAX_ENTRIES, MEMO_MAX_BYTES, MEMO_MAX_ENTRY_BYTES)

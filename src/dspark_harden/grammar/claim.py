@@ -118,8 +118,15 @@ def create(ns: disk.Namespace, key_hex: str, estimate_s: float) -> Optional[Clai
     estimate_s = float(estimate_s) if math.isfinite(estimate_s) and estimate_s > 0 else MAX_WAIT_S
     nonce = os.urandom(8).hex()
     created = time.time()
-    doc = {"v": CLAIM_VERSION, "key": key_hex, "pid": os.getpid(), "start": me, "nonce": nonce,
-           "estimate_s": round(estimate_s, 6), "created": round(created, 3)}
+    doc = {
+        "v": CLAIM_VERSION,
+        "key": key_hex,
+        "pid": os.getpid(),
+        "start": me,
+        "nonce": nonce,
+        "estimate_s": round(estimate_s, 6),
+        "created": round(created, 3),
+    }
     path = claim_path(ns, key_hex)
     tmp = _write_private(ns.claims, json.dumps(doc, sort_keys=True).encode())
     try:

@@ -24,19 +24,33 @@ def register(subparsers: Any, bench_subparsers: Any) -> None:
     s.set_defaults(func=stats_main)
     v = sub.add_parser("verify", help="check every entry's checksum/scope/key and the byte ledger (exit 1 on problems)")
     common(v)
-    v.add_argument("--quarantine", action="store_true",
-                   help="move invalid entries to <namespace>/quarantine/ and fix the ledger (still exits 1)")
-    v.add_argument("--deep", action="store_true",
-                   help="also deserialize every serialized entry with the namespace's tokenizer (needs --tokenizer)")
-    v.add_argument("--tokenizer", action="append", default=[], metavar="PATH",
-                   help="local Hugging Face tokenizer (or model) directory the server ran with; checked against "
-                        "each namespace's recorded tokenizer digest; repeat for several models")
+    v.add_argument(
+        "--quarantine",
+        action="store_true",
+        help="move invalid entries to <namespace>/quarantine/ and fix the ledger (still exits 1)",
+    )
+    v.add_argument(
+        "--deep",
+        action="store_true",
+        help="also deserialize every serialized entry with the namespace's tokenizer (needs --tokenizer)",
+    )
+    v.add_argument(
+        "--tokenizer",
+        action="append",
+        default=[],
+        metavar="PATH",
+        help="local Hugging Face tokenizer (or model) directory the server ran with; checked against "
+        "each namespace's recorded tokenizer digest; repeat for several models",
+    )
     v.set_defaults(func=verify_main)
     r = sub.add_parser("prune", help="remove stale temp files, prune to a byte limit, rebuild the ledger")
     common(r)
-    r.add_argument("--max-bytes", type=int, help="target size per namespace (default: DSPARK_HARDEN_GRAMMAR_DISK_BYTES)")
-    r.add_argument("--temp-age", type=float, default=3600.0,
-                   help="remove temp files older than this many seconds (default 3600)")
+    r.add_argument(
+        "--max-bytes", type=int, help="target size per namespace (default: DSPARK_HARDEN_GRAMMAR_DISK_BYTES)"
+    )
+    r.add_argument(
+        "--temp-age", type=float, default=3600.0, help="remove temp files older than this many seconds (default 3600)"
+    )
     r.set_defaults(func=prune_main)
 
     b = bench_subparsers.add_parser("grammar", help="stock XGrammar backend vs grammar service, cold vs warm restart")
@@ -44,13 +58,25 @@ def register(subparsers: Any, bench_subparsers: Any) -> None:
     b.add_argument("--vocab", type=int, default=32000, help="tokenizer vocabulary size (default 32000)")
     b.add_argument("--duplicates", type=int, default=2, help="copies of each spelling in the burst (default 2)")
     b.add_argument("--dir", help="disk cache root to use (default: a fresh temporary directory)")
-    b.add_argument("--distinct", type=int, metavar="N",
-                   help="memory mode instead: RSS growth of stock vs the service after N distinct schemas")
-    b.add_argument("--cache-bytes", type=int, metavar="B",
-                   help="with --distinct: the service's DSPARK_HARDEN_GRAMMAR_CACHE_BYTES (default: the setting)")
-    b.add_argument("--processes", type=int, metavar="N",
-                   help="host-wide mode instead: N real scheduler-shaped processes, one empty disk cache, the same "
-                        "burst in each at once; host_compiles vs distinct_schemas and the wait claims added")
+    b.add_argument(
+        "--distinct",
+        type=int,
+        metavar="N",
+        help="memory mode instead: RSS growth of stock vs the service after N distinct schemas",
+    )
+    b.add_argument(
+        "--cache-bytes",
+        type=int,
+        metavar="B",
+        help="with --distinct: the service's DSPARK_HARDEN_GRAMMAR_CACHE_BYTES (default: the setting)",
+    )
+    b.add_argument(
+        "--processes",
+        type=int,
+        metavar="N",
+        help="host-wide mode instead: N real scheduler-shaped processes, one empty disk cache, the same "
+        "burst in each at once; host_compiles vs distinct_schemas and the wait claims added",
+    )
     b.set_defaults(func=_bench_main)
 
 
@@ -118,9 +144,16 @@ def _namespace_stats(path: str) -> dict:
         ledger = f"invalid: {exc}"
     q = len(os.listdir(ns.quarantine)) if os.path.isdir(ns.quarantine) else 0
     return {
-        "path": ns.path, "scope": ns.scope, "entries": n, "serialized": serialized, "markers": markers,
-        "unrecognised": unreadable, "bytes": total, "ledger_bytes": ledger,
-        "temp_files": len(ns.temp_files()), "quarantined": q,
+        "path": ns.path,
+        "scope": ns.scope,
+        "entries": n,
+        "serialized": serialized,
+        "markers": markers,
+        "unrecognised": unreadable,
+        "bytes": total,
+        "ledger_bytes": ledger,
+        "temp_files": len(ns.temp_files()),
+        "quarantined": q,
     }
 
 
@@ -164,8 +197,9 @@ def _namespace_tokenizer_info(ns: Any, tokenizers: list) -> tuple[Any, str]:
     seen = []
     for path, tok in tokenizers:
         try:
-            info = TokenizerInfo.from_huggingface(tok, vocab_size=int(ns.scope["vocab_size"]),
-                                                  stop_token_ids=list(ns.scope["stop_token_ids"]))
+            info = TokenizerInfo.from_huggingface(
+                tok, vocab_size=int(ns.scope["vocab_size"]), stop_token_ids=list(ns.scope["stop_token_ids"])
+            )
         except Exception as exc:  # noqa: BLE001
             seen.append(f"{path}: {type(exc).__name__}: {exc}")
             continue
@@ -173,15 +207,19 @@ def _namespace_tokenizer_info(ns: Any, tokenizers: list) -> tuple[Any, str]:
         if got == want:
             return info, ""
         seen.append(f"{path} has digest {got}")
-    return None, (f"deep check impossible: no --tokenizer matches the namespace's tokenizer digest {want} "
-                  f"({'; '.join(seen)}); pass the tokenizer the server ran with")
+    return None, (
+        f"deep check impossible: no --tokenizer matches the namespace's tokenizer digest {want} "
+        f"({'; '.join(seen)}); pass the tokenizer the server ran with"
+    )
 
 
 def verify_main(args: Any) -> int:
     if args.deep and not args.tokenizer:
-        print("grammar-cache verify --deep needs --tokenizer PATH: a namespace records only its tokenizer's "
-              "digest (scope.json tokenizer_sha256), and deserializing an entry needs the tokenizer itself",
-              file=sys.stderr)
+        print(
+            "grammar-cache verify --deep needs --tokenizer PATH: a namespace records only its tokenizer's "
+            "digest (scope.json tokenizer_sha256), and deserializing an entry needs the tokenizer itself",
+            file=sys.stderr,
+        )
         return 2
     if args.tokenizer and not args.deep:
         print("grammar-cache verify: --tokenizer is only used with --deep", file=sys.stderr)
@@ -227,15 +265,25 @@ def verify_main(args: Any) -> int:
         # "the cache had problems", quarantining is the repair (run verify again to confirm it)
         problems += len(bad)
         problems += 0 if ledger_ok else 1
-        entry = {"path": path, "ok": ok, "invalid": [{"path": p, "reason": r} for p, r in bad], "unsafe": unsafe,
-                 "quarantined": moved, "ledger_bytes": ledger, "entry_bytes": scanned, "ledger_ok": ledger_ok,
-                 "deep": info is not None}
+        entry = {
+            "path": path,
+            "ok": ok,
+            "invalid": [{"path": p, "reason": r} for p, r in bad],
+            "unsafe": unsafe,
+            "quarantined": moved,
+            "ledger_bytes": ledger,
+            "entry_bytes": scanned,
+            "ledger_ok": ledger_ok,
+            "deep": info is not None,
+        }
         if deep_error:
             entry["deep_error"] = deep_error
         report.append(entry)
-        lines.append(f"  {path}: {ok} valid, {len(bad)} invalid; ledger {ledger} vs entries {scanned} "
-                     f"({'ok' if ledger_ok else 'MISMATCH: run grammar-cache prune to rebuild'})"
-                     + ("; deserialized" if info is not None else ""))
+        lines.append(
+            f"  {path}: {ok} valid, {len(bad)} invalid; ledger {ledger} vs entries {scanned} "
+            f"({'ok' if ledger_ok else 'MISMATCH: run grammar-cache prune to rebuild'})"
+            + ("; deserialized" if info is not None else "")
+        )
         if deep_error:
             lines.append(f"    DEEP CHECK FAILED: {deep_error}")
         for p, r in bad:
@@ -273,10 +321,21 @@ def prune_main(args: Any) -> int:
             lines.append(f"  {path}: FAILED: {exc}")
             continue
         failed += not res.ok
-        report.append({"path": path, "before": res.before, "after": res.after, "removed": res.removed,
-                       "skipped_locked": res.skipped_locked, "temp_removed": removed_tmp, "ok": res.ok})
-        lines.append(f"  {path}: {res.before} -> {res.after} bytes, {res.removed} removed, "
-                     f"{res.skipped_locked} skipped (locked), {removed_tmp} temp files removed"
-                     + ("" if res.ok else "  FAILED: still above the limit"))
+        report.append(
+            {
+                "path": path,
+                "before": res.before,
+                "after": res.after,
+                "removed": res.removed,
+                "skipped_locked": res.skipped_locked,
+                "temp_removed": removed_tmp,
+                "ok": res.ok,
+            }
+        )
+        lines.append(
+            f"  {path}: {res.before} -> {res.after} bytes, {res.removed} removed, "
+            f"{res.skipped_locked} skipped (locked), {removed_tmp} temp files removed"
+            + ("" if res.ok else "  FAILED: still above the limit")
+        )
     _emit(args, {"root": root, "limit": limit, "namespaces": report, "ok": not failed}, lines)
     return 1 if failed else 0

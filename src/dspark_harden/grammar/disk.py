@@ -57,17 +57,16 @@ stale ledger, which ``grammar-cache verify`` reports and ``prune`` repairs.
 from __future__ import annotations
 
 import contextlib
+import errno
+import fcntl
 import hashlib
 import json
 import os
+import stat as stat_mod
 import struct
 import time
 from dataclasses import dataclass
 from typing import Iterator, Optional
-
-import errno
-import fcntl
-import stat as stat_mod
 
 FORMAT_VERSION = 1
 MAGIC = b"DSHXGC01"
@@ -77,8 +76,15 @@ TRAILER_SIZE = 32
 KIND_SERIALIZED = 1
 KIND_MARKER = 2
 _MARKER = struct.Struct("<BQQQ")
-MARKER_REASONS = {1: "slow_load", 2: "predicted_slow", 3: "too_large", 4: "serialize_failed", 5: "memory_limit",
-                  6: "deadline", 7: "helper_failed"}
+MARKER_REASONS = {
+    1: "slow_load",
+    2: "predicted_slow",
+    3: "too_large",
+    4: "serialize_failed",
+    5: "memory_limit",
+    6: "deadline",
+    7: "helper_failed",
+}
 REASON_CODES = {v: k for k, v in MARKER_REASONS.items()}
 
 LEDGER_MAGIC = b"DSHXGLD1"
@@ -144,8 +150,10 @@ class EntryTooLarge(GrammarCacheError):
 
     def __init__(self, path: str, size: int, limit: int):
         self.path, self.size, self.limit = path, size, limit
-        super().__init__(f"grammar cache entry {path} is {size} bytes, above this server's limit of {limit} "
-                         f"(DSPARK_HARDEN_GRAMMAR_DISK_MAX_ENTRY_BYTES + envelope): not read, compiled locally")
+        super().__init__(
+            f"grammar cache entry {path} is {size} bytes, above this server's limit of {limit} "
+            f"(DSPARK_HARDEN_GRAMMAR_DISK_MAX_ENTRY_BYTES + envelope): not read, compiled locally"
+        )
 
 
 CORRUPT_MARK = "persistent grammar cache entry is invalid"
@@ -192,8 +200,8 @@ class Entry:
     def marker(self) -> Optional[Marker]:
         if self.kind != KIND_MARKER:
             return None
-        code, c, s, l = _MARKER.unpack(self.payload)
-        return Marker(MARKER_REASONS[code], c, s, l)
+        code, c, s, n = _MARKER.unpack(self.payload)
+        return Marker(MARKER_REASONS[code], c, s, n)
 
 
 def encode_entry(scope_hex: str, key_hex: str, kind: int, payload: bytes) -> bytes:
@@ -212,10 +220,12 @@ def _key_difference(written: str, expected: str) -> str:
     lo = max(0, i - 4)
 
     def around(h: str) -> str:
-        return ("…" if lo else "") + h[lo:i] + "[" + h[i:i + 1] + "]" + h[i + 1:i + 5] + "…"
+        return ("…" if lo else "") + h[lo:i] + "[" + h[i : i + 1] + "]" + h[i + 1 : i + 5] + "…"
 
-    return (f"written for key {written}, not {expected}: they first differ at hex digit {i + 1} "
-            f"({around(written)} vs {around(expected)})")
+    return (
+        f"written for key {written}, not {expected}: they first differ at hex digit {i + 1} "
+        f"({around(written)} vs {around(expected)})"
+    )
 
 
 def decode_entry(path: str, data: bytes, scope_hex: Optional[str], key_hex: Optional[str]) -> Entry:
@@ -233,14 +243,14 @@ def decode_entry(path: str, data: bytes, scope_hex: Optional[str], key_hex: Opti
         raise CorruptEntryError(
             path, f"payload length {plen} does not match file size {len(data)} (truncated or extended)"
         )
-    body, trailer = data[:-TRAILER_SIZE], data[-TRAILER_SIZE:]
-    if digest(body) != trailer:
+    view = memoryview(data)  # the checksum reads the entry in place (no copy of a many-MB body)
+    if digest(view[:-TRAILER_SIZE]) != view[-TRAILER_SIZE:]:
         raise CorruptEntryError(path, "checksum mismatch (bytes changed after publication)")
     if scope_hex is not None and scope_b.hex() != scope_hex:
         raise CorruptEntryError(path, f"foreign entry: written for scope {scope_b.hex()[:16]}…, not this namespace")
     if key_hex is not None and key_b.hex() != key_hex:
         raise CorruptEntryError(path, f"foreign entry: {_key_difference(key_b.hex(), key_hex)} (swapped?)")
-    entry = Entry(kind, bytes(data[HEADER_SIZE:-TRAILER_SIZE]))
+    entry = Entry(kind, bytes(view[HEADER_SIZE:-TRAILER_SIZE]))
     if kind == KIND_MARKER:
         if plen != _MARKER.size:
             raise CorruptEntryError(path, f"marker payload is {plen} bytes, expected {_MARKER.size}")
@@ -422,8 +432,9 @@ class Flock:
                     break
                 except BlockingIOError:
                     if not blocking or time.monotonic() >= end:
-                        raise GrammarCacheLockTimeout(self.path, 0.0 if not blocking else limit,
-                                                      lock_holder(self.path)) from None
+                        raise GrammarCacheLockTimeout(
+                            self.path, 0.0 if not blocking else limit, lock_holder(self.path)
+                        ) from None
                     time.sleep(pause)
                     pause = min(pause * 2, 0.02)
         except BaseException:
@@ -449,16 +460,20 @@ def check_dir(path: str) -> None:
     writable by group or others; else UnsafeCacheError. FileNotFoundError propagates."""
     st = os.lstat(path)
     if stat_mod.S_ISLNK(st.st_mode):
-        raise UnsafeCacheError(path, "it is a symbolic link (the cache root and its directories must be real "
-                                     "directories)")
+        raise UnsafeCacheError(
+            path, "it is a symbolic link (the cache root and its directories must be real directories)"
+        )
     if not stat_mod.S_ISDIR(st.st_mode):
         raise UnsafeCacheError(path, "not a directory")
     euid = os.geteuid()
     if st.st_uid != euid:
         raise UnsafeCacheError(path, f"owned by uid {st.st_uid}, not by this server's effective uid {euid}")
     if st.st_mode & 0o022:
-        raise UnsafeCacheError(path, f"mode {stat_mod.S_IMODE(st.st_mode):04o} is group- or world-writable "
-                                     f"(chmod go-w it, or use a private directory)")
+        raise UnsafeCacheError(
+            path,
+            f"mode {stat_mod.S_IMODE(st.st_mode):04o} is group- or world-writable "
+            f"(chmod go-w it, or use a private directory)",
+        )
 
 
 def _ensure_dir(path: str) -> None:
@@ -542,8 +557,16 @@ class Namespace:
     the same way (else the next publication rebuilds it). ``create=False`` (operator commands,
     the persistence helper) opens what exists; ``secure=True`` checks its directories too."""
 
-    def __init__(self, root: str, scope: dict, *, max_bytes: int, create: bool = True,
-                 lock_timeout_s: float = DEFAULT_LOCK_TIMEOUT_S, secure: Optional[bool] = None):
+    def __init__(
+        self,
+        root: str,
+        scope: dict,
+        *,
+        max_bytes: int,
+        create: bool = True,
+        lock_timeout_s: float = DEFAULT_LOCK_TIMEOUT_S,
+        secure: Optional[bool] = None,
+    ):
         if max_bytes <= 0:
             raise ValueError(f"max_bytes must be positive, got {max_bytes}")
         if not lock_timeout_s > 0:
@@ -567,8 +590,9 @@ class Namespace:
             self.check_dirs()
 
     @classmethod
-    def open_existing(cls, path: str, *, max_bytes: int = 1 << 62,
-                      lock_timeout_s: float = DEFAULT_LOCK_TIMEOUT_S) -> "Namespace":
+    def open_existing(
+        cls, path: str, *, max_bytes: int = 1 << 62, lock_timeout_s: float = DEFAULT_LOCK_TIMEOUT_S
+    ) -> "Namespace":
         """Open a namespace directory found on disk (operator commands)."""
         path = os.path.abspath(path)
         scope = json.loads(read_file(os.path.join(path, "scope.json"), limit=1 << 20).decode("utf-8"))

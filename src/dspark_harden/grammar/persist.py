@@ -64,8 +64,16 @@ WALL_FACTOR = 4.0
 PUBLISH_IO_ALLOWANCE_S = 60.0
 STDERR_TAIL_BYTES = 16 << 10
 CLAIM_EWMA_WEIGHT = 0.3  # weight of the newest claim-to-release sample in the estimate a claim carries
-TRANSIENT_CAUSES = ("killed", "starved", "crashed", "publish_timeout", "protocol", "lock_timeout",
-                    "publish_error", "helper_unavailable")
+TRANSIENT_CAUSES = (
+    "killed",
+    "starved",
+    "crashed",
+    "publish_timeout",
+    "protocol",
+    "lock_timeout",
+    "publish_error",
+    "helper_unavailable",
+)
 
 
 @dataclass(frozen=True)
@@ -84,8 +92,7 @@ class PersistSettings:
         for name in ("queue_max", "memory_limit_bytes"):
             if int(getattr(self, name)) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)!r}")
-        for name in ("deadline_s", "idle_exit_s", "start_timeout_s", "lock_timeout_s", "retry_delay_s",
-                     "claim_wait_s"):
+        for name in ("deadline_s", "idle_exit_s", "start_timeout_s", "lock_timeout_s", "retry_delay_s", "claim_wait_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)!r}")
         if int(self.retries) < 0:
@@ -198,8 +205,7 @@ class HelperProtocolError(HelperError):
 class Helper:
     """One persistence helper process, started on demand and restarted after it exits."""
 
-    def __init__(self, init: dict, settings: PersistSettings, slots: CompileSlots,
-                 argv: Optional[list] = None):
+    def __init__(self, init: dict, settings: PersistSettings, slots: CompileSlots, argv: Optional[list] = None):
         self._init = init
         self.settings = settings
         self.slots = slots
@@ -234,8 +240,12 @@ class Helper:
         try:
             self.proc = subprocess.Popen(
                 self.argv + ["--parent-pid", str(os.getpid()), "--proto-fds", f"{child_in},{child_out}"],
-                stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env,
-                close_fds=True, pass_fds=(child_in, child_out),
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                env=env,
+                close_fds=True,
+                pass_fds=(child_in, child_out),
             )
         except BaseException:
             for fd in (to_child, from_child):
@@ -248,8 +258,9 @@ class Helper:
         self._from_child = os.fdopen(from_child, "rb", buffering=0)
         self._buf = b""
         self._err_tail = bytearray()
-        self._err_thread = threading.Thread(target=self._drain_stderr, args=(self.proc.stdout,),
-                                            name="dspark-grammar-helper-output", daemon=True)
+        self._err_thread = threading.Thread(
+            target=self._drain_stderr, args=(self.proc.stdout,), name="dspark-grammar-helper-output", daemon=True
+        )
         self._err_thread.start()
         self.starts += 1
         try:
@@ -264,15 +275,19 @@ class Helper:
             if self._err_thread is not None:
                 self._err_thread.join(timeout=2)
             self.kill()
-            raise HelperError(f"grammar persistence helper exited during start-up (exit code {rc}): "
-                              f"{self.stderr_tail()[-500:]}") from None
+            raise HelperError(
+                f"grammar persistence helper exited during start-up (exit code {rc}): {self.stderr_tail()[-500:]}"
+            ) from None
         except HelperProtocolError as exc:
             self.kill()
             raise HelperError(f"grammar persistence helper broke the protocol during start-up: {exc}") from None
         if msg is None or not msg.get("ready"):
             self.kill()
-            raise HelperError(f"grammar persistence helper did not start within {self.settings.start_timeout_s:g} s"
-                              if msg is None else f"grammar persistence helper's first line was not ready: {msg!r}")
+            raise HelperError(
+                f"grammar persistence helper did not start within {self.settings.start_timeout_s:g} s"
+                if msg is None
+                else f"grammar persistence helper's first line was not ready: {msg!r}"
+            )
         self.limit_bytes = msg.get("limit")
 
     def _drain_stderr(self, stream) -> None:
@@ -358,8 +373,13 @@ class Helper:
             self._err_thread.join(timeout=2)
         tail = self.stderr_tail()
         self.kill()
-        return {"status": "died", "reason": "helper_failed", "phase": phase, "returncode": rc,
-                "stderr_tail": tail[-2000:]}
+        return {
+            "status": "died",
+            "reason": "helper_failed",
+            "phase": phase,
+            "returncode": rc,
+            "stderr_tail": tail[-2000:],
+        }
 
     def run(self, job: dict) -> dict:
         """Run one job; always returns a result dict (``status`` says what happened)."""
@@ -395,16 +415,31 @@ class Helper:
                     # load; a job that runs WALL_FACTOR x as long without using it is starved or stuck
                     if job_cpu is not None and job_cpu > self.settings.deadline_s:
                         self.kill()
-                        return {"status": "killed", "reason": "deadline", "phase": phase, "running_s": running,
-                                "cpu_s": job_cpu}
+                        return {
+                            "status": "killed",
+                            "reason": "deadline",
+                            "phase": phase,
+                            "running_s": running,
+                            "cpu_s": job_cpu,
+                        }
                     if running > self.settings.wall_limit_s:
                         self.kill()
-                        return {"status": "killed", "reason": "starved", "phase": phase, "running_s": running,
-                                "cpu_s": job_cpu}
+                        return {
+                            "status": "killed",
+                            "reason": "starved",
+                            "phase": phase,
+                            "running_s": running,
+                            "cpu_s": job_cpu,
+                        }
                 elif now - publish_t > self.settings.publish_timeout_s:
                     self.kill()
-                    return {"status": "killed", "reason": "publish_timeout", "phase": phase, "running_s": running,
-                            "publish_s": now - publish_t}
+                    return {
+                        "status": "killed",
+                        "reason": "publish_timeout",
+                        "phase": phase,
+                        "running_s": running,
+                        "publish_s": now - publish_t,
+                    }
                 try:
                     msg = self._read_line(0.05)
                 except EOFError:
@@ -416,15 +451,21 @@ class Helper:
                     continue
                 if msg.get("job") != seq or msg.get("key_hex") != key_hex:
                     self.kill()
-                    return {"status": "protocol_error", "phase": phase,
-                            "error": f"line tagged job {msg.get('job')!r} key {str(msg.get('key_hex'))[:16]!r}, "
-                                     f"expected job {seq} key {key_hex[:16]}: {json.dumps(msg)[:200]}"}
+                    return {
+                        "status": "protocol_error",
+                        "phase": phase,
+                        "error": f"line tagged job {msg.get('job')!r} key {str(msg.get('key_hex'))[:16]!r}, "
+                        f"expected job {seq} key {key_hex[:16]}: {json.dumps(msg)[:200]}",
+                    }
                 if "status" in msg:
                     return msg
                 if "phase" not in msg:
                     self.kill()
-                    return {"status": "protocol_error", "phase": phase,
-                            "error": f"neither phase nor status: {json.dumps(msg)[:200]}"}
+                    return {
+                        "status": "protocol_error",
+                        "phase": phase,
+                        "error": f"neither phase nor status: {json.dumps(msg)[:200]}",
+                    }
                 phase = self.phase = str(msg["phase"])
                 if msg.get("wait") == "go":
                     publish_t = time.monotonic()
@@ -441,8 +482,14 @@ class Helper:
 class Persister:
     """Bounded publication jobs, drained by one thread through the helper process."""
 
-    def __init__(self, ns: disk.Namespace, init: dict, settings: PersistSettings, slots: CompileSlots,
-                 helper_argv: Optional[list] = None):
+    def __init__(
+        self,
+        ns: disk.Namespace,
+        init: dict,
+        settings: PersistSettings,
+        slots: CompileSlots,
+        helper_argv: Optional[list] = None,
+    ):
         self.ns = ns
         self.settings = settings
         self.slots = slots
@@ -480,8 +527,11 @@ class Persister:
         with self._lock:
             self._claims.pop(c.key_hex, None)
             sample = time.monotonic() - c.taken_at
-            self._claim_ewma = sample if self._claim_ewma is None else (
-                CLAIM_EWMA_WEIGHT * sample + (1 - CLAIM_EWMA_WEIGHT) * self._claim_ewma)
+            self._claim_ewma = (
+                sample
+                if self._claim_ewma is None
+                else (CLAIM_EWMA_WEIGHT * sample + (1 - CLAIM_EWMA_WEIGHT) * self._claim_ewma)
+            )
         self._release(c)
 
     def _release(self, c) -> None:
@@ -490,15 +540,17 @@ class Persister:
         except OSError as exc:  # a dead claimant's claim is cleaned by identity; a live one's must go
             logger.warning("dspark-harden: removing grammar cache claim %s failed: %s", c.path, exc)
 
-    def submit(self, key_hex: str, parts: list, compile_s: float, claim: Any = None) -> bool:
+    def submit(self, key_hex: str, parts: list, compile_s: float, claim: Any = None, cold: bool = True) -> bool:
         """Queue a publication; with ``claim`` (this process's claim on the key) the claim is
-        released when the job's first run ends, or at once when nothing is queued."""
-        ok = self._submit(key_hex, parts, compile_s, claim)
+        released when the job's first run ends, or at once when nothing is queued. ``cold``: whether
+        ``compile_s`` was measured without xgrammar's compiler cache (False: the helper's decision
+        ignores it and uses its own cold compile)."""
+        ok = self._submit(key_hex, parts, compile_s, claim, cold)
         if not ok and claim is not None:
             self._release(claim)
         return ok
 
-    def _submit(self, key_hex: str, parts: list, compile_s: float, claim: Any) -> bool:
+    def _submit(self, key_hex: str, parts: list, compile_s: float, claim: Any, cold: bool = True) -> bool:
         with self._lock:
             if self._stop.is_set():
                 return False
@@ -513,7 +565,14 @@ class Persister:
             if self._thread is None or not self._thread.is_alive():
                 self._thread = threading.Thread(target=self._run, name="dspark-grammar-persist", daemon=True)
                 self._thread.start()
-            job = {"key_hex": key_hex, "parts": parts, "compile_s": compile_s, "attempt": 0, "causes": []}
+            job = {
+                "key_hex": key_hex,
+                "parts": parts,
+                "compile_s": compile_s,
+                "compile_cold": bool(cold),
+                "attempt": 0,
+                "causes": [],
+            }
             if claim is not None:
                 job["claim"] = claim
                 self._claims[key_hex] = claim
@@ -534,8 +593,10 @@ class Persister:
                 self._idle.wait(left if left is not None else 0.5)
             return not self._pending
 
-    def close(self) -> None:
-        """Stop the thread (after the job in progress) and the helper process. Idempotent."""
+    def close(self, join_s: Optional[float] = None) -> None:
+        """Stop the thread (after the job in progress) and the helper process. Idempotent.
+        ``join_s``: also wait up to that long for the thread and the helper-output reader to exit
+        (a process that forks afterwards must not carry them)."""
         self._stop.set()
         self._q.put_nowait(None)
         self.helper.kill()
@@ -544,6 +605,11 @@ class Persister:
             self._idle.notify_all()
         for c in claims:  # nothing will publish them now: their waiters compile at once
             self._release(c)
+        if join_s is not None:
+            end = time.monotonic() + join_s
+            for t in (self._thread, self.helper._err_thread):
+                if t is not None and t is not threading.current_thread():
+                    t.join(max(0.0, end - time.monotonic()))
 
     def _next_job(self) -> Optional[dict]:
         """A retry that is due (first: new jobs cannot starve it), else the next queued job."""
@@ -596,7 +662,7 @@ class Persister:
             self.outcomes[key_hex] = {"status": "exists"}
             return True
         try:
-            res = self.helper.run({k: job[k] for k in ("key_hex", "parts", "compile_s")})
+            res = self.helper.run({k: job[k] for k in ("key_hex", "parts", "compile_s", "compile_cold")})
         except HelperError as exc:
             gm.inc_disk_error("helper")
             logger.error("dspark-harden: %s; grammar %s not persisted", exc, key_hex)
@@ -606,9 +672,13 @@ class Persister:
             permanent, cause = self._classify(res)
             if permanent is None:
                 return self._transient(job, cause, res)
-            logger.warning("dspark-harden: grammar cache helper %s during %s (%s); storing a compile-locally "
-                           "marker for %s", "hit its deadline" if status == "killed" else "died",
-                           res.get("phase"), permanent, key_hex)
+            logger.warning(
+                "dspark-harden: grammar cache helper %s during %s (%s); storing a compile-locally marker for %s",
+                "hit its deadline" if status == "killed" else "died",
+                res.get("phase"),
+                permanent,
+                key_hex,
+            )
             res = self._publish_marker(key_hex, permanent, job["compile_s"], res)
             status = res.get("status")
         elif status == "lock_timeout":
@@ -627,8 +697,9 @@ class Persister:
         otherwise."""
         status = res.get("status")
         if status == "protocol_error":
-            logger.warning("dspark-harden: grammar cache helper protocol error (%s); helper restarted",
-                           res.get("error"))
+            logger.warning(
+                "dspark-harden: grammar cache helper protocol error (%s); helper restarted", res.get("error")
+            )
             gm.inc_disk_error("protocol")
             return None, "protocol"
         if status == "killed":
@@ -639,7 +710,9 @@ class Persister:
             return None, "starved"  # the host (or a stuck call), not the grammar, kept it from finishing
         rc = res.get("returncode")
         tail = res.get("stderr_tail") or ""
-        if res.get("phase") in ("compile", "serialize", "measure_load") and ("bad_alloc" in tail or "MemoryError" in tail):
+        if res.get("phase") in ("compile", "serialize", "measure_load") and (
+            "bad_alloc" in tail or "MemoryError" in tail
+        ):
             return "memory_limit", ""  # an allocation failed under the helper's own address-space cap
         if rc == -signal.SIGKILL:
             return None, "killed"  # the OOM killer or an operator: nothing about the grammar
@@ -654,23 +727,38 @@ class Persister:
         self.outcomes[key_hex] = res
         if job["attempt"] <= self.settings.retries and not self._stop.is_set():
             delay = self.settings.retry_delay_s * job["attempt"]
-            logger.warning("dspark-harden: persisting grammar %s failed transiently (%s, phase %s); no marker "
-                           "stored, retry %d of %d in %.3g s", key_hex, cause, res.get("phase"), job["attempt"],
-                           self.settings.retries, delay)
+            logger.warning(
+                "dspark-harden: persisting grammar %s failed transiently (%s, phase %s); no marker "
+                "stored, retry %d of %d in %.3g s",
+                key_hex,
+                cause,
+                res.get("phase"),
+                job["attempt"],
+                self.settings.retries,
+                delay,
+            )
             with self._lock:
                 heapq.heappush(self._retry, (time.monotonic() + delay, next(self._retry_n), job))
             return False
         if job["causes"] and all(c == "crashed" for c in job["causes"]):
             # the same crash on every attempt: reproduced, so it belongs to the grammar
-            logger.warning("dspark-harden: grammar cache helper crashed on all %d attempts for %s; storing a "
-                           "helper_failed compile-locally marker", len(job["causes"]), key_hex)
+            logger.warning(
+                "dspark-harden: grammar cache helper crashed on all %d attempts for %s; storing a "
+                "helper_failed compile-locally marker",
+                len(job["causes"]),
+                key_hex,
+            )
             self._record(key_hex, self._publish_marker(key_hex, "helper_failed", job["compile_s"], res))
             return True
         self.skipped["retries_exhausted"] += 1
         gm.inc_publish_skipped("retries_exhausted")
-        logger.warning("dspark-harden: grammar %s not persisted after %d attempts (%s); nothing stored, it is "
-                       "compiled where it misses and persisted by a later miss", key_hex, len(job["causes"]),
-                       ", ".join(job["causes"]))
+        logger.warning(
+            "dspark-harden: grammar %s not persisted after %d attempts (%s); nothing stored, it is "
+            "compiled where it misses and persisted by a later miss",
+            key_hex,
+            len(job["causes"]),
+            ", ".join(job["causes"]),
+        )
         return True
 
     def _record(self, key_hex: str, res: dict) -> None:
@@ -716,6 +804,11 @@ class Persister:
             return {"status": "publish_error", "error": str(exc)}
         finally:
             lock.release()
-        return {"status": "published", "stored": "marker", "reason": reason, "total": total,
-                "pruned": pruned.removed if pruned else 0, "helper": res}
-
+        return {
+            "status": "published",
+            "stored": "marker",
+            "reason": reason,
+            "total": total,
+            "pruned": pruned.removed if pruned else 0,
+            "helper": res,
+        }

@@ -23,7 +23,7 @@ waits for the parent's go, which the parent sends only after it has stopped paus
 Protocol: newline-delimited JSON on a private pair of pipes the parent passes as extra descriptors
 (``--proto-fds IN,OUT``); stdin is /dev/null and stdout/stderr go to the parent's log, so nothing a
 library prints, from Python or C, can reach the protocol. IN: one init object, then jobs
-``{"job", "key_hex", "parts", "compile_s"}`` and go tokens ``{"go": job}``. OUT: ``{"ready": ...}`` once, then per job any number of ``{"job", "key_hex", "phase"}``
+``{"job", "key_hex", "parts", "compile_s", "compile_cold"}`` and go tokens ``{"go": job}``. OUT: ``{"ready": ...}`` once, then per job any number of ``{"job", "key_hex", "phase"}``
 progress lines (``"await": "go"`` on the publish phase) and one result line with ``"status"``,
 every one tagged with its job's number and key. The helper exits on end of input (its parent died
 or closed it), on a protocol error, or after ``idle_exit_s`` without a job.
@@ -110,6 +110,19 @@ class LineReader:
         return line
 
 
+def decision_compile_s(wall_s: float, cpu_s: float, job: dict) -> tuple[str, float]:
+    """(basis, seconds): the compile time the store-or-marker decision compares a load against --
+    always a cold compile (this helper's compiler runs without xgrammar's cache: what a restarted
+    process pays). ``serving``: the serving process's compile, when it was cold too (the job says
+    ``compile_cold``), or this helper's wall time, whichever is less (as before the cache). ``helper``:
+    the serving compile may have reused xgrammar's cache, so only this helper's own compile counts,
+    its CPU time or wall time, whichever is less (the parent pauses this helper for request compiles:
+    its wall time can include the pauses, its CPU time cannot)."""
+    if job.get("compile_cold", True):
+        return "serving", min(wall_s, float(job["compile_s"]))
+    return "helper", min(wall_s, cpu_s)
+
+
 class _Exists(Exception):
     """Another process published the key meanwhile: stop working on it."""
 
@@ -122,11 +135,18 @@ class Worker:
         self.reader = reader
         self.parent_pid = parent_pid
         self.tokenizer_info = TokenizerInfo.deserialize_json(init["tokenizer_info"])
-        self.compiler = GrammarCompiler(self.tokenizer_info, max_threads=int(init["compiler_threads"]),
-                                        cache_enabled=False)
+        self.compiler = GrammarCompiler(
+            self.tokenizer_info, max_threads=int(init["compiler_threads"]), cache_enabled=False
+        )
         # the server created the namespace: open it without taking any lock, checking its directories
-        self.ns = disk.Namespace(init["root"], init["scope"], max_bytes=int(init["max_bytes"]), create=False,
-                                 secure=True, lock_timeout_s=float(init["lock_timeout_s"]))
+        self.ns = disk.Namespace(
+            init["root"],
+            init["scope"],
+            max_bytes=int(init["max_bytes"]),
+            create=False,
+            secure=True,
+            lock_timeout_s=float(init["lock_timeout_s"]),
+        )
         if self.ns.scope_hex != init["scope_hex"]:
             raise RuntimeError(f"helper scope {self.ns.scope_hex} differs from the server's {init['scope_hex']}")
         self.load_ratio = float(init["load_ratio"])
@@ -207,6 +227,7 @@ class Worker:
         try:
             self.step("compile", key_hex)
             tc = time.perf_counter()
+            cc = time.process_time()
             try:
                 cg = compile_parts(self.compiler, job["parts"])
             except Exception as exc:  # noqa: BLE001
@@ -216,10 +237,14 @@ class Worker:
                 facts = {"stored": "marker", "reason": "memory_limit", "phases": {}}
             else:
                 compile_s = time.perf_counter() - tc
+                compile_cpu = time.process_time() - cc
                 facts_compile = {"measure_compile": compile_s}
-                data, facts = self.decide(key_hex, cg, min(compile_s, float(job["compile_s"])))
+                basis, basis_s = decision_compile_s(compile_s, compile_cpu, job)
+                data, facts = self.decide(key_hex, cg, basis_s)
                 del cg
                 facts["phases"].update(facts_compile)
+                facts["decision_basis"] = basis
+                facts["decision_compile_s"] = basis_s
             self.step("write", key_hex)
         except _Exists:
             return {"status": "exists"}
@@ -253,8 +278,10 @@ class Worker:
         except ValueError:
             go = None
         if not isinstance(go, dict) or go.get("go") != self._tag.get("job"):
-            sys.stderr.write(f"dspark-harden grammar persistence helper: expected go for job {self._tag.get('job')}, "
-                             f"got {line[:200]!r}\n")
+            sys.stderr.write(
+                f"dspark-harden grammar persistence helper: expected go for job {self._tag.get('job')}, "
+                f"got {line[:200]!r}\n"
+            )
             os._exit(EXIT_PROTOCOL)
         check_parent(self.parent_pid)
         lock = self.ns.entry_lock(key_hex)
@@ -280,8 +307,14 @@ class Worker:
         finally:
             lock.release()
         facts["phases"]["entry_write_account"] = time.perf_counter() - tw
-        return {"status": "published", "total": total, "pruned": pruned.removed if pruned else 0,
-                "entry_bytes": size, "ledger_repairs": self.ns.ledger_repairs, **facts}
+        return {
+            "status": "published",
+            "total": total,
+            "pruned": pruned.removed if pruned else 0,
+            "entry_bytes": size,
+            "ledger_repairs": self.ns.ledger_repairs,
+            **facts,
+        }
 
     def serve(self) -> None:
         self.say(ready=True, pid=os.getpid(), baseline_vm=self.baseline_vm, limit=self.baseline_vm + self.memory_limit)
@@ -317,8 +350,12 @@ def _vm_size() -> int:
 def main(argv: Optional[list] = None) -> int:
     p = argparse.ArgumentParser(prog="python -m dspark_harden.grammar.persist_worker")
     p.add_argument("--parent-pid", type=int, required=True, help="the scheduler that started this helper")
-    p.add_argument("--proto-fds", required=True, metavar="IN,OUT",
-                   help="the inherited descriptors of the protocol pipes (never stdin/stdout)")
+    p.add_argument(
+        "--proto-fds",
+        required=True,
+        metavar="IN,OUT",
+        help="the inherited descriptors of the protocol pipes (never stdin/stdout)",
+    )
     args = p.parse_args(argv)
     die_with_parent(args.parent_pid)
     fd_in, fd_out = (int(x) for x in args.proto_fds.split(","))

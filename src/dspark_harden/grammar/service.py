@@ -63,11 +63,13 @@ class RequestFuture(Future):
             return True
         if self._deadline is not None and time.monotonic() >= self._deadline:
             try:
-                self.set_exception(GrammarCompileTimeout(
-                    f"{self._key_type} grammar was not compiled within {self._timeout_s:g} s "
-                    f"(DSPARK_HARDEN_GRAMMAR_COMPILE_TIMEOUT); the compile continues and a retry "
-                    f"will be served from the cache once it finishes"
-                ))
+                self.set_exception(
+                    GrammarCompileTimeout(
+                        f"{self._key_type} grammar was not compiled within {self._timeout_s:g} s "
+                        f"(DSPARK_HARDEN_GRAMMAR_COMPILE_TIMEOUT); the compile continues and a retry "
+                        f"will be served from the cache once it finishes"
+                    )
+                )
                 gm.inc_timeout()
             except InvalidStateError:
                 pass
@@ -140,8 +142,16 @@ def _refusal(value: Any) -> Optional[str]:
 
 
 class GrammarService:
-    def __init__(self, backend: Any, *, workers: int, max_bytes: int, max_entries: int,
-                 timeout_s: Optional[float], max_grammar_bytes: Optional[int] = None):
+    def __init__(
+        self,
+        backend: Any,
+        *,
+        workers: int,
+        max_bytes: int,
+        max_entries: int,
+        timeout_s: Optional[float],
+        max_grammar_bytes: Optional[int] = None,
+    ):
         for name, value in (("workers", workers), ("max_bytes", max_bytes), ("max_entries", max_entries)):
             if not isinstance(value, int) or value <= 0:
                 raise ValueError(f"grammar service {name} must be a positive integer, got {value!r}")
@@ -162,6 +172,13 @@ class GrammarService:
         # counters for tests and the bench
         self.compiles = 0  # compile tasks submitted (one per canonical key miss)
         self.evictions = 0
+        # where compile tasks spent their time (thread-seconds summed over tasks, by phase: the
+        # disk cache's read/verify/deserialize/native_compile/claim_wait, the empty-language check,
+        # SGLang's dispatch around the compiler, and every request's private copy) and how many
+        # tasks resolved from each source: the bench's per-phase breakdown
+        self._stats_lock = threading.Lock()
+        self.phase_seconds: dict[str, float] = {}
+        self.sources: dict[str, int] = {}
 
     # -- stock surface ---------------------------------------------------------------------
     def _too_large(self, key: tuple):
@@ -176,10 +193,12 @@ class GrammarService:
         self.refused_too_large += 1
         req = RequestFuture(None, None, str(key[0]))
         req.source = "refused"
-        req.set_exception(GrammarTooLarge(
-            f"{key[0]} grammar of {n} bytes is larger than DSPARK_HARDEN_GRAMMAR_MAX_BYTES={limit}; it was not "
-            f"compiled (compile memory grows far faster than the text). Shrink the grammar or raise the limit."
-        ))
+        req.set_exception(
+            GrammarTooLarge(
+                f"{key[0]} grammar of {n} bytes is larger than DSPARK_HARDEN_GRAMMAR_MAX_BYTES={limit}; it was not "
+                f"compiled (compile memory grows far faster than the text). Shrink the grammar or raise the limit."
+            )
+        )
         gm.lookup("refused", 0.0)
         return req
 
@@ -219,9 +238,7 @@ class GrammarService:
             task.add_done_callback(lambda f, ckey=ckey, inf=inf: self._finish(ckey, inf, f))
         shared_source = None if owner else "inflight"
         # Outside the lock: a finished future runs the callback right here.
-        inf.shared.add_done_callback(
-            lambda f: self._resolve(req, f, require_reasoning, shared_source, t0)
-        )
+        inf.shared.add_done_callback(lambda f: self._resolve(req, f, require_reasoning, shared_source, t0))
         return req, False
 
     def set_cache(self, key: tuple, value: Any) -> bool:
@@ -285,8 +302,9 @@ class GrammarService:
         with self._lock:
             return list(self._lru)
 
-    def shutdown(self) -> None:
-        self.pool.shutdown(wait=False, cancel_futures=True)
+    def shutdown(self, wait: bool = False) -> None:
+        """Cancel what has not started; ``wait`` also joins the workers (a running compile ends first)."""
+        self.pool.shutdown(wait=wait, cancel_futures=True)
 
     # -- internals -------------------------------------------------------------------------
     def _compile(self, ckey: tuple, require_reasoning: bool, deadline: Optional[float] = None):
@@ -297,8 +315,14 @@ class GrammarService:
             value = self.backend._init_value_dispatch(ckey, require_reasoning)
         finally:
             xgr.set_request_deadline(None)
+        dispatched = time.perf_counter()
         res = xgr.take_resolution()
         empty = xgr.empty_language_problem(str(ckey[0]), value)
+        phases = dict(res.phases) if res is not None else {}
+        # SGLang's dispatch around the compiler (its grammar object and first matcher)
+        phases["dispatch"] = dispatched - t - (res.seconds if res is not None else 0.0)
+        phases["empty_check"] = time.perf_counter() - dispatched
+        self._account(phases, res.source if res is not None else "compile")
         if empty is not None:
             from sglang.srt.constrained.base_grammar_backend import InvalidGrammarObject
 
@@ -306,6 +330,13 @@ class GrammarService:
             value = InvalidGrammarObject(empty)  # cached like stock's invalid grammars: one check per key
         source = res.source if res is not None else "compile"
         return value, source, time.perf_counter() - t
+
+    def _account(self, phases: dict, source: Optional[str]) -> None:
+        with self._stats_lock:
+            for k, v in phases.items():
+                self.phase_seconds[k] = self.phase_seconds.get(k, 0.0) + v
+            if source is not None:
+                self.sources[source] = self.sources.get(source, 0) + 1
 
     def _finish(self, ckey: tuple, inf: _Inflight, task: Future) -> None:
         """The owner's compile task finished (or was cancelled): drop the in-flight marker and
@@ -362,8 +393,9 @@ class GrammarService:
             evicted[reason] += 1
             self.evictions += 1
 
-    def _resolve(self, req: RequestFuture, shared: Future, require_reasoning: bool,
-                 source: Optional[str], t0: float) -> None:
+    def _resolve(
+        self, req: RequestFuture, shared: Future, require_reasoning: bool, source: Optional[str], t0: float
+    ) -> None:
         """Give one request its own copy. Runs as a future callback, where concurrent.futures
         would log and swallow an exception and leave the request unresolved forever: every
         failure (``copy()``, ``maybe_init_reasoning()``, ...) fails this request's future instead."""
@@ -377,8 +409,10 @@ class GrammarService:
             value, compile_source, compile_s = shared.result()
             req.source = source or compile_source
             if value is not None:
+                tc = time.perf_counter()
                 value = value.copy()
                 value.maybe_init_reasoning(require_reasoning)
+                self._account({"copy": time.perf_counter() - tc}, None)
                 stats = _stats_of(value)
                 if stats is not None:
                     stats.is_cache_hit = req.source in ("memory", "inflight", "disk")
@@ -402,14 +436,40 @@ class GrammarService:
 
 
 class CacheView:
-    """What ``backend.cache`` points at while the feature is bound: the service's LRU through
-    the dict methods stock code uses (``get``, ``pop``, ``clear``, ``in``, ``len``)."""
+    """What ``backend.cache`` points at while the feature is bound: the service's LRU through the
+    mapping reads and writes of stock's ``dict`` (``[key]``, ``get``, ``pop``, ``clear``, ``in``,
+    ``len``, iteration, ``keys``/``values``/``items``, ``[key] = value``), with its semantics: a read
+    returns the very object ``set_cache`` stored (the lookup path hands out copies, as stock does), a
+    missing ``[key]`` raises ``KeyError``. Keys are canonical: every spelling of a stored key reads it,
+    and iteration yields the canonical keys (each one reads back with ``[key]``)."""
+
+    _MISSING = object()
 
     def __init__(self, service: GrammarService):
         self._service = service
 
+    def __getitem__(self, key):
+        value = self._service.get(key, self._MISSING)
+        if value is self._MISSING:
+            raise KeyError(key)
+        return value
+
     def get(self, key, default=None):
         return self._service.get(key, default)
+
+    def __iter__(self):
+        return iter(self._service.keys())  # a snapshot: the LRU may change while a caller iterates
+
+    def values(self) -> list:
+        return [v for _, v in self.items()]
+
+    def items(self) -> list:
+        out = []
+        for k in self._service.keys():
+            v = self._service.get(k, self._MISSING)
+            if v is not self._MISSING:  # evicted since the snapshot
+                out.append((k, v))
+        return out
 
     def pop(self, key, default=None):
         return self._service.pop(key, default)

@@ -30,12 +30,12 @@ reads it to label its lookup metric by source).
 
 from __future__ import annotations
 
+import collections
 import functools
 import hashlib
 import importlib.metadata
 import json
 import logging
-import collections
 import threading
 import time
 import weakref
@@ -95,18 +95,29 @@ def xgrammar_version() -> str:
     return importlib.metadata.version("xgrammar")  # fixed for the life of the process
 
 
-def tokenizer_digest(tokenizer_info: Any) -> str:
-    return hashlib.sha256(tokenizer_info.serialize_json().encode()).hexdigest()
+def tokenizer_digest(tokenizer_info: Any, tokenizer_json: Optional[str] = None) -> str:
+    """SHA-256 of the TokenizerInfo's serialization (``tokenizer_json``: that serialization, already
+    made -- it takes 25 ms at 32k tokens and ~4x that at 129k, so start-up makes it once)."""
+    if tokenizer_json is None:
+        tokenizer_json = tokenizer_info.serialize_json()
+    return hashlib.sha256(tokenizer_json.encode()).hexdigest()
 
 
-def scope_for(tokenizer_info: Any, *, vocab_size: int, override_stop_tokens: Any, compiler: dict) -> dict:
+def scope_for(
+    tokenizer_info: Any,
+    *,
+    vocab_size: int,
+    override_stop_tokens: Any,
+    compiler: dict,
+    tokenizer_json: Optional[str] = None,
+) -> dict:
     """Every dimension that decides whether a compiled grammar is reusable."""
     stops = override_stop_tokens
     if isinstance(stops, int):
         stops = [stops]
     return disk.scope_document(
         xgrammar=xgrammar_version(),
-        tokenizer_sha256=tokenizer_digest(tokenizer_info),
+        tokenizer_sha256=tokenizer_digest(tokenizer_info, tokenizer_json),
         vocab_size=int(vocab_size),
         stop_token_ids=sorted(int(t) for t in tokenizer_info.stop_token_ids),
         override_stop_tokens=None if stops is None else [int(t) for t in stops],
@@ -141,26 +152,47 @@ def empty_language_problem(grammar_type: str, value: Any) -> Optional[str]:
         if bool(mask.any()):
             return None
     except Exception:  # noqa: BLE001 - an extra refusal only: if the check itself fails, serve as stock
-        logger.warning("dspark-harden grammar: the empty-language check failed; serving the grammar as stock "
-                       "does", exc_info=True)
+        logger.warning(
+            "dspark-harden grammar: the empty-language check failed; serving the grammar as stock does", exc_info=True
+        )
         return None
     first = str(ctx.grammar).strip().splitlines()[:3]
-    return (f"{grammar_type} grammar {EMPTY_LANGUAGE_MARK}: no token, not even end of sequence, can start it "
-            f"(for a JSON schema: a $ref cycle with no base case, or required properties that can never be "
-            f"satisfied); rules: {' | '.join(first)[:300]}")
+    return (
+        f"{grammar_type} grammar {EMPTY_LANGUAGE_MARK}: no token, not even end of sequence, can start it "
+        f"(for a JSON schema: a $ref cycle with no base case, or required properties that can never be "
+        f"satisfied); rules: {' | '.join(first)[:300]}"
+    )
 
 
 class PersistentCompiler:
     """Drop-in for ``xgrammar.GrammarCompiler`` backed by a :class:`disk.Namespace`."""
 
-    def __init__(self, inner: Any, tokenizer_info: Any, namespace: disk.Namespace, policy: Policy,
-                 inner_threads: int = 8, *, slots: Optional[CompileSlots] = None,
-                 persist: Optional[PersistSettings] = None, claims: bool = True):
+    def __init__(
+        self,
+        inner: Any,
+        tokenizer_info: Any,
+        namespace: disk.Namespace,
+        policy: Policy,
+        inner_threads: int = 8,
+        *,
+        slots: Optional[CompileSlots] = None,
+        persist: Optional[PersistSettings] = None,
+        claims: bool = True,
+        tokenizer_json: Optional[str] = None,
+        inner_cache_bytes: Optional[int] = None,
+    ):
         # claims: host-wide compile claims (claim.py). On for a direct construction (benches, tests);
         # a server follows DSPARK_HARDEN_GRAMMAR_DISK_CLAIMS, off by default (feature.py says why).
         self.inner = inner
         self.inner_threads = inner_threads
+        # xgrammar's own compiler cache (DSPARK_HARDEN_GRAMMAR_XGR_CACHE_BYTES; 0: off). None: read
+        # from the compiler (-1, off or unbounded, counts as off: _cold_timing also watches its size)
+        if inner_cache_bytes is None:
+            inner_cache_bytes = max(0, int(getattr(inner, "cache_limit_bytes", -1)))
+        self.inner_cache_bytes = int(inner_cache_bytes)
         self.tokenizer_info = tokenizer_info
+        # the helper rebuilds the TokenizerInfo from this; given when the caller already made it
+        self._tokenizer_json = tokenizer_json
         self.ns = namespace
         self.policy = policy
         self.slots = slots if slots is not None else CompileSlots(max(1, inner_threads))
@@ -182,18 +214,23 @@ class PersistentCompiler:
 
     def _helper_init(self) -> dict:
         return {
-            "tokenizer_info": self.tokenizer_info.serialize_json(),
+            "tokenizer_info": self._tokenizer_json
+            if self._tokenizer_json is not None
+            else self.tokenizer_info.serialize_json(),
             "compiler_threads": 1,  # the helper's job counts as one compile slot
-            "root": self.ns.root, "scope": self.ns.scope, "scope_hex": self.ns.scope_hex,
+            "root": self.ns.root,
+            "scope": self.ns.scope,
+            "scope_hex": self.ns.scope_hex,
             "max_bytes": self.ns.max_bytes,
-            "load_ratio": self.policy.load_ratio, "max_entry_bytes": self.policy.max_entry_bytes,
+            "load_ratio": self.policy.load_ratio,
+            "max_entry_bytes": self.policy.max_entry_bytes,
             "memory_limit_bytes": self.persist_settings.memory_limit_bytes,
             "idle_exit_s": self.persist_settings.idle_exit_s,
             "lock_timeout_s": self.persist_settings.lock_timeout_s,
         }
 
-    def close(self) -> None:
-        self.persister.close()
+    def close(self, join_s: Optional[float] = None) -> None:
+        self.persister.close(join_s=join_s)
 
     def _clean_claims(self) -> None:
         try:
@@ -202,9 +239,12 @@ class PersistentCompiler:
             logger.warning("dspark-harden: cleaning grammar cache claims in %s failed: %s", self.ns.claims, exc)
             return
         if done["invalid"]:
-            logger.warning("dspark-harden: %d grammar cache claim(s) in %s cannot be trusted (another uid, "
-                           "writable by others, a link or not a claim); they are ignored", done["invalid"],
-                           self.ns.claims)
+            logger.warning(
+                "dspark-harden: %d grammar cache claim(s) in %s cannot be trusted (another uid, "
+                "writable by others, a link or not a claim); they are ignored",
+                done["invalid"],
+                self.ns.claims,
+            )
 
     # -- xgrammar GrammarCompiler surface --------------------------------------------------
     def compile_json_schema(self, schema: Any, **kwargs: Any):
@@ -214,8 +254,9 @@ class PersistentCompiler:
             schema_text = schema
         else:  # pydantic model classes: not cacheable by text
             return self._native(lambda: self.inner.compile_json_schema(schema, **kwargs))
-        return self._get(["json_schema", schema_text, _kw(kwargs)],
-                         lambda: self.inner.compile_json_schema(schema, **kwargs))
+        return self._get(
+            ["json_schema", schema_text, _kw(kwargs)], lambda: self.inner.compile_json_schema(schema, **kwargs)
+        )
 
     def compile_builtin_json_grammar(self):
         return self._get(["builtin_json"], self.inner.compile_builtin_json_grammar)
@@ -265,6 +306,21 @@ class PersistentCompiler:
             self._count()
             return fn()
 
+    def _cold_timing(self) -> bool:
+        """Whether a compile just measured here was cold: no xgrammar cache could have served part of
+        it. With the cache on, a compile of a schema like earlier ones takes a fraction of its cold
+        time; the persistence helper's store-or-marker decision must not take that for the grammar's
+        compile cost (it would store markers for grammars that load far faster than they compile in a
+        restarted, cache-cold process), so the job says so and the helper decides on its own cold
+        compile. Off (0) and the cache still empty: cold."""
+        if self.inner_cache_bytes > 0:
+            return False
+        size = getattr(self.inner, "get_cache_size_bytes", None)
+        try:
+            return size is None or int(size()) == 0  # an unbounded cache given to us: not cold once used
+        except Exception:  # noqa: BLE001 - a stand-in compiler without it: as before, cold
+            return True
+
     def _native(self, fn: Callable[[], Any]):
         t = time.perf_counter()
         cg = self._compile(fn)
@@ -287,8 +343,12 @@ class PersistentCompiler:
             raise
         except OSError as exc:
             gm.inc_disk_error("read")
-            self._warn_once(("read", type(exc).__name__, exc.errno), "dspark-harden: reading grammar cache entry %s "
-                            "failed (%s); compiling locally", self.ns.entry_path(key_hex), exc)
+            self._warn_once(
+                ("read", type(exc).__name__, exc.errno),
+                "dspark-harden: reading grammar cache entry %s failed (%s); compiling locally",
+                self.ns.entry_path(key_hex),
+                exc,
+            )
             return None, "compile"
 
     def _warn_once(self, what: tuple, msg: str, *args: Any) -> None:
@@ -309,8 +369,15 @@ class PersistentCompiler:
             tc = time.perf_counter()
             cg = self._compile(fn)
             compile_s = time.perf_counter() - tc
-            _record(Resolution(skipped, time.perf_counter() - t0, {"native_compile": compile_s},
-                               self.ns.entry_path(key_hex), key_hex))
+            _record(
+                Resolution(
+                    skipped,
+                    time.perf_counter() - t0,
+                    {"native_compile": compile_s},
+                    self.ns.entry_path(key_hex),
+                    key_hex,
+                )
+            )
             return cg
         mine, got, waited = self._claim(key_hex, t0)
         if got is not None:
@@ -323,7 +390,8 @@ class PersistentCompiler:
                 claim_mod.remove_if(self.ns, mine)
             raise
         compile_s = time.perf_counter() - tc
-        self.persister.submit(key_hex, parts, compile_s, claim=mine)  # never blocks: a full queue skips
+        # never blocks: a full queue skips
+        self.persister.submit(key_hex, parts, compile_s, claim=mine, cold=self._cold_timing())
         total = time.perf_counter() - t0
         phases = {"native_compile": compile_s}
         if waited:
@@ -352,10 +420,21 @@ class PersistentCompiler:
                 mine = claim_mod.create(self.ns, key_hex, self.persister.publish_estimate())
             except (disk.GrammarCacheError, OSError) as exc:
                 self._claim_outcome("error")
-                self._warn_once(("claim", type(exc).__name__), "dspark-harden: creating grammar cache claim "
-                                "%s failed (%s); compiling without one", claim_mod.claim_path(self.ns, key_hex), exc)
+                self._warn_once(
+                    ("claim", type(exc).__name__),
+                    "dspark-harden: creating grammar cache claim %s failed (%s); compiling without one",
+                    claim_mod.claim_path(self.ns, key_hex),
+                    exc,
+                )
                 return None, None, waited
             if mine is not None:
+                # double-check: another process may have published the entry and released its claim
+                # between this process's disk miss and its claim (a late peer would compile it again)
+                got, _ = self._read(key_hex, t0)
+                if got is not None:
+                    claim_mod.remove_if(self.ns, mine)
+                    self._claim_outcome("hit", 0.0)
+                    return None, got, waited
                 self._claim_outcome("claimed")
                 return mine, None, waited
             try:
@@ -399,8 +478,7 @@ class PersistentCompiler:
             return None, None, waited
         return None, None, waited
 
-    def _from_entry(self, key_hex: str, got: tuple, fn: Callable[[], Any], t0: float,
-                    phases: Optional[dict] = None):
+    def _from_entry(self, key_hex: str, got: tuple, fn: Callable[[], Any], t0: float, phases: Optional[dict] = None):
         path, data = got
         phases = dict(phases or {})
         phases["disk_read"] = time.perf_counter() - t0 - phases.get("claim_wait", 0.0)
@@ -426,7 +504,9 @@ class PersistentCompiler:
         except Exception as exc:  # noqa: BLE001 - any rejection is a corrupt entry
             gm.inc_corrupt()
             _record(Resolution("corrupt", time.perf_counter() - t0, phases, path, key_hex))
-            raise disk.CorruptEntryError(path, f"xgrammar rejected the serialized grammar: {type(exc).__name__}: {exc}") from None
+            raise disk.CorruptEntryError(
+                path, f"xgrammar rejected the serialized grammar: {type(exc).__name__}: {exc}"
+            ) from None
         phases["deserialize"] = time.perf_counter() - td
         _record(Resolution("disk", time.perf_counter() - t0, phases, path, key_hex))
         return cg

@@ -60,15 +60,28 @@ def dspark_features():
 @hookimpl
 def dspark_settings():
     return [
-        Setting(SWITCH, flag01, True, "1: register GET /health_scheduler in the HTTP server. 0: do not.",
-                feature=FEATURE),
-        Setting(MAX_STALENESS, positive_float, DEFAULT_MAX_STALENESS_S,
-                "/health_scheduler answers 503 (reason stale) when a DP rank's newest load snapshot is "
-                "older than this many seconds. Stock schedulers publish about once a second when idle "
-                "and several times a second when busy.", feature=FEATURE, accepts="positive seconds"),
-        Setting(MAX_FUTURE_SKEW, positive_float, DEFAULT_MAX_FUTURE_SKEW_S,
-                "/health_scheduler answers 503 (reason future_timestamp) when a snapshot is dated more "
-                "than this many seconds in the future.", feature=FEATURE, accepts="positive seconds"),
+        Setting(
+            SWITCH, flag01, True, "1: register GET /health_scheduler in the HTTP server. 0: do not.", feature=FEATURE
+        ),
+        Setting(
+            MAX_STALENESS,
+            positive_float,
+            DEFAULT_MAX_STALENESS_S,
+            "/health_scheduler answers 503 (reason stale) when a DP rank's newest load snapshot is "
+            "older than this many seconds. Stock schedulers publish about once a second when idle "
+            "and several times a second when busy.",
+            feature=FEATURE,
+            accepts="positive seconds",
+        ),
+        Setting(
+            MAX_FUTURE_SKEW,
+            positive_float,
+            DEFAULT_MAX_FUTURE_SKEW_S,
+            "/health_scheduler answers 503 (reason future_timestamp) when a snapshot is dated more "
+            "than this many seconds in the future.",
+            feature=FEATURE,
+            accepts="positive seconds",
+        ),
     ]
 
 
@@ -106,8 +119,13 @@ def make_endpoint(max_staleness_s: float, max_future_skew_s: float):
 
         state = http_server.get_global_state()
         tm = getattr(state, "tokenizer_manager", None) if state is not None else None
-        result = V.evaluate_server(tm, now_fn=time.time, max_staleness_s=max_staleness_s,
-                                   max_future_skew_s=max_future_skew_s, dp2_stalls_fn=_dp2_stalls)
+        result = V.evaluate_server(
+            tm,
+            now_fn=time.time,
+            max_staleness_s=max_staleness_s,
+            max_future_skew_s=max_future_skew_s,
+            dp2_stalls_fn=_dp2_stalls,
+        )
         try:
             _count(result.reason)
         except Exception:  # noqa: BLE001 - a metrics problem must not change the health answer
@@ -127,7 +145,7 @@ def route_patch(settings) -> RoutePatch:
         build=lambda _stock: make_endpoint(settings[MAX_STALENESS], settings[MAX_FUTURE_SKEW]),
         fingerprint=None,
         why="stock has /health (no scheduler check by default) and /health_generate (an inference "
-            "request); neither tells which DP rank's scheduler stopped publishing",
+        "request); neither tells which DP rank's scheduler stopped publishing",
         retire_when="SGLang ships a non-inference per-DP-rank scheduler health route",
         path=PATH,
         methods=("GET",),
@@ -139,5 +157,3 @@ def dspark_patches(role, settings):
     if role is not Role.MAIN or not settings[SWITCH]:
         return []
     return [route_patch(settings)]
-
-

@@ -36,8 +36,19 @@ CHILD_DIED = "child_died"
 DP2_STALLED = "dp2_stalled"
 
 OUTCOMES = (
-    OK, NO_STATE, SHUTTING_DOWN, STARTING, READ_ERROR, MISSING_RANKS, DUPLICATE_RANKS,
-    UNEXPECTED_RANKS, NON_POSITIVE_TIMESTAMP, FUTURE_TIMESTAMP, STALE, CHILD_DIED, DP2_STALLED,
+    OK,
+    NO_STATE,
+    SHUTTING_DOWN,
+    STARTING,
+    READ_ERROR,
+    MISSING_RANKS,
+    DUPLICATE_RANKS,
+    UNEXPECTED_RANKS,
+    NON_POSITIVE_TIMESTAMP,
+    FUTURE_TIMESTAMP,
+    STALE,
+    CHILD_DIED,
+    DP2_STALLED,
 )
 
 
@@ -101,34 +112,62 @@ def evaluate_snapshots(
 
     missing = sorted(expected - counts.keys())
     if missing:
-        return _fail(MISSING_RANKS, f"{_ranks_text(missing)} published no load snapshot "
-                     f"(expected one per rank 0..{expected_ranks - 1})", bad_ranks=missing, **common)
+        return _fail(
+            MISSING_RANKS,
+            f"{_ranks_text(missing)} published no load snapshot (expected one per rank 0..{expected_ranks - 1})",
+            bad_ranks=missing,
+            **common,
+        )
     dupes = sorted(r for r, c in counts.items() if c > 1)
     if dupes:
-        return _fail(DUPLICATE_RANKS, f"{_ranks_text(dupes)} appear in more than one load snapshot slot",
-                     bad_ranks=dupes, **common)
+        return _fail(
+            DUPLICATE_RANKS,
+            f"{_ranks_text(dupes)} appear in more than one load snapshot slot",
+            bad_ranks=dupes,
+            **common,
+        )
     extra = sorted(counts.keys() - expected)
     if extra:
-        return _fail(UNEXPECTED_RANKS, f"load snapshots name {_ranks_text(extra)}, outside 0..{expected_ranks - 1}",
-                     bad_ranks=extra, **common)
+        return _fail(
+            UNEXPECTED_RANKS,
+            f"load snapshots name {_ranks_text(extra)}, outside 0..{expected_ranks - 1}",
+            bad_ranks=extra,
+            **common,
+        )
 
     by_rank = {int(s.dp_rank): float(s.timestamp) for s in snapshots}
     non_pos = sorted(r for r, ts in by_rank.items() if not (ts > 0) or not math.isfinite(ts))
     if non_pos:
-        return _fail(NON_POSITIVE_TIMESTAMP, f"{_ranks_text(non_pos)} load snapshot has no positive timestamp "
-                     "(the scheduler created its slot but has not published yet)", bad_ranks=non_pos, **common)
+        return _fail(
+            NON_POSITIVE_TIMESTAMP,
+            f"{_ranks_text(non_pos)} load snapshot has no positive timestamp "
+            "(the scheduler created its slot but has not published yet)",
+            bad_ranks=non_pos,
+            **common,
+        )
     future = sorted(r for r, ts in by_rank.items() if now - ts < -max_future_skew_s)
     if future:
         worst = max(by_rank[r] - now for r in future)
-        return _fail(FUTURE_TIMESTAMP, f"{_ranks_text(future)} load snapshot is dated {worst:.1f} s in the future "
-                     f"(limit {max_future_skew_s:g} s; clock skew?)", bad_ranks=future, **common)
+        return _fail(
+            FUTURE_TIMESTAMP,
+            f"{_ranks_text(future)} load snapshot is dated {worst:.1f} s in the future "
+            f"(limit {max_future_skew_s:g} s; clock skew?)",
+            bad_ranks=future,
+            **common,
+        )
     stale = sorted(r for r, ts in by_rank.items() if now - ts > max_staleness_s)
     if stale:
         worst = max(now - by_rank[r] for r in stale)
-        return _fail(STALE, f"{_ranks_text(stale)} load snapshot is stale: last published {worst:.1f} s ago "
-                     f"(limit {max_staleness_s:g} s; scheduler stuck, stopped or dead?)", bad_ranks=stale, **common)
-    return Verdict(ok=True, reason=OK, message=f"all {expected_ranks} DP rank(s) published a fresh load snapshot",
-                   **common)
+        return _fail(
+            STALE,
+            f"{_ranks_text(stale)} load snapshot is stale: last published {worst:.1f} s ago "
+            f"(limit {max_staleness_s:g} s; scheduler stuck, stopped or dead?)",
+            bad_ranks=stale,
+            **common,
+        )
+    return Verdict(
+        ok=True, reason=OK, message=f"all {expected_ranks} DP rank(s) published a fresh load snapshot", **common
+    )
 
 
 def evaluate_server(
@@ -148,8 +187,9 @@ def evaluate_server(
     fault = getattr(tokenizer_manager, "dspark_harden_fault", None)
     if isinstance(fault, dict) and fault.get("message"):
         rank = fault.get("dp_rank")
-        return _fail(CHILD_DIED, f"{fault['message']}; the server is stopping",
-                     bad_ranks=[int(rank)] if rank is not None else [])
+        return _fail(
+            CHILD_DIED, f"{fault['message']}; the server is stopping", bad_ranks=[int(rank)] if rank is not None else []
+        )
     if getattr(tokenizer_manager, "gracefully_exit", False):
         return _fail(SHUTTING_DOWN, "the server is shutting down")
     status = getattr(tokenizer_manager, "server_status", None)
@@ -168,18 +208,27 @@ def evaluate_server(
     except Exception as exc:  # noqa: BLE001 - any read failure is a 503 with its cause
         return _fail(READ_ERROR, f"reading the load snapshots failed: {type(exc).__name__}: {exc}")
     return evaluate_snapshots(
-        list(snapshots), expected, now=now_fn(),
-        max_staleness_s=max_staleness_s, max_future_skew_s=max_future_skew_s,
+        list(snapshots),
+        expected,
+        now=now_fn(),
+        max_staleness_s=max_staleness_s,
+        max_future_skew_s=max_future_skew_s,
     )
 
 
 def evaluate_dp2_stalls(stalls: list) -> Verdict:
     """503 naming the DP rank(s) the others wait for in the native DP2 exchange."""
     late = sorted({int(r["peer_rank"]) for r in stalls})
-    parts = [f"DP rank {int(r['rank'])} has waited {float(r['waited_s']):.1f} s for DP rank {int(r['peer_rank'])} "
-             f"(DP2 channel {r.get('channel')}): {r.get('message', '')}" for r in stalls]
-    return _fail(DP2_STALLED, f"{_ranks_text(late)} stalled: alive but not taking part in the scheduler steps; "
-                 + "; ".join(parts), bad_ranks=late)
+    parts = [
+        f"DP rank {int(r['rank'])} has waited {float(r['waited_s']):.1f} s for DP rank {int(r['peer_rank'])} "
+        f"(DP2 channel {r.get('channel')}): {r.get('message', '')}"
+        for r in stalls
+    ]
+    return _fail(
+        DP2_STALLED,
+        f"{_ranks_text(late)} stalled: alive but not taking part in the scheduler steps; " + "; ".join(parts),
+        bad_ranks=late,
+    )
 
 
 def default_expected_ranks(tokenizer_manager: Any) -> int:

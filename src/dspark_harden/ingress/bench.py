@@ -32,8 +32,9 @@ from ..core import procfs
 from .harness import Endpoints, Peer, build_controller, make_request
 
 
-def _controller_main(endpoints: Endpoints, dp_size: int, variant: str, poll_ms: int, spin_us: int,
-                     cpu: Optional[int] = None) -> None:
+def _controller_main(
+    endpoints: Endpoints, dp_size: int, variant: str, poll_ms: int, spin_us: int, cpu: Optional[int] = None
+) -> None:
     if cpu is not None:
         os.sched_setaffinity(0, {cpu})
     if variant == "harden":
@@ -80,8 +81,19 @@ def _cpus(pin: bool) -> tuple:
     return (cpus[0], cpus[-1]) if len(cpus) >= 2 else (None, None)
 
 
-def _run(order: tuple, *, dp_size: int, idle_seconds: float, n_requests: int, blocks: int, poll_ms: int,
-         spin_us: int, directory: str, run: int, pin: bool = True) -> dict:
+def _run(
+    order: tuple,
+    *,
+    dp_size: int,
+    idle_seconds: float,
+    n_requests: int,
+    blocks: int,
+    poll_ms: int,
+    spin_us: int,
+    directory: str,
+    run: int,
+    pin: bool = True,
+) -> dict:
     """One run: both controllers alive (forked), only one of them running at any time (the other is
     SIGSTOPped, so a spinning stock loop never steals CPU from ours or the other way round). Idle
     CPU of each over ``idle_seconds``; then ``blocks`` alternating latency blocks per controller,
@@ -92,9 +104,12 @@ def _run(order: tuple, *, dp_size: int, idle_seconds: float, n_requests: int, bl
     endpoints = {v: Endpoints.new(dp_size, directory) for v in order}
     # fork both before this process opens its own ZMQ context (a context must not cross a fork)
     peer_cpu, ctrl_cpu = _cpus(pin)
-    procs = {v: mp.get_context("fork").Process(target=_controller_main,
-                                               args=(endpoints[v], dp_size, v, poll_ms, spin_us, ctrl_cpu),
-                                               daemon=True) for v in order}
+    procs = {
+        v: mp.get_context("fork").Process(
+            target=_controller_main, args=(endpoints[v], dp_size, v, poll_ms, spin_us, ctrl_cpu), daemon=True
+        )
+        for v in order
+    }
     for p in procs.values():
         p.start()
     saved_affinity = os.sched_getaffinity(0)
@@ -123,7 +138,7 @@ def _run(order: tuple, *, dp_size: int, idle_seconds: float, n_requests: int, bl
         per_block = max(2, n_requests // blocks)
         lat = {v: [] for v in order}
         for b in range(blocks):
-            for v in (order if b % 2 == 0 else order[::-1]):
+            for v in order if b % 2 == 0 else order[::-1]:
                 only(v)
                 lat[v] += _latencies(peers[v], v, f"b{b}", per_block + 1, dp_size)[1:]
         return {v: (idle[v], statistics.median(lat[v])) for v in order}
@@ -140,9 +155,17 @@ def _run(order: tuple, *, dp_size: int, idle_seconds: float, n_requests: int, bl
         os.sched_setaffinity(0, saved_affinity)
 
 
-def run_controller_bench(*, idle_seconds: float = 3.0, n_requests: int = 300, dp_size: int = 2,
-                         poll_ms: Optional[int] = None, spin_us: Optional[int] = None, runs: int = 5,
-                         blocks: int = 6, pin: bool = True) -> dict:
+def run_controller_bench(
+    *,
+    idle_seconds: float = 3.0,
+    n_requests: int = 300,
+    dp_size: int = 2,
+    poll_ms: Optional[int] = None,
+    spin_us: Optional[int] = None,
+    runs: int = 5,
+    blocks: int = 6,
+    pin: bool = True,
+) -> dict:
     """``runs`` runs, each measuring both loops (order alternating between runs); every figure per
     run plus median / min / max over the runs."""
     if runs <= 0 or n_requests <= 0 or idle_seconds <= 0 or blocks <= 0:
@@ -157,18 +180,42 @@ def run_controller_bench(*, idle_seconds: float = 3.0, n_requests: int = 300, dp
     with tempfile.TemporaryDirectory(prefix="dspark-bench-dpc-") as directory:
         for i in range(runs):
             order = ("stock", "harden") if i % 2 == 0 else ("harden", "stock")
-            got = _run(order, dp_size=dp_size, idle_seconds=idle_seconds, n_requests=n_requests, blocks=blocks,
-                       poll_ms=poll_ms, spin_us=spin_us, directory=directory, run=i, pin=pin)
-            per_run.append({
-                "order": "/".join(order),
-                "stock_idle_cpu_s_per_10s": round(got["stock"][0], 4),
-                "harden_idle_cpu_s_per_10s": round(got["harden"][0], 4),
-                "stock_dispatch_p50_us": round(got["stock"][1], 2),
-                "harden_dispatch_p50_us": round(got["harden"][1], 2),
-            })
-    out: dict = {"runs": per_run, "spin_us": spin_us, "poll_ms": poll_ms, "requests": n_requests, "blocks": blocks, "pinned": pin,
-                 "idle_seconds": idle_seconds}
-    for key in ("stock_idle_cpu_s_per_10s", "harden_idle_cpu_s_per_10s", "stock_dispatch_p50_us", "harden_dispatch_p50_us"):
+            got = _run(
+                order,
+                dp_size=dp_size,
+                idle_seconds=idle_seconds,
+                n_requests=n_requests,
+                blocks=blocks,
+                poll_ms=poll_ms,
+                spin_us=spin_us,
+                directory=directory,
+                run=i,
+                pin=pin,
+            )
+            per_run.append(
+                {
+                    "order": "/".join(order),
+                    "stock_idle_cpu_s_per_10s": round(got["stock"][0], 4),
+                    "harden_idle_cpu_s_per_10s": round(got["harden"][0], 4),
+                    "stock_dispatch_p50_us": round(got["stock"][1], 2),
+                    "harden_dispatch_p50_us": round(got["harden"][1], 2),
+                }
+            )
+    out: dict = {
+        "runs": per_run,
+        "spin_us": spin_us,
+        "poll_ms": poll_ms,
+        "requests": n_requests,
+        "blocks": blocks,
+        "pinned": pin,
+        "idle_seconds": idle_seconds,
+    }
+    for key in (
+        "stock_idle_cpu_s_per_10s",
+        "harden_idle_cpu_s_per_10s",
+        "stock_dispatch_p50_us",
+        "harden_dispatch_p50_us",
+    ):
         vals = [r[key] for r in per_run]
         out[key] = {"median": round(statistics.median(vals), 4), "min": min(vals), "max": max(vals)}
     out["harden_p50_le_stock_runs"] = sum(r["harden_dispatch_p50_us"] <= r["stock_dispatch_p50_us"] for r in per_run)

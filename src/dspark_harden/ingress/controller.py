@@ -46,11 +46,15 @@ def route_problem(ctrl: Any, rank: Any) -> Optional[tuple[str, str]]:
     conditions as stock ``maybe_external_dp_rank_routing`` (in range, active, has a socket)."""
     workers = ctrl.workers
     if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0 or rank >= len(workers):
-        return OUT_OF_RANGE, (f"DP rank {rank} is not active: out of range (this server has "
-                              f"{len(workers)} DP worker slot(s), 0..{len(workers) - 1})")
+        return OUT_OF_RANGE, (
+            f"DP rank {rank} is not active: out of range (this server has "
+            f"{len(workers)} DP worker slot(s), 0..{len(workers) - 1})"
+        )
     if rank not in ctrl._active_workers:
-        return INACTIVE, (f"DP rank {rank} is not active: the DP controller has it marked inactive "
-                          f"(active ranks: {list(ctrl._active_workers)})")
+        return INACTIVE, (
+            f"DP rank {rank} is not active: the DP controller has it marked inactive "
+            f"(active ranks: {list(ctrl._active_workers)})"
+        )
     if workers[rank] is None:
         return NO_SOCKET, f"DP rank {rank} is not active: the DP controller has no socket to it"
     return None
@@ -198,8 +202,12 @@ def build_event_loop(poll_ms: int, spin_us: int = 0):
         clock = time.perf_counter
         recv, feed = dpc.sock_recv, self.soft_watchdog.feed
         POLLIN, NOBLOCK, Again = zmq.POLLIN, zmq.NOBLOCK, zmq.ZMQError
-        logger.info("dspark-harden: DP controller event loop blocks on its socket when idle (poll timeout %d ms, "
-                    "busy-poll window %d us after each message)", timeout, int(spin_us))
+        logger.info(
+            "dspark-harden: DP controller event loop blocks on its socket when idle (poll timeout %d ms, "
+            "busy-poll window %d us after each message)",
+            timeout,
+            int(spin_us),
+        )
         while True:
             feed()
             if not sock.poll(timeout, POLLIN):

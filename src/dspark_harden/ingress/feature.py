@@ -29,8 +29,19 @@ from . import controller as C
 from . import scheduler as S
 from .patches import DPC, SCHED, TM, patches  # noqa: F401 - the feature's patch table (re-exported)
 from .settings import (  # noqa: F401 - re-exported: the feature's public names
-    APP_PATH_VAR, ATOMIC, ATOMIC_SWITCH, DEFAULT_POLL_MS, DEFAULT_SPIN_US, HEALTH_SWITCH, LOOP, LOOP_SWITCH,
-    OUR_APP_PATH, POLL_MS, SETTINGS, SPIN_US, STOCK_APP_PATH,
+    APP_PATH_VAR,
+    ATOMIC,
+    ATOMIC_SWITCH,
+    DEFAULT_POLL_MS,
+    DEFAULT_SPIN_US,
+    HEALTH_SWITCH,
+    LOOP,
+    LOOP_SWITCH,
+    OUR_APP_PATH,
+    POLL_MS,
+    SETTINGS,
+    SPIN_US,
+    STOCK_APP_PATH,
 )
 
 logger = logging.getLogger("dspark_harden.ingress")
@@ -50,7 +61,7 @@ def dspark_features():
             name=ATOMIC,
             area="ingress",
             description="a routed HTTP batch reaches its DP scheduler as ONE message; bad ranks are a "
-                        "per-request 400, not a dead server",
+            "per-request 400, not a dead server",
             switch=ATOMIC_SWITCH,
             default_on=True,
             roles=frozenset({Role.MAIN, Role.CONTROLLER, Role.SCHEDULER}),
@@ -86,10 +97,12 @@ def app_path_problem(settings, environ=None) -> str | None:
     if current in (None, "", STOCK_APP_PATH, OUR_APP_PATH):
         env[APP_PATH_VAR] = OUR_APP_PATH
         return None
-    return (f"{APP_PATH_VAR}={current!r}: multi-tokenizer HTTP workers (--tokenizer-worker-num > 1) "
-            f"would import that app and run without dspark-harden's tokenizer patch and "
-            f"/health_scheduler. Unset it (dspark-harden then sets {OUR_APP_PATH}), point it at "
-            f"{OUR_APP_PATH}, or disable {ATOMIC_SWITCH} and {HEALTH_SWITCH}.")
+    return (
+        f"{APP_PATH_VAR}={current!r}: multi-tokenizer HTTP workers (--tokenizer-worker-num > 1) "
+        f"would import that app and run without dspark-harden's tokenizer patch and "
+        f"/health_scheduler. Unset it (dspark-harden then sets {OUR_APP_PATH}), point it at "
+        f"{OUR_APP_PATH}, or disable {ATOMIC_SWITCH} and {HEALTH_SWITCH}."
+    )
 
 
 @hookimpl

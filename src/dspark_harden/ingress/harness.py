@@ -80,7 +80,8 @@ def build_controller(
     }
     ctrl.dispatching = lookup[ctrl.load_balance_method]
     ctrl.refresh_load_budget_on_dispatch = ctrl.load_balance_method in (
-        dpc.LoadBalanceMethod.TOTAL_REQUESTS, dpc.LoadBalanceMethod.TOTAL_TOKENS,
+        dpc.LoadBalanceMethod.TOTAL_REQUESTS,
+        dpc.LoadBalanceMethod.TOTAL_TOKENS,
     )
     ctrl.launch_dp_size = ctrl.max_dp_size = dp_size
     ctrl.dp_active = [True] * dp_size
@@ -92,7 +93,9 @@ def build_controller(
     ctrl._last_refresh_time = 0.0
     ctrl.load_snapshot_reader = SimpleNamespace(read_all=lambda: [])  # no schedulers publish here
     ctrl.soft_watchdog = Watchdog.create(
-        debug_name="DataParallelController", watchdog_timeout=watchdog_timeout, soft=True,
+        debug_name="DataParallelController",
+        watchdog_timeout=watchdog_timeout,
+        soft=True,
     )
     ctrl.init_dispatcher()
     return ctrl
@@ -124,7 +127,9 @@ class Peer:
         self.context = zmq.Context(2)
         self.to_controller = get_zmq_socket(self.context, zmq.PUSH, self.endpoints.tokenizer_to_controller, True)
         self.from_controller = get_zmq_socket(self.context, zmq.PULL, self.endpoints.controller_to_tokenizer, True)
-        self.workers = [get_zmq_socket(self.context, zmq.PULL, ep, False) for ep in self.endpoints.controller_to_workers]
+        self.workers = [
+            get_zmq_socket(self.context, zmq.PULL, ep, False) for ep in self.endpoints.controller_to_workers
+        ]
         return self
 
     def send(self, obj: Any) -> None:

@@ -10,8 +10,7 @@ from __future__ import annotations
 
 import logging
 
-from ..core import metrics
-from ..core import roles
+from ..core import metrics, roles
 
 logger = logging.getLogger("dspark_harden.ingress")
 

@@ -9,10 +9,14 @@ loop: every step admits requests that live for a few hundred steps (a running ba
 per-step batch structures that die at once, and retires finished requests, so survivors reach the
 old generation and CPython runs gen-2 collections on its own schedule (no explicit
 ``gc.collect``). Pauses are timed with ``gc.callbacks`` (:class:`.gc_freeze.PauseRecorder`), the
-same way the servers export them. The same load runs before and after ``gc.collect(); gc.freeze()``.
+same way the servers export them. The same load runs before and after ``gc.collect(); gc.freeze()``
+plus the freezer's :class:`.gc_freeze.Gen2Pacer` (what the plugin does), in ``--rounds`` rounds
+whose order alternates (the "after" phase ends with ``gc.unfreeze()``).
 
-Output (``--json``): ``{"before": {"gen2_pauses", "p50_ms", "p99_ms", "max_ms", "gen2_objects"},
-"after": {...}, "frozen_objects", "heap_objects", "seconds_per_phase", "source"}``. ``gen2_objects``
+Output (``--json``): ``{"before": {"gen2_pauses", "gen2_per_s", "p50_ms", "p99_ms", "max_ms",
+"walked_median", "gen2_objects"}, "after": {...}, "spread": {phase: {key: {"median", "min", "max"}}},
+"rounds": [...], "frozen_objects", "heap_objects", "seconds_per_phase", "source"}`` (phase values:
+medians over the rounds; ``walked_median``: objects in gen 2 when a full collection starts). ``gen2_objects``
 is what a gen-2 collection traverses when the phase starts (``gc.get_objects(generation=2)``;
 frozen objects are not in it): the deterministic part of the effect, the pauses the timed part.
 """
@@ -21,8 +25,10 @@ from __future__ import annotations
 
 import gc
 import json
+import statistics
 import sys
 import time
+from typing import Optional
 
 from .gc_freeze import PauseRecorder, summarize
 
@@ -67,10 +73,18 @@ def build_heap(objects: int) -> list:
     return keep
 
 
-def serve(seconds: float, min_gen2: int, recorder: PauseRecorder, cap_factor: float = 4.0) -> list:
+def serve(
+    seconds: float,
+    min_gen2: int,
+    recorder: PauseRecorder,
+    cap_factor: float = 4.0,
+    running_max: int = 4800,
+    steps: Optional[list] = None,
+) -> list:
     """Run the serving loop for ``seconds`` (longer, up to ``cap_factor``x, until ``min_gen2``
-    gen-2 collections were seen); returns the recorded pauses."""
+    gen-2 collections were seen) with about ``running_max`` live requests; returns the recorded pauses."""
     recorder.drain()
+    steps = steps if steps is not None else [0]
     running: list = []
     rid = 0
     t_end = time.monotonic() + seconds
@@ -87,49 +101,160 @@ def serve(seconds: float, min_gen2: int, recorder: PauseRecorder, cap_factor: fl
         for r in running[-64:]:
             r.output_ids.append(rid & 1023)
         del batch
-        if len(running) > 4800:  # retire the oldest: they lived ~150 steps
+        if len(running) > running_max:  # retire the oldest (at 4800 they lived ~150 steps)
             del running[:32]
         pauses.extend(recorder.drain())
+        steps[0] += 1
     pauses.extend(recorder.drain())
     return pauses
 
 
-def run(objects: int, seconds: float) -> dict:
-    recorder = PauseRecorder()
+class _WalkLog:
+    """``gc.callbacks`` entry: objects in gen 2 when each full collection starts (what it walks, besides
+    the young generations merged in). Installed *before* the recorder, so its own ``get_objects`` call is
+    outside the timed pause."""
+
+    def __init__(self) -> None:
+        self.walks: list = []
+
+    def __call__(self, phase: str, info: dict) -> None:
+        if phase == "start" and info.get("generation") == 2:
+            self.walks.append(len(gc.get_objects(generation=2)))
+
+
+def _phase(frozen: bool, seconds: float, recorder: PauseRecorder, walks: _WalkLog, pacer, running: int) -> dict:
+    walks.walks.clear()
+    if frozen:
+        gc.collect()
+        gc.freeze()
+        n_frozen = gc.get_freeze_count()
+        pacer.install(n_frozen)
+    else:
+        n_frozen = 0
+    recorder.frozen = frozen
+    walks.walks.clear()  # not the freeze's own collection
+    tracked = len(gc.get_objects(generation=2))
+    t0 = time.monotonic()
+    try:
+        steps = [0]
+        pauses = serve(seconds, 3, recorder, running_max=running, steps=steps)
+    finally:
+        if frozen:
+            pacer.uninstall()
+            gc.unfreeze()
+    elapsed = time.monotonic() - t0
+    s = summarize(pauses)
+    # young (gen-1) pauses too: the pacer's promotion counting and growth checks run inside them
+    g1 = summarize(pauses, generation=1)
+    ws = sorted(walks.walks)
+    return {
+        **s,
+        "gen1_pauses": g1["gen2_pauses"],
+        "gen1_p99_ms": g1["p99_ms"],
+        "gen1_max_ms": g1["max_ms"],
+        "gen2_objects": tracked,
+        "seconds": round(elapsed, 2),
+        "gen2_per_s": round(s["gen2_pauses"] / elapsed, 3) if elapsed > 0 else 0.0,
+        "steps": steps[0],
+        "gen2_per_kstep": round(1000.0 * s["gen2_pauses"] / max(1, steps[0]), 3),
+        "walked_median": ws[len(ws) // 2] if ws else 0,
+        "frozen_objects": int(n_frozen),
+        "pacer_last": dict(pacer.last) if frozen else None,
+        "pacer_checks": pacer.checks if frozen else 0,
+    }
+
+
+def _med(rounds: list, phase: str, key: str) -> dict:
+    xs = [r[phase][key] for r in rounds]
+    return {"median": statistics.median(xs), "min": min(xs), "max": max(xs)}
+
+
+def run(objects: int, seconds: float, rounds: int = 3, running: int = 4800) -> dict:
+    """``rounds`` rounds on one heap, each one phase without and one with the freeze (the freeze and the
+    pacer applied at its start, undone with ``gc.unfreeze()`` at its end), the order alternating."""
+    from .gc_freeze import Gen2Pacer
+
+    recorder, walks, pacer = PauseRecorder(), _WalkLog(), Gen2Pacer()
     gc.collect()
     heap = build_heap(objects)
     gc.collect()
+    gc.callbacks.append(walks)
     recorder.install()
+    per_round: list = []
     try:
-        tracked_before = len(gc.get_objects(generation=2))
-        before = serve(seconds, 3, recorder)
-        gc.collect()
-        gc.freeze()
-        frozen = gc.get_freeze_count()
-        tracked_after = len(gc.get_objects(generation=2))
-        recorder.frozen = True
-        after = serve(seconds, 3, recorder)
+        for r in range(rounds):
+            order = (False, True) if r % 2 == 0 else (True, False)
+            res = {}
+            for frozen in order:
+                gc.collect()
+                res["after" if frozen else "before"] = _phase(frozen, seconds, recorder, walks, pacer, running)
+            per_round.append(res)
     finally:
         recorder.uninstall()
+        pacer.uninstall()
         gc.unfreeze()
+        try:
+            gc.callbacks.remove(walks)
+        except ValueError:
+            pass
     del heap
-    return {"before": {**summarize(before), "gen2_objects": tracked_before},
-            "after": {**summarize(after), "gen2_objects": tracked_after}, "frozen_objects": int(frozen),
-            "heap_objects": objects, "seconds_per_phase": seconds,
-            "source": "in-process scheduler-shaped heap (not a server)"}
+    keys = (
+        "gen2_pauses",
+        "gen2_per_s",
+        "gen2_per_kstep",
+        "steps",
+        "p50_ms",
+        "p99_ms",
+        "max_ms",
+        "walked_median",
+        "gen1_pauses",
+        "gen1_p99_ms",
+        "gen1_max_ms",
+    )
+    summary = {ph: {k: _med(per_round, ph, k) for k in keys} for ph in ("before", "after")}
+    first = per_round[0]
+    return {
+        # medians over the rounds (the per-round values and their min / max are in "rounds" / "spread")
+        "before": {
+            **{k: summary["before"][k]["median"] for k in keys},
+            "gen2_objects": first["before"]["gen2_objects"],
+        },
+        "after": {**{k: summary["after"][k]["median"] for k in keys}, "gen2_objects": first["after"]["gen2_objects"]},
+        "spread": summary,
+        "rounds": per_round,
+        "frozen_objects": int(first["after"]["frozen_objects"]),
+        "heap_objects": objects,
+        "seconds_per_phase": seconds,
+        "running_requests": running,
+        "source": "in-process scheduler-shaped heap (not a server)",
+    }
 
 
 def main(args) -> int:
-    if args.objects <= 0 or args.seconds <= 0:
-        sys.stderr.write("dspark-harden bench gc: --objects and --seconds must be positive\n")
+    rounds, running = getattr(args, "rounds", 3), getattr(args, "running", 4800)
+    if args.objects <= 0 or args.seconds <= 0 or rounds <= 0 or running <= 0:
+        sys.stderr.write("dspark-harden bench gc: --objects, --seconds, --rounds and --running must be positive\n")
         return 2
-    out = run(args.objects, args.seconds)
+    out = run(args.objects, args.seconds, rounds, running)
     if args.json:
         print(json.dumps(out))
     else:
-        b, a = out["before"], out["after"]
-        print(f"heap: {out['heap_objects']} tracked objects ({out['source']}), {out['frozen_objects']} frozen")
-        for name, s in (("before freeze", b), ("after freeze", a)):
-            print(f"{name:>14}: {s['gen2_objects']} objects in gen 2, {s['gen2_pauses']} gen-2 pauses, "
-                  f"p50 {s['p50_ms']:.2f} ms, p99 {s['p99_ms']:.2f} ms, max {s['max_ms']:.2f} ms")
+        sp = out["spread"]
+        print(
+            f"heap: {out['heap_objects']} tracked objects ({out['source']}), {out['frozen_objects']} frozen, "
+            f"{out['running_requests']} live requests; "
+            f"{len(out['rounds'])} rounds, each before + after (order alternating); median (min-max) over rounds"
+        )
+        for ph, name in (("before", "before freeze"), ("after", "after freeze")):
+
+            def f(k, unit="", ph=ph):
+                v = sp[ph][k]
+                return f"{v['median']:g}{unit} ({v['min']:g}-{v['max']:g})"
+
+            print(
+                f"{name:>14}: gen-2 pauses {f('gen2_pauses')}, per s {f('gen2_per_s')}, per 1000 serving steps "
+                f"{f('gen2_per_kstep')}, p50 {f('p50_ms', ' ms')}, "
+                f"max {f('max_ms', ' ms')}, objects walked {f('walked_median')}; gen-1 pauses {f('gen1_pauses')}, "
+                f"p99 {f('gen1_p99_ms', ' ms')}, max {f('gen1_max_ms', ' ms')}"
+            )
     return 0

@@ -59,31 +59,43 @@ def monitor(procs: list, run_dir, exit_fn=os._exit) -> None:
                 continue
             rank = records.read(run_dir, "rank").get(p.pid, {})
             try:
-                records.write(run_dir, "death", p.pid, {"exitcode": code, "dp_rank": rank.get("dp_rank"),
-                                                       "tp_rank": rank.get("tp_rank")})
+                records.write(
+                    run_dir,
+                    "death",
+                    p.pid,
+                    {"exitcode": code, "dp_rank": rank.get("dp_rank"), "tp_rank": rank.get("tp_rank")},
+                )
             except Exception as exc:  # noqa: BLE001 - the peers must still be stopped and the exit code given
                 logger.error("dspark-harden lifecycle: recording the death of pid %d failed: %s", p.pid, exc)
             fault = records.read(run_dir, "fault").get(p.pid)
             how = records.describe_exit(code) + (" before shutdown was requested" if code == 0 else "")
             if fault:
                 how += f" after its event loop raised {fault.get('type')}: {fault.get('message')}"
-            logger.error("dspark-harden lifecycle: %s (pid %d) %s; stopping %d peer scheduler(s) and the DP "
-                         "controller (exit code %d)", records.who(rank, "scheduler"), p.pid, how, len(live),
-                         SCHEDULER_DIED_EXIT)
+            logger.error(
+                "dspark-harden lifecycle: %s (pid %d) %s; stopping %d peer scheduler(s) and the DP "
+                "controller (exit code %d)",
+                records.who(rank, "scheduler"),
+                p.pid,
+                how,
+                len(live),
+                SCHEDULER_DIED_EXIT,
+            )
             reports = [proctree.kill_tree(q.pid, include_root=True, wait_s=0) for q in live.values()]
             for report in reports:
                 proctree.await_exit(report, PEER_KILL_WAIT_S)
                 if report.survivors:
-                    logger.error("dspark-harden lifecycle: peer process(es) did not exit within %g s of SIGKILL: %s",
-                                 PEER_KILL_WAIT_S, report.describe_survivors())
+                    logger.error(
+                        "dspark-harden lifecycle: peer process(es) did not exit within %g s of SIGKILL: %s",
+                        PEER_KILL_WAIT_S,
+                        report.describe_survivors(),
+                    )
                 report.close()
             for q in live.values():
                 q.join(5)
             _flush()
             exit_fn(SCHEDULER_DIED_EXIT)
             return
-    logger.info("dspark-harden lifecycle: all %d scheduler(s) exited 0 after ShutdownReq; DP controller exits 0",
-                total)
+    logger.info("dspark-harden lifecycle: all %d scheduler(s) exited 0 after ShutdownReq; DP controller exits 0", total)
     _flush()
     exit_fn(0)
 
@@ -96,8 +108,10 @@ def monitor_pids(pids: list, run_dir, exit_fn=os._exit, interval_s: float = 0.25
         if all(procfs.gone(p) for p in pids):
             shut = records.read(run_dir, "shutdown")
             if all(p in shut for p in pids):
-                logger.info("dspark-harden lifecycle: all %d scheduler(s) left after ShutdownReq; DP controller "
-                            "exits 0", len(pids))
+                logger.info(
+                    "dspark-harden lifecycle: all %d scheduler(s) left after ShutdownReq; DP controller exits 0",
+                    len(pids),
+                )
                 _flush()
                 exit_fn(0)
             return  # died: the main process (their parent) reports it and stops the server

@@ -38,39 +38,62 @@ from typing import Optional
 _DOCS = ("/openapi.json", "/docs", "/docs/oauth2-redirect", "/redoc")
 
 #: read-only, answered without the schedulers: served while draining and after a child died
-READ = frozenset(_DOCS + (
-    "/",  # "SGLang is running" (or SGLANG_OLLAMA_ROOT_ROUTE)
-    os.environ.get("SGLANG_OLLAMA_ROOT_ROUTE") or "/",
-    "/model_info", "/get_model_info",  # tokenizer manager's model config
-    "/v1/models", "/v1/models/{model:path}",  # served model name / LoRA registry
-    os.environ.get("SGLANG_OLLAMA_TAGS_ROUTE", "/api/tags"),  # served model name
-    "/hicache/storage-backend",  # GET: tokenizer-side config values (PUT/DELETE are work)
-    "/v1/responses/{response_id}",  # a stored response, from the response store
-    "/v1/loads",  # the schedulers' shared-memory load snapshots
-    "/is_scaling_elastic_ep",  # the tokenizer's mirrored elastic-EP state
-    "/remote_instance_transfer_engine_info", "/get_remote_instance_transfer_engine_info",  # bootstrap server, 5 s timeout
-    "/metrics",  # Prometheus (a Mount: /metrics and everything below it)
-    "/health_scheduler",  # this plugin: its own 503 verdict (shutting_down / child_died)
-))
+READ = frozenset(
+    _DOCS
+    + (
+        "/",  # "SGLang is running" (or SGLANG_OLLAMA_ROOT_ROUTE)
+        os.environ.get("SGLANG_OLLAMA_ROOT_ROUTE") or "/",
+        "/model_info",
+        "/get_model_info",  # tokenizer manager's model config
+        "/v1/models",
+        "/v1/models/{model:path}",  # served model name / LoRA registry
+        os.environ.get("SGLANG_OLLAMA_TAGS_ROUTE", "/api/tags"),  # served model name
+        "/hicache/storage-backend",  # GET: tokenizer-side config values (PUT/DELETE are work)
+        "/v1/responses/{response_id}",  # a stored response, from the response store
+        "/v1/loads",  # the schedulers' shared-memory load snapshots
+        "/is_scaling_elastic_ep",  # the tokenizer's mirrored elastic-EP state
+        "/remote_instance_transfer_engine_info",
+        "/get_remote_instance_transfer_engine_info",  # bootstrap server, 5 s timeout
+        "/metrics",  # Prometheus (a Mount: /metrics and everything below it)
+        "/health_scheduler",  # this plugin: its own 503 verdict (shutting_down / child_died)
+    )
+)
 
 #: read-only, but wait for every scheduler's reply (stock communicators, no timeout): served while
 #: draining, 503 after a child died
-SCHEDULER_READ = frozenset({
-    "/server_info", "/get_server_info",  # get_internal_state from every scheduler
-    "/get_hicache_l3_cache_layout",  # GetHiCacheL3LayoutReq to every scheduler
-    "/list_external_corpora",  # ListExternalCorporaReqInput to every scheduler
-})
+SCHEDULER_READ = frozenset(
+    {
+        "/server_info",
+        "/get_server_info",  # get_internal_state from every scheduler
+        "/get_hicache_l3_cache_layout",  # GetHiCacheL3LayoutReq to every scheduler
+        "/list_external_corpora",  # ListExternalCorporaReqInput to every scheduler
+    }
+)
 
 #: health / readiness probes: 503 from the gate while refusing (the body names the cause)
 PROBE = frozenset({"/health", "/health_generate", "/ready", "/ping"})
 
 #: stock routes that accept GET and do work: 503 while refusing, like every POST
-WORK_GET = frozenset({
-    "/flush_cache", "/start_profile", "/stop_profile", "/set_trace_level", "/freeze_gc",
-    "/start_expert_distribution_record", "/stop_expert_distribution_record", "/dump_expert_distribution_record",
-    "/get_weights_by_name", "/release_memory_occupation", "/resume_memory_occupation", "/weights_checker",
-    "/slow_down", "/open_session", "/close_session", "/configure_logging",
-})
+WORK_GET = frozenset(
+    {
+        "/flush_cache",
+        "/start_profile",
+        "/stop_profile",
+        "/set_trace_level",
+        "/freeze_gc",
+        "/start_expert_distribution_record",
+        "/stop_expert_distribution_record",
+        "/dump_expert_distribution_record",
+        "/get_weights_by_name",
+        "/release_memory_occupation",
+        "/resume_memory_occupation",
+        "/weights_checker",
+        "/slow_down",
+        "/open_session",
+        "/close_session",
+        "/configure_logging",
+    }
+)
 
 #: work routes still accepted while refusing (they help a drain finish)
 ALWAYS_ALLOWED = frozenset({"/abort_request"})
@@ -122,7 +145,7 @@ def route_path(scope: dict) -> str:
     """The path the app's routes match (Starlette's ``get_route_path``: ``root_path`` stripped)."""
     path, root = scope.get("path", ""), scope.get("root_path", "")
     if root and path.startswith(root) and (len(path) == len(root) or path[len(root)] == "/"):
-        return path[len(root):] or "/"
+        return path[len(root) :] or "/"
     return path
 
 

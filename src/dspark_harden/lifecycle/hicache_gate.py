@@ -63,10 +63,12 @@ def group_problem(server_args: Any) -> Optional[str]:
     w = group_widths(server_args)
     if w["attn_tp"] == 1 and w["attn_cp"] == 1 and w["pp"] == 1:
         return None
-    return (f"the HiCache gate decides per scheduler, and each DP group here has {w['attn_tp'] * w['attn_cp'] * w['pp']} "
-            f"schedulers (attention-TP {w['attn_tp']}, attention-CP {w['attn_cp']}, PP {w['pp']}) whose radix trees "
-            "would diverge if some evicted and others refused; it needs attention-TP 1, attention-CP 1 and PP 1 "
-            "(e.g. --dp-size 2 --tp-size 2 --enable-dp-attention), or SGLANG_HICACHE_GATE_CONTROL=disabled")
+    return (
+        f"the HiCache gate decides per scheduler, and each DP group here has {w['attn_tp'] * w['attn_cp'] * w['pp']} "
+        f"schedulers (attention-TP {w['attn_tp']}, attention-CP {w['attn_cp']}, PP {w['pp']}) whose radix trees "
+        "would diverge if some evicted and others refused; it needs attention-TP 1, attention-CP 1 and PP 1 "
+        "(e.g. --dp-size 2 --tp-size 2 --enable-dp-attention), or SGLANG_HICACHE_GATE_CONTROL=disabled"
+    )
 
 
 def available(_settings) -> Optional[str]:
@@ -86,10 +88,14 @@ class Gate:
         self.used = False
 
     def state(self) -> dict:
-        return {"armed": self.armed, "last_requested_tokens": self.last_requested_tokens,
-                "last_evictable_tokens": self.last_evictable_tokens,
-                "last_evicted_tokens": self.last_evicted_tokens, "last_outcome": self.last_outcome,
-                "last_reason": self.last_reason}
+        return {
+            "armed": self.armed,
+            "last_requested_tokens": self.last_requested_tokens,
+            "last_evictable_tokens": self.last_evictable_tokens,
+            "last_evicted_tokens": self.last_evicted_tokens,
+            "last_outcome": self.last_outcome,
+            "last_reason": self.last_reason,
+        }
 
     def _finish(self, outcome: str, reason: str) -> bool:
         self.last_outcome, self.last_reason = outcome, reason
@@ -110,16 +116,22 @@ class Gate:
     def run(self, scheduler: Any, value: Any) -> bool:
         """Validate, consume the arm, evict. True when tokens were evicted."""
         if not self.armed:
-            why = ("the gate was already used once in this scheduler (one shot; restart to re-arm)" if self.used
-                   else "the gate is not armed (SGLANG_HICACHE_GATE_CONTROL=armed)")
+            why = (
+                "the gate was already used once in this scheduler (one shot; restart to re-arm)"
+                if self.used
+                else "the gate is not armed (SGLANG_HICACHE_GATE_CONTROL=armed)"
+            )
             return self._finish("already_used" if self.used else "not_armed", why)
         if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
             return self._finish("bad_value", f"{GATE_KEY} must be a positive integer number of tokens, got {value!r}")
         tree = getattr(scheduler, "tree_cache", None)
         cc = getattr(tree, "cache_controller", None)
         if cc is None:
-            return self._finish("hicache_off", "hierarchical cache is not active in this scheduler "
-                                               "(--enable-hierarchical-cache with a cache controller)")
+            return self._finish(
+                "hicache_off",
+                "hierarchical cache is not active in this scheduler "
+                "(--enable-hierarchical-cache with a cache controller)",
+            )
         busy = []
         if not scheduler.is_fully_idle():
             busy.append("requests are running or waiting")
@@ -154,10 +166,14 @@ class Gate:
             return self._finish("failed", f"eviction raised {type(exc).__name__}: {exc}")
         self.last_evicted_tokens = evicted
         if evicted <= 0:
-            return self._finish("nothing_evicted", f"requested {value} token(s), {self.last_evictable_tokens} "
-                                                   "evictable, 0 evicted")
-        return self._finish("evicted", f"evicted {evicted} of {value} requested device token(s) "
-                                       f"({self.last_evictable_tokens} evictable) with write-back to host")
+            return self._finish(
+                "nothing_evicted", f"requested {value} token(s), {self.last_evictable_tokens} evictable, 0 evicted"
+            )
+        return self._finish(
+            "evicted",
+            f"evicted {evicted} of {value} requested device token(s) "
+            f"({self.last_evictable_tokens} evictable) with write-back to host",
+        )
 
 
 GATE = Gate()

@@ -22,8 +22,9 @@ class HostPoolTeardownError(RuntimeError):
     def __init__(self, failures: list, total: int):
         self.failures = failures
         names = "; ".join(f"pool {name!r}: {type(exc).__name__}: {exc}" for name, exc in failures)
-        super().__init__(f"{len(failures)} of {total} host pool(s) failed to destroy (every other pool was "
-                         f"destroyed): {names}")
+        super().__init__(
+            f"{len(failures)} of {total} host pool(s) failed to destroy (every other pool was destroyed): {names}"
+        )
 
 
 def _count(outcome: str) -> None:

@@ -34,7 +34,6 @@ daemon thread with a time limit) and a hard deadline exits with the documented c
 from __future__ import annotations
 
 import asyncio
-from http import HTTPStatus
 import json
 import logging
 import os
@@ -42,6 +41,7 @@ import shutil
 import sys
 import threading
 import time
+from http import HTTPStatus
 from typing import Any, Optional
 
 from ..core import metrics
@@ -136,8 +136,13 @@ class HardExit:
                 self._cv.wait(left)
             code, what, seconds = self._code, self._what, self._armed_for
         try:
-            logger.critical("dspark-harden lifecycle: the teardown did not finish within its hard deadline (%.0f s; "
-                            "blocked in: %s); exiting with code %d now", seconds, what, code)
+            logger.critical(
+                "dspark-harden lifecycle: the teardown did not finish within its hard deadline (%.0f s; "
+                "blocked in: %s); exiting with code %d now",
+                seconds,
+                what,
+                code,
+            )
             _flush_logs()
         finally:
             os._exit(code)
@@ -158,8 +163,12 @@ def _bounded(fn, limit_s: float, what: str):
     t.start()
     t.join(limit_s)
     if t.is_alive():
-        logger.error("dspark-harden lifecycle: %s did not finish within %g s (a /proc read or a file operation "
-                     "blocked in the kernel); continuing without it", what, limit_s)
+        logger.error(
+            "dspark-harden lifecycle: %s did not finish within %g s (a /proc read or a file operation "
+            "blocked in the kernel); continuing without it",
+            what,
+            limit_s,
+        )
         return False, None
     if "error" in box:
         exc = box["error"]
@@ -207,8 +216,12 @@ async def _bounded_async(fn, limit_s: float, what: str) -> bool:
     while not done.is_set() and time.monotonic() < deadline:
         await asyncio.sleep(0.02)
     if not done.is_set():
-        logger.error("dspark-harden lifecycle: %s did not finish within %g s (a /proc read or a file operation "
-                     "blocked in the kernel); continuing without it", what, limit_s)
+        logger.error(
+            "dspark-harden lifecycle: %s did not finish within %g s (a /proc read or a file operation "
+            "blocked in the kernel); continuing without it",
+            what,
+            limit_s,
+        )
         return False
     if "error" in box:
         logger.error("dspark-harden lifecycle: %s failed: %s: %s", what, type(box["error"]).__name__, box["error"])
@@ -256,15 +269,22 @@ def _finish_kill(report: proctree.KillReport, wait_s: float) -> proctree.KillRep
     too, so they leak)."""
     proctree.await_exit(report, wait_s)
     if report.survivors:
-        logger.error("dspark-harden lifecycle: %d process(es) did not exit within %g s of SIGKILL and are left "
-                     "behind: %s (a process in state D is blocked in the kernel: a driver call, a hung "
-                     "filesystem; it exits only when that call returns)", len(report.survivors), wait_s,
-                     report.describe_survivors())
+        logger.error(
+            "dspark-harden lifecycle: %d process(es) did not exit within %g s of SIGKILL and are left "
+            "behind: %s (a process in state D is blocked in the kernel: a driver call, a hung "
+            "filesystem; it exits only when that call returns)",
+            len(report.survivors),
+            wait_s,
+            report.describe_survivors(),
+        )
     if report.incomplete:
-        logger.error("dspark-harden lifecycle: the process tree kept forking while it was being stopped; some "
-                     "processes may have escaped")
+        logger.error(
+            "dspark-harden lifecycle: the process tree kept forking while it was being stopped; some "
+            "processes may have escaped"
+        )
     tracker, tracker_pid = _rtracker()
     if tracker_pid is not None:
+
         def stop():
             try:
                 tracker._stop()
@@ -315,8 +335,12 @@ class MainLifecycle:
             self.owns_run_dir = True
             os.environ[records.RUN_DIR_ENV] = self.run_dir  # inherited by every child spawned later
             if inherited:
-                logger.info("dspark-harden lifecycle: %s=%s was inherited; this server uses its own private run "
-                            "directory %s", records.RUN_DIR_ENV, inherited, self.run_dir)
+                logger.info(
+                    "dspark-harden lifecycle: %s=%s was inherited; this server uses its own private run directory %s",
+                    records.RUN_DIR_ENV,
+                    inherited,
+                    self.run_dir,
+                )
         self.subreaper = proctree.become_subreaper()
 
     def attach(self, tm: Any, port_args: Any) -> None:
@@ -326,6 +350,15 @@ class MainLifecycle:
             self.tracker = ResourceTracker()
             self.tracker.add_paths(sockets=self.ipc_paths())
             self.tracker.start()  # scans on its own thread: now, when the children are ready, rarely after
+
+    def next_tree(self) -> None:
+        """After an in-process tree (an offline Engine) was shut down and cleaned up: drop its tracker
+        and give the next tree a fresh private run directory (``cleanup`` removed this one), so a later
+        Engine in the same process starts tracked and with a directory its children accept."""
+        self.tracker = None
+        if self.owns_run_dir:
+            self.run_dir = records.make_run_dir()
+            os.environ[records.RUN_DIR_ENV] = self.run_dir
 
     def children_ready(self) -> None:
         if self.tracker is not None:
@@ -337,8 +370,10 @@ class MainLifecycle:
         if self.fault is not None:
             return f"server is stopping: {self.fault['message']}"
         if self.shutdown_started is not None:
-            return (f"server is shutting down (SIGTERM received {time.time() - self.shutdown_started:.1f} s ago); "
-                    "retry on another replica")
+            return (
+                f"server is shutting down (SIGTERM received {time.time() - self.shutdown_started:.1f} s ago); "
+                "retry on another replica"
+            )
         return None
 
     def begin_shutdown(self) -> bool:
@@ -354,9 +389,9 @@ class MainLifecycle:
         pa = self.port_args
         if pa is None:
             return out
-        for name, value in vars(pa).items():
+        for value in vars(pa).values():
             if isinstance(value, str) and value.startswith("ipc://"):
-                out.append(value[len("ipc://"):])
+                out.append(value[len("ipc://") :])
         try:
             from sglang.srt.managers.load_snapshot import shm_path_for
 
@@ -372,8 +407,9 @@ class MainLifecycle:
         if tracker is None:
             return True
         deadline = time.monotonic() + limit_s
-        done, _value = _bounded(lambda: tracker.scan(deadline=deadline), limit_s + 1.0,
-                                "the resource scan of the live tree")
+        done, _value = _bounded(
+            lambda: tracker.scan(deadline=deadline), limit_s + 1.0, "the resource scan of the live tree"
+        )
         return done
 
     def cleanup(self, exclude=()) -> dict:
@@ -406,12 +442,31 @@ class MainLifecycle:
 
     def _teardown_budget(self) -> float:
         """Upper bound of the bounded steps after the drain: the hard deadline adds a margin to it."""
-        return (self.barrier_timeout_s + SCHEDULER_EXIT_TIMEOUT_S + CHILD_EXIT_TIMEOUT_S + SCAN_LIMIT_S + 1
-                + KILL_WAIT_S + RTRACKER_STOP_S + CLEANUP_LIMIT_S + 1 + HARD_EXIT_MARGIN_S)
+        return (
+            self.barrier_timeout_s
+            + SCHEDULER_EXIT_TIMEOUT_S
+            + CHILD_EXIT_TIMEOUT_S
+            + SCAN_LIMIT_S
+            + 1
+            + KILL_WAIT_S
+            + RTRACKER_STOP_S
+            + CLEANUP_LIMIT_S
+            + 1
+            + HARD_EXIT_MARGIN_S
+        )
 
     def _death_budget(self) -> float:
-        return (SCAN_LIMIT_S + 1 + ANSWER_WAIT_S + self.death_grace_s + KILL_WAIT_S + RTRACKER_STOP_S
-                + CLEANUP_LIMIT_S + 1 + HARD_EXIT_MARGIN_S)
+        return (
+            SCAN_LIMIT_S
+            + 1
+            + ANSWER_WAIT_S
+            + self.death_grace_s
+            + KILL_WAIT_S
+            + RTRACKER_STOP_S
+            + CLEANUP_LIMIT_S
+            + 1
+            + HARD_EXIT_MARGIN_S
+        )
 
     # -- SIGTERM -------------------------------------------------------------------------------
     def _open_rids(self, tm: Any) -> list[str]:
@@ -431,10 +486,13 @@ class MainLifecycle:
         n = 0
         for rid in self._open_rids(tm):
             try:
-                tm._handle_abort_req(AbortReq(
-                    rid=rid, abort_message=message,
-                    finished_reason={"type": "abort", "message": message, "status_code": status_code},
-                ))
+                tm._handle_abort_req(
+                    AbortReq(
+                        rid=rid,
+                        abort_message=message,
+                        finished_reason={"type": "abort", "message": message, "status_code": status_code},
+                    )
+                )
                 n += 1
             except Exception:  # noqa: BLE001 - one request must not stop answering the others
                 logger.exception("dspark-harden lifecycle: answering request %s failed", rid)
@@ -449,8 +507,14 @@ class MainLifecycle:
             code = await self._shutdown(tm)
         except Exception as exc:  # noqa: BLE001 - whatever failed, the tree goes and the exit code is ours
             code = EXIT_CODES["other"]
-            logger.error("dspark-harden lifecycle: the ordered shutdown failed (%s: %s); killing the process tree, "
-                         "removing leftovers and exiting with code %d", type(exc).__name__, exc, code, exc_info=True)
+            logger.error(
+                "dspark-harden lifecycle: the ordered shutdown failed (%s: %s); killing the process tree, "
+                "removing leftovers and exiting with code %d",
+                type(exc).__name__,
+                exc,
+                code,
+                exc_info=True,
+            )
             self.hard_exit.arm(self._death_budget(), code, "tearing down after the failed shutdown")
             report = _kill_children(KILL_WAIT_S)
             self.cleanup(exclude=report.survivor_idents)
@@ -472,13 +536,22 @@ class MainLifecycle:
         if status == "UnHealthy" or get_bool_env_var("SGL_FORCE_SHUTDOWN"):
             # stock exits at once in both cases; here: no drain, the ordered teardown still runs
             drain_s = 0.0
-            logger.info("dspark-harden lifecycle: %s: in-flight requests are aborted at once",
-                        "health check failed" if status == "UnHealthy" else "SGL_FORCE_SHUTDOWN is set")
-        logger.info("dspark-harden lifecycle: draining %d in-flight request(s) for up to %g s "
-                    "(DSPARK_HARDEN_SHUTDOWN_DRAIN_S); new requests get HTTP 503", open_at_start, drain_s)
+            logger.info(
+                "dspark-harden lifecycle: %s: in-flight requests are aborted at once",
+                "health check failed" if status == "UnHealthy" else "SGL_FORCE_SHUTDOWN is set",
+            )
+        logger.info(
+            "dspark-harden lifecycle: draining %d in-flight request(s) for up to %g s "
+            "(DSPARK_HARDEN_SHUTDOWN_DRAIN_S); new requests get HTTP 503",
+            open_at_start,
+            drain_s,
+        )
         # the drain and the abort are bounded too (a ZMQ send to a wedged scheduler is not)
-        self.hard_exit.arm(drain_s + ABORT_ANSWER_TIMEOUT_S + 1 + self._teardown_budget(), EXIT_CODES["other"],
-                           "draining and aborting the in-flight requests")
+        self.hard_exit.arm(
+            drain_s + ABORT_ANSWER_TIMEOUT_S + 1 + self._teardown_budget(),
+            EXIT_CODES["other"],
+            "draining and aborting the in-flight requests",
+        )
         deadline = t0 + drain_s
         while self._open_rids(tm) and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
@@ -489,18 +562,28 @@ class MainLifecycle:
         aborted = 0
         if remaining:
             t_abort = time.monotonic()
-            msg = (f"aborted by server shutdown: the request was still running when the drain window "
-                   f"(DSPARK_HARDEN_SHUTDOWN_DRAIN_S={drain_s:g} s) ended")
+            msg = (
+                f"aborted by server shutdown: the request was still running when the drain window "
+                f"(DSPARK_HARDEN_SHUTDOWN_DRAIN_S={drain_s:g} s) ended"
+            )
             aborted = len(remaining)
             # the schedulers finish every request with this message and HTTP 503 through their own
             # abort path (running: FINISH_ABORT(message, 503); waiting: the reason given here)
             from sglang.srt.managers.io_struct import AbortReq
 
             try:
-                tm._dispatch_to_scheduler(AbortReq(
-                    rid="", abort_all=True, abort_message=msg,
-                    finished_reason={"type": "abort", "message": msg,
-                                     "status_code": HTTPStatus.SERVICE_UNAVAILABLE}))
+                tm._dispatch_to_scheduler(
+                    AbortReq(
+                        rid="",
+                        abort_all=True,
+                        abort_message=msg,
+                        finished_reason={
+                            "type": "abort",
+                            "message": msg,
+                            "status_code": HTTPStatus.SERVICE_UNAVAILABLE,
+                        },
+                    )
+                )
             except Exception:  # noqa: BLE001
                 logger.debug("abort_all to the schedulers failed", exc_info=True)
             abort_deadline = time.monotonic() + ABORT_ANSWER_TIMEOUT_S
@@ -508,14 +591,21 @@ class MainLifecycle:
                 await asyncio.sleep(0.05)
             left = self._open_rids(tm)
             if left:  # schedulers did not answer in time: answer here (their late outputs are dropped)
-                logger.warning("dspark-harden lifecycle: %d request(s) not answered by the schedulers %g s after "
-                               "the abort; answering them with HTTP 503 here", len(left), ABORT_ANSWER_TIMEOUT_S)
+                logger.warning(
+                    "dspark-harden lifecycle: %d request(s) not answered by the schedulers %g s after "
+                    "the abort; answering them with HTTP 503 here",
+                    len(left),
+                    ABORT_ANSWER_TIMEOUT_S,
+                )
                 self.answer_all(tm, msg)
             _count("dspark_harden_shutdown_requests_total", "aborted", n=aborted)
             await asyncio.sleep(0.2)  # the aborted requests' handlers write their responses on this loop
             _set_phase("abort", time.monotonic() - t_abort)
-            logger.info("dspark-harden lifecycle: %d request(s) still running after the drain window were "
-                        "answered with HTTP 503", aborted)
+            logger.info(
+                "dspark-harden lifecycle: %d request(s) still running after the drain window were "
+                "answered with HTTP 503",
+                aborted,
+            )
 
         # children now exit on purpose: the stock watchdog must not call that a crash
         watchdog = getattr(tm, "_subprocess_watchdog", None)
@@ -527,9 +617,11 @@ class MainLifecycle:
 
         self.hard_exit.arm(self._teardown_budget(), EXIT_CODES["other"], "the ordered teardown")
         # what the tree holds, while it still holds it
-        await _bounded_async(lambda: self.tracker.scan(deadline=time.monotonic() + SCAN_LIMIT_S)
-                             if self.tracker is not None else None, SCAN_LIMIT_S + 1.0,
-                             "the resource scan of the live tree")
+        await _bounded_async(
+            lambda: self.tracker.scan(deadline=time.monotonic() + SCAN_LIMIT_S) if self.tracker is not None else None,
+            SCAN_LIMIT_S + 1.0,
+            "the resource scan of the live tree",
+        )
         # the schedulers, pinned by pidfd (stock's collect_scheduler_processes reads every child's
         # cmdline, which blocks without a timeout on a process wedged with its mmap lock contended)
         schedulers = _scheduler_handles()
@@ -554,8 +646,10 @@ class MainLifecycle:
             elif p.exitcode != 0:
                 failed.append(f"{name} (pid {p.pid}) {records.describe_exit(p.exitcode)}")
         if stragglers:
-            logger.warning("dspark-harden lifecycle: processes still alive after ShutdownReq, killing them: %s",
-                           ", ".join(stragglers))
+            logger.warning(
+                "dspark-harden lifecycle: processes still alive after ShutdownReq, killing them: %s",
+                ", ".join(stragglers),
+            )
         self.hard_exit.set(what="killing what is left of the process tree")
         report = await _to_thread(lambda: _kill_children(KILL_WAIT_S))
         self.hard_exit.set(what="removing leftovers")
@@ -563,12 +657,22 @@ class MainLifecycle:
         total = time.monotonic() - t0
         _set_phase("total", total)
         if failed:
-            logger.error("dspark-harden lifecycle: shutdown finished in %.1f s but child process(es) failed: %s",
-                         total, "; ".join(failed))
+            logger.error(
+                "dspark-harden lifecycle: shutdown finished in %.1f s but child process(es) failed: %s",
+                total,
+                "; ".join(failed),
+            )
         clean = not failed and not stragglers and not report.survivors and not self.cleanup_incomplete
-        logger.info("dspark-harden lifecycle: shutdown complete in %.1f s: %d request(s) drained, %d aborted, "
-                    "every child exited %s, %d leftover(s) removed%s", total, drained, aborted,
-                    "0" if not failed and not stragglers else "(see above)", len(left["removed"]), _kept(left))
+        logger.info(
+            "dspark-harden lifecycle: shutdown complete in %.1f s: %d request(s) drained, %d aborted, "
+            "every child exited %s, %d leftover(s) removed%s",
+            total,
+            drained,
+            aborted,
+            "0" if not failed and not stragglers else "(see above)",
+            len(left["removed"]),
+            _kept(left),
+        )
         if clean:
             return 0
         return EXIT_CODES["other"]
@@ -606,13 +710,25 @@ class MainLifecycle:
             fault = faults.get(pid)
             if fault:
                 how += f" after its event loop raised {fault.get('type')}: {fault.get('message')}"
-            return {"role": "scheduler", "who": who, "pid": pid, "exitcode": code, "dp_rank": rank.get("dp_rank"),
-                    "message": f"{who} (pid {pid}) {how}"}
+            return {
+                "role": "scheduler",
+                "who": who,
+                "pid": pid,
+                "exitcode": code,
+                "dp_rank": rank.get("dp_rank"),
+                "message": f"{who} (pid {pid}) {how}",
+            }
         name, pid, code = items[0] if items else ("a child process", None, None)
         if pid is None:  # SIGQUIT from a child that has not exited (yet)
-            return {"role": "other", "who": "a child process", "pid": None, "exitcode": None, "dp_rank": None,
-                    "message": "a child process reported a fatal error (SIGQUIT) and none has exited; see the "
-                               "ERROR lines above"}
+            return {
+                "role": "other",
+                "who": "a child process",
+                "pid": None,
+                "exitcode": None,
+                "dp_rank": None,
+                "message": "a child process reported a fatal error (SIGQUIT) and none has exited; see the "
+                "ERROR lines above",
+            }
         # a direct child without a scheduler rank record: the detokenizer, or (named "scheduler_0" by
         # stock's watchdog under DP) the DP controller
         if "detoken" in name:
@@ -621,8 +737,14 @@ class MainLifecycle:
             role, label = "controller", "DP controller"
         else:
             role, label = "other", name
-        return {"role": role, "who": label, "pid": pid, "exitcode": code, "dp_rank": None,
-                "message": f"{label} (pid {pid}) {records.describe_exit(code)}"}
+        return {
+            "role": role,
+            "who": label,
+            "pid": pid,
+            "exitcode": code,
+            "dp_rank": None,
+            "message": f"{label} (pid {pid}) {records.describe_exit(code)}",
+        }
 
     def on_child_death(self, dead: list, via: str) -> None:
         """Children died (or one reported a fatal error): answer everyone, tear down, exit non-zero."""
@@ -646,8 +768,13 @@ class MainLifecycle:
         tm = self.tm
         loop = getattr(tm, "event_loop", None) if tm is not None else None
         n_open = len(self._open_rids(tm)) if tm is not None else 0
-        logger.error("dspark-harden lifecycle: %s; answering %d in-flight request(s) with HTTP 503 and stopping "
-                     "the server (exit code %d)", cause["message"], n_open, code)
+        logger.error(
+            "dspark-harden lifecycle: %s; answering %d in-flight request(s) with HTTP 503 and stopping "
+            "the server (exit code %d)",
+            cause["message"],
+            n_open,
+            code,
+        )
         watchdog = getattr(tm, "_subprocess_watchdog", None) if tm is not None else None
         if watchdog is not None:
             watchdog._stop_event.set()  # never join: this may run on its thread
@@ -682,9 +809,15 @@ class MainLifecycle:
         _finish_kill(report, KILL_WAIT_S)
         self.hard_exit.set(what="removing leftovers")
         left = self.cleanup(exclude=report.survivor_idents)
-        logger.error("dspark-harden lifecycle: server stopped because %s (%d request(s) answered with 503, "
-                     "%d leftover(s) removed%s); exit code %d", cause["message"], answered, len(left["removed"]),
-                     _kept(left), code)
+        logger.error(
+            "dspark-harden lifecycle: server stopped because %s (%d request(s) answered with 503, "
+            "%d leftover(s) removed%s); exit code %d",
+            cause["message"],
+            answered,
+            len(left["removed"]),
+            _kept(left),
+            code,
+        )
         _flush_logs()
         os._exit(code)
 
@@ -704,14 +837,19 @@ def _flush_logs() -> None:
 
 # -- patch builders ----------------------------------------------------------------------------
 
+
 def build_sigterm_handler(_stock):
     def sigterm_handler(self, signum=None, frame=None):
         first = MAIN.begin_shutdown()
         tm = self.tokenizer_manager
         if first:
             n = len(MAIN._open_rids(tm)) if tm is not None else 0
-            logger.info("SIGTERM received: draining %d in-flight request(s) for up to %g s, then an ordered "
-                        "shutdown; new requests get HTTP 503", n, MAIN.drain_s)
+            logger.info(
+                "SIGTERM received: draining %d in-flight request(s) for up to %g s, then an ordered "
+                "shutdown; new requests get HTTP 503",
+                n,
+                MAIN.drain_s,
+            )
         tm.gracefully_exit = True
 
     return sigterm_handler
@@ -759,8 +897,7 @@ SETTLE_S = 0.5
 
 
 def _dead(procs) -> list:
-    return [(name, proc.pid, proc.exitcode) for proc, name in procs
-            if not proc.is_alive() and proc.exitcode != 0]
+    return [(name, proc.pid, proc.exitcode) for proc, name in procs if not proc.is_alive() and proc.exitcode != 0]
 
 
 def build_check_processes(_stock):
@@ -774,6 +911,34 @@ def build_check_processes(_stock):
         return True
 
     return _check_processes
+
+
+def build_engine_shutdown(stock):
+    """``Engine.shutdown`` (the offline ``sglang.Engine`` API, main process in-process): stock closes its
+    sockets and kills the tree (``kill_process_tree``), which leaves the children's /dev/shm segments
+    (``sgl_shm_mq_*``, ``sglang_loads_*``) and multiprocessing semaphores (``sem.mp-*``) behind; a
+    launch_server main cleans those up on its own way out, an Engine's process goes on living. Here the
+    live tree is scanned first, stock runs, then what the dead tree left is removed (bounded, as in the
+    server's shutdown) and the tracker is released, so a later Engine in the same process tracks its
+    own tree (:meth:`MainLifecycle.next_tree`)."""
+
+    def shutdown(self):
+        if getattr(self, "_attached", False) or MAIN.tracker is None:
+            return stock(self)
+        MAIN.scan_now()
+        try:
+            return stock(self)
+        finally:
+            result = MAIN.cleanup()
+            MAIN.next_tree()
+            if result["removed"]:
+                logger.info(
+                    "dspark-harden lifecycle: Engine.shutdown removed %d leftover(s) of its tree: %s",
+                    len(result["removed"]),
+                    ", ".join(sorted(result["removed"]))[:400],
+                )
+
+    return shutdown
 
 
 def build_tm_init(stock):
@@ -803,8 +968,9 @@ class DrainGate:
             if msg is not None:
                 from .drain_routes import route_path, served_while_refusing
 
-                if not served_while_refusing(kind, scope.get("method", "GET"), route_path(scope),
-                                             child_died=MAIN.fault is not None):
+                if not served_while_refusing(
+                    kind, scope.get("method", "GET"), route_path(scope), child_died=MAIN.fault is not None
+                ):
                     MAIN.refused += 1
                     _count("dspark_harden_shutdown_requests_total", "refused")
                     await self._refuse(scope, msg, receive, send)

@@ -257,8 +257,15 @@ def await_exit(report: KillReport, wait_s: float) -> KillReport:
     report.survivors = []
     for h in wait_exited(report.killed, wait_s):
         now = stat(h.pid)
-        report.survivors.append({"pid": h.pid, "start": h.start, "name": h.name,
-                                 "state": now.state if now is not None else "?", "wchan": wchan(h.pid)})
+        report.survivors.append(
+            {
+                "pid": h.pid,
+                "start": h.start,
+                "name": h.name,
+                "state": now.state if now is not None else "?",
+                "wchan": wchan(h.pid),
+            }
+        )
     return report
 
 
@@ -270,8 +277,11 @@ def become_subreaper() -> bool:
             raise OSError(ctypes.get_errno(), os.strerror(ctypes.get_errno()))
         return True
     except Exception as exc:  # noqa: BLE001
-        logger.warning("dspark-harden lifecycle: cannot become the child subreaper (%s); an orphaned grandchild "
-                       "would escape the teardown", exc)
+        logger.warning(
+            "dspark-harden lifecycle: cannot become the child subreaper (%s); an orphaned grandchild "
+            "would escape the teardown",
+            exc,
+        )
         return False
 
 

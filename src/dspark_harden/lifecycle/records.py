@@ -68,9 +68,11 @@ def check_run_dir(run_dir: str) -> Optional[str]:
 
 
 def refusal(run_dir: str, why: str) -> str:
-    return (f"dspark-harden lifecycle: refusing the run directory {RUN_DIR_ENV}={run_dir}: {why}; the main process "
-            "creates a private one (mkdtemp, 0700) and every SGLang child inherits it: do not set this variable "
-            "yourself")
+    return (
+        f"dspark-harden lifecycle: refusing the run directory {RUN_DIR_ENV}={run_dir}: {why}; the main process "
+        "creates a private one (mkdtemp, 0700) and every SGLang child inherits it: do not set this variable "
+        "yourself"
+    )
 
 
 def require_run_dir(run_dir: Optional[str]) -> Optional[str]:

@@ -267,9 +267,15 @@ class ResourceTracker:
             self.scans += 1
             self.last = report
             self.max_s = max(self.max_s, report.seconds)
-        logger.debug("dspark-harden lifecycle: resource scan of %d process(es) in %.1f ms (%d file(s), %d socket(s) "
-                     "recorded; not read: %s)", report.processes, report.seconds * 1000, len(self.files),
-                     len(self.sockets), report.skipped or "none")
+        logger.debug(
+            "dspark-harden lifecycle: resource scan of %d process(es) in %.1f ms (%d file(s), %d socket(s) "
+            "recorded; not read: %s)",
+            report.processes,
+            report.seconds * 1000,
+            len(self.files),
+            len(self.sockets),
+            report.skipped or "none",
+        )
         return report
 
     def notify_ready(self) -> None:
@@ -407,8 +413,10 @@ def holders(candidates: dict[str, Key], exclude: set, deadline: Optional[float] 
             if _stuck(p.pid):
                 maps = _maps_bounded(p.pid, dev, D_MAPS_WAIT_S)
                 if maps is None:
-                    unreadable[p.pid] = (f"pid {p.pid} ({p.name}) is in D state (blocked in the kernel) and its "
-                                         f"mappings could not be read within {D_MAPS_WAIT_S:g} s")
+                    unreadable[p.pid] = (
+                        f"pid {p.pid} ({p.name}) is in D state (blocked in the kernel) and its "
+                        f"mappings could not be read within {D_MAPS_WAIT_S:g} s"
+                    )
                     continue
             else:
                 maps = mapped_keys(p.pid, dev)
@@ -576,14 +584,21 @@ def remove_leftovers(tracker: ResourceTracker, exclude: Iterable = (), deadline:
             if outcome == FREE:  # leases ignore read-only opens on this kernel: the /proc look decides
                 removed.append(path)
                 if found.doubt:
-                    logger.warning("dspark-harden lifecycle: removed %s although %s (this kernel's leases do not "
-                                   "see read-only opens)", path, found.doubt)
+                    logger.warning(
+                        "dspark-harden lifecycle: removed %s although %s (this kernel's leases do not "
+                        "see read-only opens)",
+                        path,
+                        found.doubt,
+                    )
                 continue
             if outcome == GONE:
                 continue
             if outcome == BUSY and key not in found.ours:
-                keep(path, "open in a process /proc does not show (another PID namespace or an uninspectable "
-                           "process): the kernel refused a write lease")
+                keep(
+                    path,
+                    "open in a process /proc does not show (another PID namespace or an uninspectable "
+                    "process): the kernel refused a write lease",
+                )
                 continue
             # BUSY because this process or a killed one holds it, or UNSUPPORTED: /proc decides
             if found.doubt:

@@ -70,8 +70,12 @@ def build_handle_shutdown(stock):
         try:
             self.ipc_channels.send_to_detokenizer.send_output(recv_req, recv_req)
         except Exception as exc:  # noqa: BLE001 - the main process kills a detokenizer that was not told
-            logger.warning("dspark-harden lifecycle: %s could not forward shutdown to the detokenizer: %s: %s",
-                           _who(), type(exc).__name__, exc)
+            logger.warning(
+                "dspark-harden lifecycle: %s could not forward shutdown to the detokenizer: %s: %s",
+                _who(),
+                type(exc).__name__,
+                exc,
+            )
         return out
 
     return handle_shutdown
@@ -101,9 +105,14 @@ def shutdown_barrier(timeout_s: float, group=None) -> str:
         dt = time.monotonic() - t0
         _set_phase("barrier", dt)
         _count_barrier("timeout")
-        logger.warning("dspark-harden lifecycle: %s: shutdown barrier of %d ranks not met after %.1f s "
-                       "(a peer is dead or stuck): %s; tearing down anyway", _who(), world, dt,
-                       str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
+        logger.warning(
+            "dspark-harden lifecycle: %s: shutdown barrier of %d ranks not met after %.1f s "
+            "(a peer is dead or stuck): %s; tearing down anyway",
+            _who(),
+            world,
+            dt,
+            str(exc).splitlines()[0] if str(exc) else type(exc).__name__,
+        )
         return "timeout"
     dt = time.monotonic() - t0
     _set_phase("barrier", dt)
@@ -130,8 +139,12 @@ def build_release_host_resources(barrier_timeout_s: float):
                 start = getattr(self, "_dspark_shutdown_t0", None)
                 if start is not None:
                     _set_phase("total", time.monotonic() - start)
-                logger.info("dspark-harden lifecycle: %s released host resources in %.0f ms; shutdown barrier %s",
-                            _who(), (time.monotonic() - t0) * 1000, outcome)
+                logger.info(
+                    "dspark-harden lifecycle: %s released host resources in %.0f ms; shutdown barrier %s",
+                    _who(),
+                    (time.monotonic() - t0) * 1000,
+                    outcome,
+                )
 
         return release_host_resources
 
@@ -179,9 +192,18 @@ def _record_fault(exc: BaseException, tb: str) -> tuple:
     except Exception:  # noqa: BLE001
         peers = []
     try:
-        records.write(run_dir, "fault", os.getpid(), {
-            **_rank_record(), "type": type(exc).__name__, "message": str(exc)[:500], "traceback": tb[-4000:],
-            "secondary": bool(peers)})
+        records.write(
+            run_dir,
+            "fault",
+            os.getpid(),
+            {
+                **_rank_record(),
+                "type": type(exc).__name__,
+                "message": str(exc)[:500],
+                "traceback": tb[-4000:],
+                "secondary": bool(peers),
+            },
+        )
     except Exception as werr:  # noqa: BLE001
         return peers, f"{type(werr).__name__}: {werr}"
     return peers, None
@@ -197,24 +219,40 @@ def build_run_event_loop(stock):
             first = str(exc).splitlines()[0][:200] if str(exc) else ""
             peers, write_error = _record_fault(exc, tb)
             if write_error is not None:
-                logger.error("dspark-harden lifecycle: %s (pid %d): could not record its fault in %s (%s); the "
-                             "main process names this rank from its exit code only", who, pid,
-                             os.environ.get(records.RUN_DIR_ENV), write_error)
+                logger.error(
+                    "dspark-harden lifecycle: %s (pid %d): could not record its fault in %s (%s); the "
+                    "main process names this rank from its exit code only",
+                    who,
+                    pid,
+                    os.environ.get(records.RUN_DIR_ENV),
+                    write_error,
+                )
             killpg = _killpg_opt_in()
             if peers and not killpg:
                 # the cause is the peer's death, which the main process reports at ERROR; stock's
                 # handler would only add this collateral failure's traceback and a second SIGQUIT
-                logger.warning("dspark-harden lifecycle: %s (pid %d) stopped: its peer %s is gone (%s: %s); exiting "
-                               "with code 1", who, pid,
-                               ", ".join(records.who(r, f"pid {r.get('pid')}") for r in peers), type(exc).__name__,
-                               first)
+                logger.warning(
+                    "dspark-harden lifecycle: %s (pid %d) stopped: its peer %s is gone (%s: %s); exiting with code 1",
+                    who,
+                    pid,
+                    ", ".join(records.who(r, f"pid {r.get('pid')}") for r in peers),
+                    type(exc).__name__,
+                    first,
+                )
                 raise SystemExit(1) from exc
             # stock's handler runs next (traceback at ERROR, SIGQUIT to the parent, and with
             # SGLANG_KILLPG_ON_SCHEDULER_EXCEPTION=1 SIGKILL of the process group); then exit 1
-            logger.error("dspark-harden lifecycle: %s (pid %d): event loop raised %s: %s; exiting with code 1 (the "
-                         "server stops and answers its in-flight requests)%s", who, pid, type(exc).__name__, first,
-                         "; SGLANG_KILLPG_ON_SCHEDULER_EXCEPTION is set: stock SIGKILLs the process group next"
-                         if killpg else "")
+            logger.error(
+                "dspark-harden lifecycle: %s (pid %d): event loop raised %s: %s; exiting with code 1 (the "
+                "server stops and answers its in-flight requests)%s",
+                who,
+                pid,
+                type(exc).__name__,
+                first,
+                "; SGLANG_KILLPG_ON_SCHEDULER_EXCEPTION is set: stock SIGKILLs the process group next"
+                if killpg
+                else "",
+            )
             _exit_code_after_stock_handler(1)
             raise
 
@@ -256,7 +294,8 @@ def build_detokenizer_event_loop(_stock):
             if output is not None:
                 sock_send(self.send_to_tokenizer, output)
             self.soft_watchdog.feed()
-        logger.info("dspark-harden lifecycle: detokenizer received shutdown from %d of %d DP rank(s); exiting 0",
-                    seen, expected)
+        logger.info(
+            "dspark-harden lifecycle: detokenizer received shutdown from %d of %d DP rank(s); exiting 0", seen, expected
+        )
 
     return event_loop

@@ -62,47 +62,93 @@ def gate_control(raw: str) -> GateMode:
 gate_control.bad_examples = ("", "1", "ARMED", "on", "armed ")
 
 SETTINGS = [
-    Setting(SHUTDOWN_SWITCH, flag01, True,
-            "1: draining, ordered SIGTERM shutdown and loud, complete handling of a child process death "
-            "(every in-flight request answered, leftovers removed, non-zero exit naming the rank). 0: stock.",
-            feature=SHUTDOWN),
-    Setting(DRAIN_S, nonneg_float, DEFAULT_DRAIN_S,
-            "Seconds in-flight requests may take to finish after SIGTERM (new requests get 503 at once). "
-            "Requests still running at the deadline are aborted with HTTP 503 naming the drain window. "
-            "0: abort in-flight requests at once (vLLM's --shutdown-timeout 0).",
-            feature=SHUTDOWN, accepts="seconds >= 0"),
-    Setting(BARRIER_TIMEOUT_S, positive_float, DEFAULT_BARRIER_TIMEOUT_S,
-            "Seconds a scheduler waits at the shutdown barrier (its CPU process group, after releasing host "
-            "resources, before the groups are torn down) for its peers; a dead peer costs at most this.",
-            feature=SHUTDOWN, accepts="positive seconds"),
-    Setting(DEATH_GRACE_S, positive_float, DEFAULT_DEATH_GRACE_S,
-            "After a child process died: seconds the main process gives the error responses of in-flight "
-            "requests to reach their clients before it tears the server down.",
-            feature=SHUTDOWN, accepts="positive seconds"),
-    Setting(GC_SWITCH, flag01, True,
-            "1: gc.freeze() once after warm-up in every scheduler, the detokenizer and the main process "
-            "(tokenizer), and export gen-2 collection pauses per dp_rank. 0: stock (freeze only on /freeze_gc).",
-            feature=GC_FREEZE),
-    Setting(GC_DELAY_S, nonneg_float, 0.0,
-            "Extra seconds to wait after warm-up before freezing (0: freeze as soon as warm-up is over).",
-            feature=GC_FREEZE, accepts="seconds >= 0"),
-    Setting(GC_AFTER_BATCHES, nonneg_int, DEFAULT_GC_AFTER_BATCHES,
-            "Warm-up is over after this many batches processed by the process (scheduler: forward batches; "
-            "detokenizer: output batches; main: responses), counted after startup (graph capture and "
-            "SGLang's own warm-up request are part of startup).",
-            feature=GC_FREEZE, accepts="integer >= 0"),
-    Setting(GATE_CONTROL, gate_control, GateMode("disabled"),
-            "The one-shot HiCache eviction gate (POST /set_internal_state with "
-            "{\"server_args\": {\"hicache_gate_evict_device_tokens\": N}}). armed: accepted once per scheduler "
-            "(then disarmed), only while HiCache is on and the scheduler idle; needs one scheduler per DP group "
-            "(attention-TP 1, attention-CP 1, PP 1), startup stops otherwise. disabled: the key is refused.",
-            feature=HICACHE_GATE, accepts="disabled (default) or armed"),
-    Setting(HOSTPOOL_SWITCH, flag01, True,
-            "1: HostPoolGroup.destroy runs every pool's destroy() even when one raises, then reports every "
-            "failure naming its pool. 0: stock (the first failure skips the remaining pools).",
-            feature=HOSTPOOL),
-    Setting(STRICT_VMM_SWITCH, flag01, False,
-            "1: the CUDA VMM multimodal feature transport must get the handle type it asked for; SGLang's "
-            "silent FABRIC -> POSIX fallback on one node stops startup instead. 0: stock.",
-            feature=STRICT_VMM),
+    Setting(
+        SHUTDOWN_SWITCH,
+        flag01,
+        True,
+        "1: draining, ordered SIGTERM shutdown and loud, complete handling of a child process death "
+        "(every in-flight request answered, leftovers removed, non-zero exit naming the rank). 0: stock.",
+        feature=SHUTDOWN,
+    ),
+    Setting(
+        DRAIN_S,
+        nonneg_float,
+        DEFAULT_DRAIN_S,
+        "Seconds in-flight requests may take to finish after SIGTERM (new requests get 503 at once). "
+        "Requests still running at the deadline are aborted with HTTP 503 naming the drain window. "
+        "0: abort in-flight requests at once (vLLM's --shutdown-timeout 0).",
+        feature=SHUTDOWN,
+        accepts="seconds >= 0",
+    ),
+    Setting(
+        BARRIER_TIMEOUT_S,
+        positive_float,
+        DEFAULT_BARRIER_TIMEOUT_S,
+        "Seconds a scheduler waits at the shutdown barrier (its CPU process group, after releasing host "
+        "resources, before the groups are torn down) for its peers; a dead peer costs at most this.",
+        feature=SHUTDOWN,
+        accepts="positive seconds",
+    ),
+    Setting(
+        DEATH_GRACE_S,
+        positive_float,
+        DEFAULT_DEATH_GRACE_S,
+        "After a child process died: seconds the main process gives the error responses of in-flight "
+        "requests to reach their clients before it tears the server down.",
+        feature=SHUTDOWN,
+        accepts="positive seconds",
+    ),
+    Setting(
+        GC_SWITCH,
+        flag01,
+        True,
+        "1: gc.freeze() once after warm-up in every scheduler, the detokenizer and the main process "
+        "(tokenizer), and export gen-2 collection pauses per dp_rank. 0: stock (freeze only on /freeze_gc).",
+        feature=GC_FREEZE,
+    ),
+    Setting(
+        GC_DELAY_S,
+        nonneg_float,
+        0.0,
+        "Extra seconds to wait after warm-up before freezing (0: freeze as soon as warm-up is over).",
+        feature=GC_FREEZE,
+        accepts="seconds >= 0",
+    ),
+    Setting(
+        GC_AFTER_BATCHES,
+        nonneg_int,
+        DEFAULT_GC_AFTER_BATCHES,
+        "Warm-up is over after this many batches processed by the process (scheduler: forward batches; "
+        "detokenizer: output batches; main: responses), counted after startup (graph capture and "
+        "SGLang's own warm-up request are part of startup).",
+        feature=GC_FREEZE,
+        accepts="integer >= 0",
+    ),
+    Setting(
+        GATE_CONTROL,
+        gate_control,
+        GateMode("disabled"),
+        "The one-shot HiCache eviction gate (POST /set_internal_state with "
+        '{"server_args": {"hicache_gate_evict_device_tokens": N}}). armed: accepted once per scheduler '
+        "(then disarmed), only while HiCache is on and the scheduler idle; needs one scheduler per DP group "
+        "(attention-TP 1, attention-CP 1, PP 1), startup stops otherwise. disabled: the key is refused.",
+        feature=HICACHE_GATE,
+        accepts="disabled (default) or armed",
+    ),
+    Setting(
+        HOSTPOOL_SWITCH,
+        flag01,
+        True,
+        "1: HostPoolGroup.destroy runs every pool's destroy() even when one raises, then reports every "
+        "failure naming its pool. 0: stock (the first failure skips the remaining pools).",
+        feature=HOSTPOOL,
+    ),
+    Setting(
+        STRICT_VMM_SWITCH,
+        flag01,
+        False,
+        "1: the CUDA VMM multimodal feature transport must get the handle type it asked for; SGLang's "
+        "silent FABRIC -> POSIX fallback on one node stops startup instead. 0: stock.",
+        feature=STRICT_VMM,
+    ),
 ]

@@ -19,10 +19,12 @@ import logging
 
 logger = logging.getLogger("dspark_harden.lifecycle")
 
-MESSAGE = ("DSPARK_HARDEN_STRICT_VMM=1: the CUDA VMM multimodal feature transport could not use a FABRIC "
-           "handle ({cause}); SGLang would fall back to a POSIX file-descriptor handle on this node, which "
-           "strict VMM refuses. Use a driver/device with FABRIC handles (IMEX channel), another "
-           "--mm-feature-transport, or DSPARK_HARDEN_STRICT_VMM=0 to accept the POSIX fallback.")
+MESSAGE = (
+    "DSPARK_HARDEN_STRICT_VMM=1: the CUDA VMM multimodal feature transport could not use a FABRIC "
+    "handle ({cause}); SGLang would fall back to a POSIX file-descriptor handle on this node, which "
+    "strict VMM refuses. Use a driver/device with FABRIC handles (IMEX channel), another "
+    "--mm-feature-transport, or DSPARK_HARDEN_STRICT_VMM=0 to accept the POSIX fallback."
+)
 
 
 class StrictVmmError(RuntimeError):

@@ -12,36 +12,65 @@ def register(subparsers, bench_subparsers) -> None:
     p = subparsers.add_parser(
         "metrics-lint",
         help="scrape a running server's /metrics; report metric-convention problems and dashboard "
-             "queries that return no data",
+        "queries that return no data",
     )
-    p.add_argument("--url", default="http://127.0.0.1:30000/metrics",
-                   help="server URL or its /metrics URL (default %(default)s)")
-    p.add_argument("--prometheus", metavar="URL",
-                   help="evaluate every dashboard query against this Prometheus (which scrapes the server)")
-    p.add_argument("--dashboard", action="append", default=[], metavar="JSON",
-                   help="also check this Grafana dashboard file (repeatable); the built-in overview is always checked")
+    p.add_argument(
+        "--url", default="http://127.0.0.1:30000/metrics", help="server URL or its /metrics URL (default %(default)s)"
+    )
+    p.add_argument(
+        "--prometheus",
+        metavar="URL",
+        help="evaluate every dashboard query against this Prometheus (which scrapes the server)",
+    )
+    p.add_argument(
+        "--dashboard",
+        action="append",
+        default=[],
+        metavar="JSON",
+        help="also check this Grafana dashboard file (repeatable); the built-in overview is always checked",
+    )
     p.add_argument("--no-builtin-dashboard", action="store_true", help="do not check the built-in overview dashboard")
-    p.add_argument("--window", default="5m", help="value for $__rate_interval when evaluating queries (default %(default)s)")
-    p.add_argument("--all-families", action="store_true",
-                   help="also lint SGLang's own families (sglang:* names break Prometheus conventions by design)")
+    p.add_argument(
+        "--window", default="5m", help="value for $__rate_interval when evaluating queries (default %(default)s)"
+    )
+    p.add_argument(
+        "--all-families",
+        action="store_true",
+        help="also lint SGLang's own families (sglang:* names break Prometheus conventions by design)",
+    )
     p.add_argument("--max-label-values", type=int, default=64)
     p.add_argument("--max-series", type=int, default=512)
-    p.add_argument("--promtool", choices=("auto", "off", "require"), default="auto",
-                   help="run `promtool check metrics` on the scrape (auto: when installed)")
-    p.add_argument("--strict", action="store_true", help="treat notes (e.g. panels of features that are off) as problems")
+    p.add_argument(
+        "--promtool",
+        choices=("auto", "off", "require"),
+        default="auto",
+        help="run `promtool check metrics` on the scrape (auto: when installed)",
+    )
+    p.add_argument(
+        "--strict", action="store_true", help="treat notes (e.g. panels of features that are off) as problems"
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=lint_main)
 
-    p = subparsers.add_parser("metrics-summary", help="scrape a running server once; per feature: where it is bound, "
-                                                       "how often it ran, its key figure")
-    p.add_argument("--url", default="http://127.0.0.1:30000", help="server URL or its /metrics URL (default %(default)s)")
+    p = subparsers.add_parser(
+        "metrics-summary",
+        help="scrape a running server once; per feature: where it is bound, how often it ran, its key figure",
+    )
+    p.add_argument(
+        "--url", default="http://127.0.0.1:30000", help="server URL or its /metrics URL (default %(default)s)"
+    )
     p.add_argument("--include-test-features", action="store_true", help="also show test-only features")
     p.set_defaults(func=summary_main)
 
-    p = subparsers.add_parser("dashboard", help="print the Grafana overview dashboard generated from the declared metrics")
+    p = subparsers.add_parser(
+        "dashboard", help="print the Grafana overview dashboard generated from the declared metrics"
+    )
     p.add_argument("--out", metavar="PATH", help="write it to PATH instead of stdout")
-    p.add_argument("--extensions", action="store_true",
-                   help="also add panels for installed third-party features' families (the shipped dashboard has none)")
+    p.add_argument(
+        "--extensions",
+        action="store_true",
+        help="also add panels for installed third-party features' families (the shipped dashboard has none)",
+    )
     p.set_defaults(func=dashboard_main)
 
     b = bench_subparsers.add_parser(
@@ -61,10 +90,16 @@ def lint_main(args) -> int:
         return 2
     try:
         result = lint.run(
-            args.url, dashboards=args.dashboard, use_builtin_dashboard=not args.no_builtin_dashboard,
-            prometheus=args.prometheus, window=args.window, own_only=not args.all_families,
-            max_label_values=args.max_label_values, max_series=args.max_series,
-            promtool=args.promtool, strict=args.strict,
+            args.url,
+            dashboards=args.dashboard,
+            use_builtin_dashboard=not args.no_builtin_dashboard,
+            prometheus=args.prometheus,
+            window=args.window,
+            own_only=not args.all_families,
+            max_label_values=args.max_label_values,
+            max_series=args.max_series,
+            promtool=args.promtool,
+            strict=args.strict,
         )
     except OSError as exc:
         print(f"metrics-lint: cannot scrape {lint.metrics_url(args.url)}: {exc}", file=sys.stderr)
@@ -74,8 +109,10 @@ def lint_main(args) -> int:
     else:
         for f in result.findings:
             print(f)
-        print(f"metrics-lint: {result.url}: {result.families} dspark_harden families, "
-              f"{len(result.problems)} problem(s), {len(result.findings) - len(result.problems)} note(s)")
+        print(
+            f"metrics-lint: {result.url}: {result.families} dspark_harden families, "
+            f"{len(result.problems)} problem(s), {len(result.findings) - len(result.problems)} note(s)"
+        )
     return 1 if result.problems else 0
 
 
@@ -117,6 +154,7 @@ def bench_main(args) -> int:
     saved = phases.RECORDER
     phases.RECORDER = rec
     try:
+
         class Loop:
             def step(self, x):
                 return x

@@ -28,32 +28,78 @@ DS = {"type": "prometheus", "uid": "${datasource}"}
 
 # (key, title, what the row proves)
 ROWS = (
-    ("platform", "Platform: build and bound features", "Which dspark-harden build runs and which hardenings are bound in which process role."),
-    ("ingress", "Ingress / routing", "Routed batches kept together from the tokenizer to one scheduler; rejected routes."),
+    (
+        "platform",
+        "Platform: build and bound features",
+        "Which dspark-harden build runs and which hardenings are bound in which process role.",
+    ),
+    (
+        "ingress",
+        "Ingress / routing",
+        "Routed batches kept together from the tokenizer to one scheduler; rejected routes.",
+    ),
     ("controller", "DP controller", "How the DP controller dispatched requests to ranks."),
     ("health", "Health and lifecycle", "/health_scheduler verdicts, shutdown ordering, GC freeze, host-pool teardown."),
-    ("grammar", "Grammar cache", "How each grammar was resolved (memory, in-flight join, disk, compile) and how long it took."),
+    (
+        "grammar",
+        "Grammar cache",
+        "How each grammar was resolved (memory, in-flight join, disk, compile) and how long it took.",
+    ),
     ("dspark-masks", "DSpark grammar masks", "Batched native draft-tree traversal steps and their phases."),
-    ("dp2", "Native DP2 exchange", "Shared-memory DP2 exchange calls and timing per rank (replaces the gloo all-gather)."),
+    (
+        "dp2",
+        "Native DP2 exchange",
+        "Shared-memory DP2 exchange calls and timing per rank (replaces the gloo all-gather).",
+    ),
     ("prefill-graphs", "Prefill CUDA graphs", "Shared DP prefill-graph admissions, buckets and padding."),
-    ("hicache", "HiCache", "Eviction gate and host-pool teardown."),
+    ("hicache", "HiCache", "Transfers in flight per rank, eviction gate and host-pool teardown."),
     ("scheduler", "Scheduler phases", "Where each rank's scheduler loop spends its time."),
 )
 _ROW_KEYS = [r[0] for r in ROWS]
 
 # substring of a Feature.area / Feature.name / Family.feature -> row key (first match wins)
 _ROUTING = (
-    ("dspark", "dspark-masks"), ("mask", "dspark-masks"),
-    ("grammar", "grammar"), ("xgrammar", "grammar"),
-    ("dp2", "dp2"), ("native", "dp2"), ("exchange", "dp2"), ("mlp-sync", "dp2"),
-    ("prefill", "prefill-graphs"), ("graph", "prefill-graphs"),
+    ("dspark", "dspark-masks"),
+    ("mask", "dspark-masks"),
+    ("grammar", "grammar"),
+    ("xgrammar", "grammar"),
+    ("dp2", "dp2"),
+    ("native", "dp2"),
+    ("exchange", "dp2"),
+    ("mlp-sync", "dp2"),
+    ("prefill", "prefill-graphs"),
+    ("graph", "prefill-graphs"),
     ("hicache", "hicache"),
-    ("health", "health"), ("lifecycle", "health"), ("shutdown", "health"), ("gc", "health"),
-    ("controller", "controller"), ("dispatch", "controller"),
-    ("ingress", "ingress"), ("rout", "ingress"), ("tokenizer", "ingress"),
-    ("scheduler", "scheduler"), ("phase", "scheduler"),
-    ("platform", "platform"), ("core", "platform"), ("observability", "platform"),
+    ("health", "health"),
+    ("lifecycle", "health"),
+    ("shutdown", "health"),
+    ("gc", "health"),
+    ("controller", "controller"),
+    ("dispatch", "controller"),
+    ("ingress", "ingress"),
+    ("rout", "ingress"),
+    ("tokenizer", "ingress"),
+    ("scheduler", "scheduler"),
+    ("phase", "scheduler"),
+    ("platform", "platform"),
+    ("core", "platform"),
+    ("observability", "platform"),
 )
+
+
+# family-name prefix -> row key, before the feature's routing: families a cross-cutting feature emits
+# about one area (the HiCache gauges come with the scheduler-phase recorder)
+_NAME_ROWS = (("dspark_harden_hicache_ongoing_", "hicache"),)
+
+
+def row_of(fam: metrics.Family, areas: dict) -> str:
+    """Row key of a family: platform for core, then :data:`_NAME_ROWS`, then :func:`row_for`."""
+    if fam.feature == "core":
+        return "platform"
+    for prefix, key in _NAME_ROWS:
+        if fam.name.startswith(prefix):
+            return key
+    return row_for(areas.get(fam.feature), fam.feature)
 
 
 def row_for(*names: Optional[str]) -> str:
@@ -100,8 +146,16 @@ class _Layout:
 
     def row(self, title: str) -> None:
         self.newline()
-        self.panels.append(("row", _sdk().db.Row(title).id(self._id()).collapsed(False)
-                            .grid_pos(_sdk().dm.GridPos(h=1, w=24, x=0, y=self.y))))
+        self.panels.append(
+            (
+                "row",
+                _sdk()
+                .db.Row(title)
+                .id(self._id())
+                .collapsed(False)
+                .grid_pos(_sdk().dm.GridPos(h=1, w=24, x=0, y=self.y)),
+            )
+        )
         self.y += 1
 
     def newline(self) -> None:
@@ -134,7 +188,14 @@ class _SDK:
         from grafana_foundation_sdk.models import text as tm
 
         self.cb, self.db, self.prometheus, self.stat, self.table, self.text, self.timeseries = (
-            cb, db, prometheus, stat, table, text, timeseries)
+            cb,
+            db,
+            prometheus,
+            stat,
+            table,
+            text,
+            timeseries,
+        )
         self.cm, self.dm, self.pm, self.tm, self.JSONEncoder = cm, dm, pm, tm, JSONEncoder
         self.ds = dm.DataSourceRef(type_val=DS["type"], uid=DS["uid"])
 
@@ -166,13 +227,27 @@ def _target(expr: str, legend: str = "", ref: str = "A", instant: bool = False) 
 def _timeseries(title: str, desc: str, targets: list, unit: str, stack: bool = False) -> Any:
     g = _sdk()
     cm, cb = g.cm, g.cb
-    panel = (g.timeseries.Panel().title(title).description(desc).datasource(g.ds).unit(unit)
-             .draw_style(cm.GraphDrawStyle.LINE).line_width(1).fill_opacity(10 if stack else 0)
-             .stacking(cb.StackingConfig().mode(cm.StackingMode.NORMAL if stack else cm.StackingMode.NONE).group("A"))
-             .show_points(cm.VisibilityMode.NEVER).span_nulls(False)
-             .legend(cb.VizLegendOptions().display_mode(cm.LegendDisplayMode.TABLE)
-                     .placement(cm.LegendPlacement.BOTTOM).show_legend(True).calcs(["mean", "max"]))
-             .tooltip(cb.VizTooltipOptions().mode(cm.TooltipDisplayMode.MULTI).sort(cm.SortOrder.DESCENDING)))
+    panel = (
+        g.timeseries.Panel()
+        .title(title)
+        .description(desc)
+        .datasource(g.ds)
+        .unit(unit)
+        .draw_style(cm.GraphDrawStyle.LINE)
+        .line_width(1)
+        .fill_opacity(10 if stack else 0)
+        .stacking(cb.StackingConfig().mode(cm.StackingMode.NORMAL if stack else cm.StackingMode.NONE).group("A"))
+        .show_points(cm.VisibilityMode.NEVER)
+        .span_nulls(False)
+        .legend(
+            cb.VizLegendOptions()
+            .display_mode(cm.LegendDisplayMode.TABLE)
+            .placement(cm.LegendPlacement.BOTTOM)
+            .show_legend(True)
+            .calcs(["mean", "max"])
+        )
+        .tooltip(cb.VizTooltipOptions().mode(cm.TooltipDisplayMode.MULTI).sort(cm.SortOrder.DESCENDING))
+    )
     for t in targets:
         panel.with_target(t)
     return panel
@@ -180,9 +255,16 @@ def _timeseries(title: str, desc: str, targets: list, unit: str, stack: bool = F
 
 def _table(title: str, desc: str, targets: list) -> Any:
     g = _sdk()
-    panel = (g.table.Panel().title(title).description(desc).datasource(g.ds).unit("short").show_header(True)
-             .cell_height(g.cm.TableCellHeight.SM)
-             .with_transformation(g.dm.DataTransformerConfig(id_val="organize", options={"excludeByName": {"Time": True}})))
+    panel = (
+        g.table.Panel()
+        .title(title)
+        .description(desc)
+        .datasource(g.ds)
+        .unit("short")
+        .show_header(True)
+        .cell_height(g.cm.TableCellHeight.SM)
+        .with_transformation(g.dm.DataTransformerConfig(id_val="organize", options={"excludeByName": {"Time": True}}))
+    )
     for t in targets:
         panel.with_target(t)
     return panel
@@ -190,10 +272,17 @@ def _table(title: str, desc: str, targets: list) -> Any:
 
 def _stat(title: str, desc: str, targets: list, unit: str = "short") -> Any:
     g = _sdk()
-    panel = (g.stat.Panel().title(title).description(desc).datasource(g.ds).unit(unit)
-             .reduce_options(g.cb.ReduceDataOptions().calcs(["lastNotNull"]).fields("").values(False))
-             .color_mode(g.cm.BigValueColorMode.VALUE).graph_mode(g.cm.BigValueGraphMode.NONE)
-             .text_mode(g.cm.BigValueTextMode.AUTO))
+    panel = (
+        g.stat.Panel()
+        .title(title)
+        .description(desc)
+        .datasource(g.ds)
+        .unit(unit)
+        .reduce_options(g.cb.ReduceDataOptions().calcs(["lastNotNull"]).fields("").values(False))
+        .color_mode(g.cm.BigValueColorMode.VALUE)
+        .graph_mode(g.cm.BigValueGraphMode.NONE)
+        .text_mode(g.cm.BigValueTextMode.AUTO)
+    )
     for t in targets:
         panel.with_target(t)
     return panel
@@ -253,17 +342,22 @@ def _auto_panel(fam: metrics.Family) -> Any:
     desc = f"{fam.doc} `{fam.name}` ({fam.kind}). {agg}".strip()
     if fam.kind == "counter":
         unit = _rate_unit(fam.name)
-        title = _title(fam.name[len(metrics.PREFIX):-len("_total")]) + (" (s/s)" if unit == "percentunit" else " /s")
+        title = _title(fam.name[len(metrics.PREFIX) : -len("_total")]) + (" (s/s)" if unit == "percentunit" else " /s")
         return _timeseries(title, desc, [_target(f"sum{by} (rate({fam.name}{sel}[$__rate_interval]))", legend)], unit)
     if fam.kind == "gauge":
-        title = _title(fam.name[len(metrics.PREFIX):])
-        return _timeseries(title, desc, [_target(f"{_gauge_agg(fam)}{by} ({fam.name}{sel})", legend)], _gauge_unit(fam.name))
+        title = _title(fam.name[len(metrics.PREFIX) :])
+        return _timeseries(
+            title, desc, [_target(f"{_gauge_agg(fam)}{by} ({fam.name}{sel})", legend)], _gauge_unit(fam.name)
+        )
     by_le = _by(("le",) + tuple(fam.labels))
     unit = "s" if fam.name.endswith("_seconds") else ("bytes" if fam.name.endswith("_bytes") else "short")
-    title = _title(fam.name[len(metrics.PREFIX):]) + " p50 / p99"
+    title = _title(fam.name[len(metrics.PREFIX) :]) + " p50 / p99"
     targets = [
-        _target(f"histogram_quantile({q}, sum{by_le} (rate({fam.name}_bucket{sel}[$__rate_interval])))",
-                f"p{int(q * 100)} {legend}".replace(" __auto", ""), ref)
+        _target(
+            f"histogram_quantile({q}, sum{by_le} (rate({fam.name}_bucket{sel}[$__rate_interval])))",
+            f"p{int(q * 100)} {legend}".replace(" __auto", ""),
+            ref,
+        )
         for q, ref in ((0.5, "A"), (0.99, "B"))
     ]
     return _timeseries(title, desc, targets, unit)
@@ -274,18 +368,35 @@ def _title(stem: str) -> str:
 
 
 def _platform_panels(lay: _Layout) -> set:
-    lay.add(_table(
-        "Build", "dspark-harden and SGLang versions reported by the running processes "
-                 "(`dspark_harden_build_info`).",
-        [_target("max by (version, sglang_version) (dspark_harden_build_info)", instant=True)]), w=8, h=5)
-    lay.add(_stat(
-        "Features bound", "Number of dspark-harden features whose patches are bound in at least one "
-                          "process role (`dspark_harden_feature_bound == 1`).",
-        [_target("count(max by (feature) (dspark_harden_feature_bound) == 1)", instant=True)]), w=4, h=5)
-    lay.add(_table(
-        "Features by process role", "One row per feature and role: value 1 = bound and verified; "
-                                    "status = the self-check status (bound, upstream, disabled, unavailable).",
-        [_target("max by (feature, role, status) (dspark_harden_feature_bound)", instant=True)]), w=12, h=10)
+    lay.add(
+        _table(
+            "Build",
+            "dspark-harden and SGLang versions reported by the running processes (`dspark_harden_build_info`).",
+            [_target("max by (version, sglang_version) (dspark_harden_build_info)", instant=True)],
+        ),
+        w=8,
+        h=5,
+    )
+    lay.add(
+        _stat(
+            "Features bound",
+            "Number of dspark-harden features whose patches are bound in at least one "
+            "process role (`dspark_harden_feature_bound == 1`).",
+            [_target("count(max by (feature) (dspark_harden_feature_bound) == 1)", instant=True)],
+        ),
+        w=4,
+        h=5,
+    )
+    lay.add(
+        _table(
+            "Features by process role",
+            "One row per feature and role: value 1 = bound and verified; "
+            "status = the self-check status (bound, upstream, disabled, unavailable).",
+            [_target("max by (feature, role, status) (dspark_harden_feature_bound)", instant=True)],
+        ),
+        w=12,
+        h=10,
+    )
     return {"dspark_harden_build_info", "dspark_harden_feature_bound"}
 
 
@@ -294,33 +405,66 @@ def _scheduler_panels(lay: _Layout) -> set:
     calls = "dspark_harden_scheduler_phase_calls_total"
     mx = "dspark_harden_scheduler_phase_max_seconds"
     sel = '{dp_rank=~"$dp_rank"}'
-    lay.add(_timeseries(
-        "Scheduler time by phase (fraction of wall time)",
-        f"rate(`{sec}`): seconds per second each rank's scheduler loop spends in each phase "
-        "(inclusive). Sum over phases ≈ 1 per rank.",
-        [_target(f"sum by (dp_rank, phase) (rate({sec}{sel}[$__rate_interval]))", "rank {{dp_rank}} {{phase}}")],
-        "percentunit", stack=True))
-    lay.add(_timeseries(
-        "Phase calls /s", f"rate(`{calls}`) per rank and phase.",
-        [_target(f"sum by (dp_rank, phase) (rate({calls}{sel}[$__rate_interval]))", "rank {{dp_rank}} {{phase}}")],
-        "ops"))
-    lay.add(_timeseries(
-        "Mean seconds per call", f"rate(`{sec}`) / rate(`{calls}`) per rank and phase.",
-        [_target(f"sum by (dp_rank, phase) (rate({sec}{sel}[$__rate_interval])) / "
-                 f"sum by (dp_rank, phase) (rate({calls}{sel}[$__rate_interval]))", "rank {{dp_rank}} {{phase}}")],
-        "s"))
-    lay.add(_timeseries(
-        "Longest call (rolling max)",
-        f"`{mx}`: the longest single call per phase in each flush window, max over the interval.",
-        [_target(f"max by (dp_rank, phase) (max_over_time({mx}{sel}[$__rate_interval]))", "rank {{dp_rank}} {{phase}}")],
-        "s"))
-    lay.add(_timeseries(
-        "run_batch share across ranks",
-        "Each rank's run_batch seconds per second: under DP attention the ranks run in lock step, so a "
-        "rank with much less run_batch time than its peer is waiting on it.",
-        [_target(f'sum by (dp_rank) (rate({sec}{{dp_rank=~"$dp_rank", phase="run_batch"}}[$__rate_interval]))',
-                 "rank {{dp_rank}}")],
-        "percentunit"), w=24)
+    lay.add(
+        _timeseries(
+            "Scheduler time by phase (fraction of wall time)",
+            f"rate(`{sec}`): seconds per second each rank's scheduler loop spends in each phase "
+            "(inclusive). Sum over phases ≈ 1 per rank.",
+            [_target(f"sum by (dp_rank, phase) (rate({sec}{sel}[$__rate_interval]))", "rank {{dp_rank}} {{phase}}")],
+            "percentunit",
+            stack=True,
+        )
+    )
+    lay.add(
+        _timeseries(
+            "Phase calls /s",
+            f"rate(`{calls}`) per rank and phase.",
+            [_target(f"sum by (dp_rank, phase) (rate({calls}{sel}[$__rate_interval]))", "rank {{dp_rank}} {{phase}}")],
+            "ops",
+        )
+    )
+    lay.add(
+        _timeseries(
+            "Mean seconds per call",
+            f"rate(`{sec}`) / rate(`{calls}`) per rank and phase.",
+            [
+                _target(
+                    f"sum by (dp_rank, phase) (rate({sec}{sel}[$__rate_interval])) / "
+                    f"sum by (dp_rank, phase) (rate({calls}{sel}[$__rate_interval]))",
+                    "rank {{dp_rank}} {{phase}}",
+                )
+            ],
+            "s",
+        )
+    )
+    lay.add(
+        _timeseries(
+            "Longest call (rolling max)",
+            f"`{mx}`: the longest single call per phase in each flush window, max over the interval.",
+            [
+                _target(
+                    f"max by (dp_rank, phase) (max_over_time({mx}{sel}[$__rate_interval]))",
+                    "rank {{dp_rank}} {{phase}}",
+                )
+            ],
+            "s",
+        )
+    )
+    lay.add(
+        _timeseries(
+            "run_batch share across ranks",
+            "Each rank's run_batch seconds per second: under DP attention the ranks run in lock step, so a "
+            "rank with much less run_batch time than its peer is waiting on it.",
+            [
+                _target(
+                    f'sum by (dp_rank) (rate({sec}{{dp_rank=~"$dp_rank", phase="run_batch"}}[$__rate_interval]))',
+                    "rank {{dp_rank}}",
+                )
+            ],
+            "percentunit",
+        ),
+        w=24,
+    )
     return {sec, calls, mx}
 
 
@@ -334,10 +478,12 @@ def build(areas: Optional[dict] = None, *, extensions: bool = False) -> dict:
         areas = feature_areas(load_extensions=extensions)
     by_row: dict[str, list] = {}
     for fam in metrics.registry(load_extensions=extensions).values():
-        key = "platform" if fam.feature == "core" else row_for(areas.get(fam.feature), fam.feature)
+        key = row_of(fam, areas)
         by_row.setdefault(key, []).append(fam)
     lay = _Layout()
-    rows = list(ROWS) + ([("other", "Other", "Families of features without a dedicated row.")] if "other" in by_row else [])
+    rows = list(ROWS) + (
+        [("other", "Other", "Families of features without a dedicated row.")] if "other" in by_row else []
+    )
     for key, title, what in rows:
         lay.row(title)
         fams = by_row.get(key, [])
@@ -346,24 +492,50 @@ def build(areas: Optional[dict] = None, *, extensions: bool = False) -> dict:
         for fam in rest:
             lay.add(_auto_panel(fam))
         if not fams and key not in _CURATED:
-            lay.add(_text(f"{title}: no metrics", f"{what}\n\nNo `dspark_harden_*` family is declared for this "
-                                                  "area in this build."), w=24, h=3)
+            lay.add(
+                _text(
+                    f"{title}: no metrics",
+                    f"{what}\n\nNo `dspark_harden_*` family is declared for this area in this build.",
+                ),
+                w=24,
+                h=3,
+            )
     lay.newline()
     g = _sdk()
     dm, db = g.dm, g.db
     query = "label_values(dspark_harden_scheduler_phase_calls_total, dp_rank)"
-    dash = (db.Dashboard(TITLE).uid(UID)
-            .description("Per-rank proof of which dspark-harden paths ran (generated by `dspark-harden dashboard`).")
-            .tags(["dspark-harden", "sglang"]).editable().tooltip(dm.DashboardCursorSync.CROSSHAIR)
-            .time("now-1h", "now").refresh("30s").timezone("")
-            .annotation(db.AnnotationQuery().name("Annotations & Alerts").enable(True).hide(True)
-                        .icon_color("rgba(0, 211, 255, 1)").type("dashboard")
-                        .datasource(dm.DataSourceRef(type_val="grafana", uid="-- Grafana --")))
-            .with_variable(db.DatasourceVariable("datasource").label("Data source").type("prometheus"))
-            .with_variable(db.QueryVariable("dp_rank").label("DP rank").datasource(g.ds)
-                           .query({"query": query, "refId": "PrometheusVariableQueryEditor-VariableQuery", "qryType": 1})
-                           .include_all(True).all_value(".*").multi(True)
-                           .refresh(dm.VariableRefresh.ON_TIME_RANGE_CHANGED).sort(dm.VariableSort.NUMERICAL_ASC)))
+    dash = (
+        db.Dashboard(TITLE)
+        .uid(UID)
+        .description("Per-rank proof of which dspark-harden paths ran (generated by `dspark-harden dashboard`).")
+        .tags(["dspark-harden", "sglang"])
+        .editable()
+        .tooltip(dm.DashboardCursorSync.CROSSHAIR)
+        .time("now-1h", "now")
+        .refresh("30s")
+        .timezone("")
+        .annotation(
+            db.AnnotationQuery()
+            .name("Annotations & Alerts")
+            .enable(True)
+            .hide(True)
+            .icon_color("rgba(0, 211, 255, 1)")
+            .type("dashboard")
+            .datasource(dm.DataSourceRef(type_val="grafana", uid="-- Grafana --"))
+        )
+        .with_variable(db.DatasourceVariable("datasource").label("Data source").type("prometheus"))
+        .with_variable(
+            db.QueryVariable("dp_rank")
+            .label("DP rank")
+            .datasource(g.ds)
+            .query({"query": query, "refId": "PrometheusVariableQueryEditor-VariableQuery", "qryType": 1})
+            .include_all(True)
+            .all_value(".*")
+            .multi(True)
+            .refresh(dm.VariableRefresh.ON_TIME_RANGE_CHANGED)
+            .sort(dm.VariableSort.NUMERICAL_ASC)
+        )
+    )
     for kind, panel in lay.panels:
         (dash.with_row if kind == "row" else dash.with_panel)(panel)
     return to_dict(dash)
@@ -385,8 +557,12 @@ def iter_panels(dashboard: dict) -> Iterable[dict]:
 
 
 _VARS = {
-    "$__rate_interval": "{window}", "${__rate_interval}": "{window}",
-    "$__interval": "{window}", "${__interval}": "{window}", "$__range": "{window}", "${__range}": "{window}",
+    "$__rate_interval": "{window}",
+    "${__rate_interval}": "{window}",
+    "$__interval": "{window}",
+    "${__interval}": "{window}",
+    "$__range": "{window}",
+    "${__range}": "{window}",
 }
 
 

@@ -21,9 +21,8 @@ import functools
 import importlib.metadata
 from typing import Any, Optional
 
-from ..core import metrics
 from ..core import feature as F
-from ..core import roles
+from ..core import metrics, roles
 from ..core.feature import Feature
 from ..core.hookspecs import hookimpl
 from ..core.patch import Kind, Patch, Role
@@ -66,16 +65,31 @@ FEATURES = [
 ]
 
 SETTINGS = [
-    Setting(SWITCH, flag01, True,
-            "Publish dspark_harden_build_info / dspark_harden_feature_bound and pre-create the "
-            "declared series of active features in every SGLang process.", feature="observability"),
-    Setting(PHASE_SWITCH, flag01, True,
-            "Time the scheduler-loop phases (recv_requests, process_input_requests, "
-            "get_next_batch_to_run, run_batch, process_batch_result, idle) per dp_rank. "
-            "Needs SGLang --enable-metrics.", feature=phases.FEATURE),
-    Setting(FLUSH, positive_float, 1.0,
-            "Seconds between pushes of accumulated scheduler-phase values to Prometheus; also the "
-            "window of dspark_harden_scheduler_phase_max_seconds.", feature=phases.FEATURE),
+    Setting(
+        SWITCH,
+        flag01,
+        True,
+        "Publish dspark_harden_build_info / dspark_harden_feature_bound and pre-create the "
+        "declared series of active features in every SGLang process.",
+        feature="observability",
+    ),
+    Setting(
+        PHASE_SWITCH,
+        flag01,
+        True,
+        "Time the scheduler-loop phases (recv_requests, process_input_requests, "
+        "get_next_batch_to_run, run_batch, process_batch_result, idle) per dp_rank. "
+        "Needs SGLang --enable-metrics.",
+        feature=phases.FEATURE,
+    ),
+    Setting(
+        FLUSH,
+        positive_float,
+        1.0,
+        "Seconds between pushes of accumulated scheduler-phase values to Prometheus; also the "
+        "window of dspark_harden_scheduler_phase_max_seconds.",
+        feature=phases.FEATURE,
+    ),
 ]
 
 
@@ -113,7 +127,7 @@ ENV_PATCH_KW = dict(
     roles={Role.MAIN},
     fingerprint=ENV_FINGERPRINT,
     why="SGLang sets PROMETHEUS_MULTIPROC_DIR in the main process after plugins load; publish the "
-        "main process's dspark metrics (and allow creating any) only once it has",
+    "main process's dspark metrics (and allow creating any) only once it has",
     retire_when="SGLang offers a hook after its Prometheus set-up (or sets the directory before load_plugins)",
 )
 

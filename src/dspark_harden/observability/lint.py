@@ -101,7 +101,11 @@ def bound_features(scraped: dict) -> Optional[dict]:
 
 
 def lint_scrape(
-    scraped: dict, *, own_only: bool = True, max_label_values: int = 64, max_series: int = 512,
+    scraped: dict,
+    *,
+    own_only: bool = True,
+    max_label_values: int = 64,
+    max_series: int = 512,
 ) -> list:
     out: list = []
     for name, fam in sorted(scraped.items()):
@@ -110,7 +114,9 @@ def lint_scrape(
             continue
         where = name
         labels = fam.label_names
-        for msg in metrics.convention_problems(name, fam.kind if fam.kind in metrics.KINDS else fam.kind, labels, own=own):
+        for msg in metrics.convention_problems(
+            name, fam.kind if fam.kind in metrics.KINDS else fam.kind, labels, own=own
+        ):
             out.append(Finding(PROBLEM, where, msg.split(": ", 1)[-1]))
         if not fam.help.strip():
             out.append(Finding(PROBLEM, where, "no HELP text"))
@@ -130,7 +136,9 @@ def lint_scrape(
         for label in labels:
             values = {lbl[label] for _, lbl, _ in fam.samples if label in lbl}
             if len(values) > max_label_values:
-                out.append(Finding(PROBLEM, where, f"label {label!r} has {len(values)} values (limit {max_label_values})"))
+                out.append(
+                    Finding(PROBLEM, where, f"label {label!r} has {len(values)} values (limit {max_label_values})")
+                )
             odd = sorted(v for v in values if len(v) > 64 or any(p.match(v) for p in _UNBOUNDED_VALUE))
             if odd:
                 out.append(Finding(PROBLEM, where, f"label {label!r} has unbounded-looking values, e.g. {odd[0]!r}"))
@@ -161,7 +169,12 @@ def prometheus_query(base: str, expr: str, timeout: float = 10.0) -> list:
 
 
 def lint_dashboard(
-    dash: dict, scraped: Optional[dict], *, source: str, prometheus: Optional[str] = None, window: str = "5m",
+    dash: dict,
+    scraped: Optional[dict],
+    *,
+    source: str,
+    prometheus: Optional[str] = None,
+    window: str = "5m",
 ) -> list:
     out: list = []
     present = sample_names(scraped) if scraped is not None else set()
@@ -173,8 +186,15 @@ def lint_dashboard(
         for n in undeclared:
             out.append(Finding(PROBLEM, where, f"references {n}, which is not a declared family"))
         fams = {D.family_of(n) for n in names} - {None}
-        off = sorted({metrics.FAMILIES[f].feature for f in fams if metrics.FAMILIES[f].feature != "core"
-                      and bound is not None and not bound.get(metrics.FAMILIES[f].feature)})
+        off = sorted(
+            {
+                metrics.FAMILIES[f].feature
+                for f in fams
+                if metrics.FAMILIES[f].feature != "core"
+                and bound is not None
+                and not bound.get(metrics.FAMILIES[f].feature)
+            }
+        )
         all_off = bool(fams) and all(
             metrics.FAMILIES[f].feature != "core" and bound is not None and not bound.get(metrics.FAMILIES[f].feature)
             for f in fams
@@ -194,7 +214,9 @@ def lint_dashboard(
                 continue
             missing_msg = f"references metrics absent from the scrape: {', '.join(absent)}"
         if all_off:
-            out.append(Finding(NOTE, where, f"{missing_msg} (expected: feature {', '.join(off)} not bound on this server)"))
+            out.append(
+                Finding(NOTE, where, f"{missing_msg} (expected: feature {', '.join(off)} not bound on this server)")
+            )
         else:
             out.append(Finding(PROBLEM, where, f"{missing_msg}: {expr}"))
     return out
@@ -262,16 +284,28 @@ class LintResult:
 
     def to_dict(self) -> dict:
         return {
-            "url": self.url, "ok": not self.problems, "families": self.families, "dashboards": self.dashboards,
+            "url": self.url,
+            "ok": not self.problems,
+            "families": self.families,
+            "dashboards": self.dashboards,
             "problems": [asdict(f) for f in self.problems],
             "notes": [asdict(f) for f in self.findings if f.level == NOTE],
         }
 
 
 def run(
-    url: str, *, dashboards: Iterable = (), use_builtin_dashboard: bool = True, prometheus: Optional[str] = None,
-    window: str = "5m", own_only: bool = True, max_label_values: int = 64, max_series: int = 512,
-    promtool: str = "auto", strict: bool = False, text: Optional[str] = None,
+    url: str,
+    *,
+    dashboards: Iterable = (),
+    use_builtin_dashboard: bool = True,
+    prometheus: Optional[str] = None,
+    window: str = "5m",
+    own_only: bool = True,
+    max_label_values: int = 64,
+    max_series: int = 512,
+    promtool: str = "auto",
+    strict: bool = False,
+    text: Optional[str] = None,
 ) -> LintResult:
     if text is None:
         text = scrape(url)
@@ -296,6 +330,9 @@ def run(
     if strict:
         for f in findings:
             f.level = PROBLEM
-    return LintResult(url=metrics_url(url), findings=findings,
-                      families=sum(1 for n in scraped if n.startswith(metrics.PREFIX)),
-                      dashboards=[s for s, _ in sources])
+    return LintResult(
+        url=metrics_url(url),
+        findings=findings,
+        families=sum(1 for n in scraped if n.startswith(metrics.PREFIX)),
+        dashboards=[s for s, _ in sources],
+    )

@@ -14,7 +14,13 @@ get_next_batch_to_run    ``Scheduler.get_next_batch_to_run``
 run_batch                ``Scheduler.run_batch``
 process_batch_result     ``Scheduler.process_batch_result``
 idle                     ``Scheduler.on_idle`` (includes the ``--sleep-on-idle`` poll)
+check_hicache_events     ``UnifiedRadixCache.check_hicache_events`` (the HiCache poll, inside
+                         ``get_next_batch_to_run``; only with ``--enable-hierarchical-cache``)
 =======================  ===================================================================
+
+The ``check_hicache_events`` wrapper also tells :data:`.hicache.SAMPLER` which tree this scheduler
+polls; every flush then samples that tree's in-flight transfers into
+``dspark_harden_hicache_ongoing_{operations,tokens}`` (see :mod:`.hicache`).
 
 Times are inclusive (a phase's seconds include what it calls). Each call costs two
 ``perf_counter()`` reads and a few list updates on the scheduler thread; the values are pushed
@@ -44,14 +50,21 @@ FEATURE = PHASE_FEATURE
 
 # (phase, target, fingerprint of the stock sglang 0.5.23 source)
 TARGETS = (
-    ("recv_requests",
-     "sglang.srt.managers.scheduler_components.request_receiver:SchedulerRequestReceiver.recv_requests",
-     "0846535320be2d19"),
+    (
+        "recv_requests",
+        "sglang.srt.managers.scheduler_components.request_receiver:SchedulerRequestReceiver.recv_requests",
+        "0846535320be2d19",
+    ),
     ("process_input_requests", "sglang.srt.managers.scheduler:Scheduler.process_input_requests", "f02ae3a75f271380"),
     ("get_next_batch_to_run", "sglang.srt.managers.scheduler:Scheduler.get_next_batch_to_run", "9c5ef634896394e9"),
     ("run_batch", "sglang.srt.managers.scheduler:Scheduler.run_batch", "c314c0d4b02c8565"),
     ("process_batch_result", "sglang.srt.managers.scheduler:Scheduler.process_batch_result", "a67c683e53477b43"),
     ("idle", "sglang.srt.managers.scheduler:Scheduler.on_idle", "2286eb316401a990"),
+    (
+        "check_hicache_events",
+        "sglang.srt.mem_cache.unified_radix_cache:UnifiedRadixCache.check_hicache_events",
+        "56ec760049eed244",
+    ),
 )
 assert tuple(t[0] for t in TARGETS) == SCHEDULER_PHASES
 
@@ -86,6 +99,8 @@ class PhaseRecorder:
         self._next_flush = clock() + interval_s
         self._children: Optional[list] = None
         self.flushes = 0
+        # called at every flush, after the phase values (scheduler thread): gauges sampled from live state
+        self.samplers: list = []
 
     def index(self, phase: str) -> int:
         return self.phases.index(phase)
@@ -122,6 +137,8 @@ class PhaseRecorder:
                 self.seconds[i], self.calls[i] = 0.0, 0
             mx.set(self.max[i])
             self.max[i] = 0.0
+        for sampler in self.samplers:
+            sampler()
         self._next_flush = (self.clock() if now is None else now) + self.interval_s
         self.flushes += 1
 
@@ -139,9 +156,14 @@ def recorder() -> PhaseRecorder:
 
 
 def configure(*, dp_label: str, interval_s: float, enabled: bool) -> PhaseRecorder:
+    from .hicache import SAMPLER
+
     rec = recorder()
     rec.dp_label, rec.interval_s, rec.enabled = dp_label, interval_s, enabled
     rec._children = None
+    SAMPLER.configure(dp_label)
+    if SAMPLER not in rec.samplers:
+        rec.samplers.append(SAMPLER)
     rec._next_flush = rec.clock() + interval_s
     return rec
 
@@ -200,18 +222,42 @@ def timed(stock: Callable, phase: str) -> Callable:
     return wrapper
 
 
+def timed_hicache_poll(stock: Callable) -> Callable:
+    """:func:`timed` under ``check_hicache_events`` that also hands the polled tree to the HiCache sampler."""
+    from .hicache import SAMPLER
+
+    inner = timed(stock, "check_hicache_events")
+    watch = SAMPLER.watch
+
+    @functools.wraps(stock)
+    def check_hicache_events(self: Any, *args: Any, **kwargs: Any) -> Any:
+        watch(self)
+        return inner(self, *args, **kwargs)
+
+    check_hicache_events.__dspark_phase__ = "check_hicache_events"
+    return check_hicache_events
+
+
+def _build(phase: str) -> Callable:
+    if phase == "check_hicache_events":
+        return timed_hicache_poll
+    return functools.partial(timed, phase=phase)
+
+
 def patches() -> list[Patch]:
     out = []
     for phase, target, fp in TARGETS:
-        out.append(Patch(
-            feature=FEATURE,
-            target=target,
-            kind=Kind.WRAP,
-            roles={Role.SCHEDULER},
-            build=functools.partial(timed, phase=phase),
-            fingerprint=fp,
-            why=f"scheduler phase metrics: seconds, calls and rolling max of '{phase}' per dp_rank "
+        out.append(
+            Patch(
+                feature=FEATURE,
+                target=target,
+                kind=Kind.WRAP,
+                roles={Role.SCHEDULER},
+                build=_build(phase),
+                fingerprint=fp,
+                why=f"scheduler phase metrics: seconds, calls and rolling max of '{phase}' per dp_rank "
                 "(stock exports exclusive stage seconds only)",
-            retire_when="SGLang's scheduler_stage_method exports per-stage call counts and maxima with a dp_rank label",
-        ))
+                retire_when="SGLang's scheduler_stage_method exports per-stage call counts and maxima with a dp_rank label",
+            )
+        )
     return out

@@ -58,8 +58,10 @@ def _ingress(s: dict) -> str:
     batches = _by(s, "dspark_harden_atomic_batches_total", "dp_rank")
     msgs = _sum(s, "dspark_harden_scheduler_batch_messages_total")
     rej = _by(s, "dspark_harden_route_rejections_total", "reason")
-    return (f"routed batches sent as one message: {_counts(batches, 'rank ')}; batch messages received by "
-            f"schedulers: {msgs:g}; bad-rank requests answered 400 instead of a crash: {_counts(rej)}")
+    return (
+        f"routed batches sent as one message: {_counts(batches, 'rank ')}; batch messages received by "
+        f"schedulers: {msgs:g}; bad-rank requests answered 400 instead of a crash: {_counts(rej)}"
+    )
 
 
 def _health(s: dict) -> str:
@@ -78,7 +80,11 @@ def _dp2(s: dict) -> str:
         calls = _sum(s, "dspark_harden_dp2_exchange_calls_total", channel="mlp", dp_rank=r)
         ex = _sum(s, "dspark_harden_dp2_exchange_seconds_total", channel="mlp", dp_rank=r, phase="exchange_total")
         wait = _sum(s, "dspark_harden_dp2_exchange_seconds_total", channel="mlp", dp_rank=r, phase="peer_wait")
-        means = f", mean {ex / calls * 1e6:.1f} us per exchange ({wait / calls * 1e6:.1f} us of it waiting for the peer)" if calls else ""
+        means = (
+            f", mean {ex / calls * 1e6:.1f} us per exchange ({wait / calls * 1e6:.1f} us of it waiting for the peer)"
+            if calls
+            else ""
+        )
         parts.append(f"rank {r}: {calls:g} native MLP-sync exchanges{means}")
     errors = _sum(s, "dspark_harden_dp2_exchange_errors_total")
     return "; ".join(parts + [f"errors {errors:g}"]) if parts else "no exchange samples"
@@ -89,7 +95,13 @@ def _masks(s: dict) -> str:
 
 
 def _platform(s: dict) -> str:
-    roles = sorted({lb["role"] for lb, v in s.get("dspark_harden_feature_bound", ()) if lb.get("feature") == "observability" and v == 1})
+    roles = sorted(
+        {
+            lb["role"]
+            for lb, v in s.get("dspark_harden_feature_bound", ())
+            if lb.get("feature") == "observability" and v == 1
+        }
+    )
     info = [lb for lb, v in s.get("dspark_harden_build_info", ()) if v == 1]
     ver = f"dspark-harden {info[0]['version']} on sglang {info[0]['sglang_version']}; " if info else ""
     return f"{ver}published by processes: {', '.join(roles) or 'none'}"
@@ -111,7 +123,7 @@ def _generic(s: dict, feature: str, registry) -> Optional[str]:
     fams = [f for f in registry.values() if f.feature == feature and f.kind == "counter"]
     if not fams:
         return None
-    parts = [f"{f.name[len(metrics.PREFIX):]} {_sum(s, f.name):g}" for f in fams]
+    parts = [f"{f.name[len(metrics.PREFIX) :]} {_sum(s, f.name):g}" for f in fams]
     return "; ".join(parts)
 
 

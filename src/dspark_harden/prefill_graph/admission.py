@@ -59,6 +59,8 @@ class Runtime:
     on_decision: Optional[Callable] = None
     #: ``on_divergence(exc)`` before a guard raises
     on_divergence: Optional[Callable] = None
+    #: ``on_replay(request_slots)`` when the guard lets an admitted step replay (its batch's request count)
+    on_replay: Optional[Callable] = None
     #: ``on_uniform(check, pending)`` when every rank runs an admitted step eager (a uniform failure)
     on_uniform: Optional[Callable] = None
     #: the admitted decision of this step, recorded when the guard has run: (decision, local reason, tokens)
@@ -115,14 +117,24 @@ def _is_runner(obj: Any) -> bool:
 
 def build_vote(stock: Callable, runtime: Optional[Runtime] = None) -> Callable:
     def _local_prefill_cuda_graph_vote(
-        *, local_batch, num_tokens, prefill_graph_runner, coordinated_prefill, breakable_prefill,
-        spec_algorithm, model_config,
+        *,
+        local_batch,
+        num_tokens,
+        prefill_graph_runner,
+        coordinated_prefill,
+        breakable_prefill,
+        spec_algorithm,
+        model_config,
     ):
         rt = runtime or RUNTIME
         kwargs = dict(
-            local_batch=local_batch, num_tokens=num_tokens, prefill_graph_runner=prefill_graph_runner,
-            coordinated_prefill=coordinated_prefill, breakable_prefill=breakable_prefill,
-            spec_algorithm=spec_algorithm, model_config=model_config,
+            local_batch=local_batch,
+            num_tokens=num_tokens,
+            prefill_graph_runner=prefill_graph_runner,
+            coordinated_prefill=coordinated_prefill,
+            breakable_prefill=breakable_prefill,
+            spec_algorithm=spec_algorithm,
+            model_config=model_config,
         )
         runner = prefill_graph_runner
         worker_mode = D.worker_capture_mode(spec_algorithm)
@@ -133,32 +145,47 @@ def build_vote(stock: Callable, runtime: Optional[Runtime] = None) -> Callable:
             check(runner)  # once, on the first vote (both ranks vote in lockstep): item "ranks configured alike"
         if local_batch is None or local_batch.forward_mode.is_idle() or not _is_runner(runner):
             ok = stock(**kwargs)
-            rt.step = StepState(runner=runner if _is_runner(runner) else None, worker_mode=worker_mode,
-                                idle_relabel=rt.idle_relabel, local_ok=bool(ok),
-                                local_reason=None if ok else "stock_vote", local_tokens=0)
+            rt.step = StepState(
+                runner=runner if _is_runner(runner) else None,
+                worker_mode=worker_mode,
+                idle_relabel=rt.idle_relabel,
+                local_ok=bool(ok),
+                local_reason=None if ok else "stock_vote",
+                local_tokens=0,
+            )
             return ok
         local = int(num_tokens)
         if 0 < local <= runner.max_num_tokens:
             # lift the local padding bound: padding is judged on the shared bucket after the exchange
             kwargs["num_tokens"] = runner._pad_to_bucket(local, runner.capture_num_tokens)
         view = D.schedule_view(
-            local_batch, server_mode=rt.get_server_mode(),
-            decode_as_extend=local_batch.forward_mode.is_decode(), worker_mode=worker_mode,
+            local_batch,
+            server_mode=rt.get_server_mode(),
+            decode_as_extend=local_batch.forward_mode.is_decode(),
+            worker_mode=worker_mode,
         )
         if rt.on_view is not None:
             rt.on_view(view)
         ok = bool(stock(**kwargs))
         reason = None if ok else _why_stock_said_eager(runner, local_batch, local, rt, worker_mode)
         if ok:
-            fails = ["stock_vote"] if view is None else D.local_failures(runner, view, num_tokens=None, schedule_time=True)
+            fails = (
+                ["stock_vote"] if view is None else D.local_failures(runner, view, num_tokens=None, schedule_time=True)
+            )
             # per-bucket request slots (full backend): min(slots, bucket) for the smallest bucket this rank can get
             if view is not None and runner._is_full_backend and local <= runner.max_num_tokens:
                 if view.batch_size > min(runner._capture_req_slots, kwargs["num_tokens"]):
                     fails.append("request_slots")
             if fails:
                 ok, reason = False, fails[0]
-        rt.step = StepState(runner=runner, worker_mode=worker_mode, idle_relabel=rt.idle_relabel, local_ok=ok,
-                            local_reason=reason, local_tokens=local)
+        rt.step = StepState(
+            runner=runner,
+            worker_mode=worker_mode,
+            idle_relabel=rt.idle_relabel,
+            local_ok=ok,
+            local_reason=reason,
+            local_tokens=local,
+        )
         return ok
 
     _local_prefill_cuda_graph_vote.__doc__ = stock.__doc__
@@ -195,9 +222,15 @@ def build_update_gather(stock: Callable, runtime: Optional[Runtime] = None) -> C
         if not mlp_sync_info.is_extend_in_batch:
             return result  # no prefill this step: nothing to decide
         dec = D.finalize(
-            gathered, vote=bool(batch.can_run_dp_prefill_cuda_graph), runner=step.runner, bs=rt.get_bs(),
-            factor=rt.factor, server_mode=rt.get_server_mode(), attn_tp_size=rt.get_attn_tp(),
-            worker_mode=step.worker_mode, idle_relabel=step.idle_relabel,
+            gathered,
+            vote=bool(batch.can_run_dp_prefill_cuda_graph),
+            runner=step.runner,
+            bs=rt.get_bs(),
+            factor=rt.factor,
+            server_mode=rt.get_server_mode(),
+            attn_tp_size=rt.get_attn_tp(),
+            worker_mode=step.worker_mode,
+            idle_relabel=step.idle_relabel,
         )
         batch.can_run_dp_prefill_cuda_graph = dec.graph
         rt.last = dec
@@ -241,7 +274,9 @@ def build_guard(stock: Callable, runtime: Optional[Runtime] = None) -> Callable:
         fails = []
         if self._has_inactive_dp_rank(forward_batch):
             fails.append("inactive_dp_rank")
-        fails.extend(D.local_failures(self, forward_batch, num_tokens=len(forward_batch.input_ids), schedule_time=False))
+        fails.extend(
+            D.local_failures(self, forward_batch, num_tokens=len(forward_batch.input_ids), schedule_time=False)
+        )
         if not fails and not stock(self, forward_batch):
             fails.append("can_run_graph")
         if fails:
@@ -257,17 +292,25 @@ def build_guard(stock: Callable, runtime: Optional[Runtime] = None) -> Callable:
                     logger.warning(
                         "dspark-harden prefill-graph-dp (dp_rank %s): an admitted step runs eager on every rank: "
                         "forward-time check %r failed with inputs that are the same on every rank (%s); logged once "
-                        "per check, counted as outcome=\"eager_uniform\"", rt.dp_rank, uniform[0], D.geometry(forward_batch))
+                        'per check, counted as outcome="eager_uniform"',
+                        rt.dp_rank,
+                        uniform[0],
+                        D.geometry(forward_batch),
+                    )
                 return False
             rt.last_guard = "divergence"
             rt.pending = None
-            exc = D.PrefillGraphDivergence(check=fails[0], failed=fails, dp_rank=rt.dp_rank, geometry=D.geometry(forward_batch))
+            exc = D.PrefillGraphDivergence(
+                check=fails[0], failed=fails, dp_rank=rt.dp_rank, geometry=D.geometry(forward_batch)
+            )
             if rt.on_divergence is not None:
                 rt.on_divergence(exc)
             logger.critical("%s", exc)
             raise exc
         rt.last_guard = "graph"
         flush_pending(rt)
+        if rt.on_replay is not None:
+            rt.on_replay(int(forward_batch.batch_size))
         return True
 
     can_run_graph.__doc__ = stock.__doc__

@@ -97,8 +97,11 @@ def main(args) -> int:
     from . import world as W
 
     try:
-        steps = T.read_jsonl(args.trace) if args.trace else T.generate(
-            T.TraceShape(**({"steps": args.steps} if args.steps else {})))
+        steps = (
+            T.read_jsonl(args.trace)
+            if args.trace
+            else T.generate(T.TraceShape(**({"steps": args.steps} if args.steps else {})))
+        )
         cfg = capture_config(args.buckets)
     except (T.TraceError, ValueError, OSError) as exc:
         print(f"bench prefill-admission: {exc}", file=sys.stderr)
@@ -112,21 +115,30 @@ def main(args) -> int:
     if args.json:
         print(json.dumps(full))
     else:
-        source = args.trace or f"built-in generator {asdict(T.TraceShape(**({'steps': args.steps} if args.steps else {})))}"
+        source = (
+            args.trace or f"built-in generator {asdict(T.TraceShape(**({'steps': args.steps} if args.steps else {})))}"
+        )
         print(f"prefill-admission: {full['batches']} DP2 steps with prefill; trace: {source}")
-        print(f"  capture: {args.backend} backend, {len(cfg.buckets)} buckets {cfg.buckets[0]}..{cfg.buckets[-1]}"
-              f"{'' if args.buckets else ' (stock default for a 16384-token per-rank chunk)'}, "
-              f"{cfg.slots if args.backend == 'full' else 'no fixed'} request slots; speculative: {args.spec}; "
-              f"padding factor {args.factor:g} (stock {D.STOCK_PADDING_FACTOR})")
+        print(
+            f"  capture: {args.backend} backend, {len(cfg.buckets)} buckets {cfg.buckets[0]}..{cfg.buckets[-1]}"
+            f"{'' if args.buckets else ' (stock default for a 16384-token per-rank chunk)'}, "
+            f"{cfg.slots if args.backend == 'full' else 'no fixed'} request slots; speculative: {args.spec}; "
+            f"padding factor {args.factor:g} (stock {D.STOCK_PADDING_FACTOR})"
+        )
         for side in ("stock", "harden"):
             r = full[side]
-            print(f"  {side:6s}: graph-token coverage {r['graph_token_coverage']:.4f}  splits {r['splits']}  "
-                  f"padding overhead {r['padding_overhead']:.4f}")
+            print(
+                f"  {side:6s}: graph-token coverage {r['graph_token_coverage']:.4f}  splits {r['splits']}  "
+                f"padding overhead {r['padding_overhead']:.4f}"
+            )
             total = sum(r["eager_tokens_by_reason"].values())
             for why, n in r["eager_tokens_by_reason"].items():
                 print(f"          eager {why:28s} {n:>10d} tokens ({n / total:.1%} of eager)")
     if raised:
-        print(f"bench prefill-admission: the harden guard raised {raised} time(s): a forward-time check was not "
-              f"folded into the vote (a bug; report it with the trace)", file=sys.stderr)
+        print(
+            f"bench prefill-admission: the harden guard raised {raised} time(s): a forward-time check was not "
+            f"folded into the vote (a bug; report it with the trace)",
+            file=sys.stderr,
+        )
         return 1
     return 0

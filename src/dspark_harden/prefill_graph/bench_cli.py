@@ -43,19 +43,42 @@ def add_bench_parser(bench_subparsers) -> None:
         help="DP2 prefill CUDA-graph admission: stock vs dspark-harden on a trace (splits, coverage, padding)",
     )
     p.add_argument("--json", action="store_true", help="print one JSON object")
-    p.add_argument("--trace", metavar="FILE", help="replay this JSONL trace instead of the built-in generator "
-                                                   "(format: docs/prefill_graph.md#trace-format)")
-    p.add_argument("--buckets", type=_buckets, metavar="N[,N...]",
-                   help="captured token buckets (default: stock's list for --chunked-prefill-size 16384)")
-    p.add_argument("--factor", type=_factor, default=DEFAULT_PADDING_FACTOR,
-                   help=f"harden padding factor, 1 < f <= 8 (default {DEFAULT_PADDING_FACTOR:g})")
-    p.add_argument("--backend", choices=("full", "breakable"), default="full",
-                   help="prefill CUDA-graph backend (full: DeepSeek-V4 target with its backend hooks, request slots "
-                        "and chunked-prefix variants; breakable: decoding peers are converted to 1-token extends)")
-    p.add_argument("--spec", choices=("none", "dspark"), default="none",
-                   help="speculative algorithm of the target (dspark: its worker passes capture mode FULL)")
-    p.add_argument("--steps", type=_positive, default=None,
-                   help="length of the built-in trace (default 4000; ignored with --trace)")
+    p.add_argument(
+        "--trace",
+        metavar="FILE",
+        help="replay this JSONL trace instead of the built-in generator (format: docs/prefill_graph.md#trace-format)",
+    )
+    p.add_argument(
+        "--buckets",
+        type=_buckets,
+        metavar="N[,N...]",
+        help="captured token buckets (default: stock's list for --chunked-prefill-size 16384)",
+    )
+    p.add_argument(
+        "--factor",
+        type=_factor,
+        default=DEFAULT_PADDING_FACTOR,
+        help=f"harden padding factor, 1 < f <= 8 (default {DEFAULT_PADDING_FACTOR:g})",
+    )
+    p.add_argument(
+        "--backend",
+        choices=("full", "breakable"),
+        default="full",
+        help="prefill CUDA-graph backend (full: DeepSeek-V4 target with its backend hooks, request slots "
+        "and chunked-prefix variants; breakable: decoding peers are converted to 1-token extends)",
+    )
+    p.add_argument(
+        "--spec",
+        choices=("none", "dspark"),
+        default="none",
+        help="speculative algorithm of the target (dspark: its worker passes capture mode FULL)",
+    )
+    p.add_argument(
+        "--steps",
+        type=_positive,
+        default=None,
+        help="length of the built-in trace (default 4000; ignored with --trace)",
+    )
 
     def run(args):
         from .bench import main

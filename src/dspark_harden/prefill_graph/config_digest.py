@@ -28,8 +28,19 @@ CHANNEL = "prefill_graph_config"
 BACKENDS = {"none": 0, "breakable": 1, "full": 2}
 #: row layout: (field, how a value is shown); index = position in the row
 FIELDS = (
-    "magic", "format", "backend", "request_slots", "num_buckets", "buckets_digest", "min_bucket", "max_bucket",
-    "chunked_prefix_variants", "prefix_chunk_len", "padding_factor_millionths", "max_seq_len", "max_context_size",
+    "magic",
+    "format",
+    "backend",
+    "request_slots",
+    "num_buckets",
+    "buckets_digest",
+    "min_bucket",
+    "max_bucket",
+    "chunked_prefix_variants",
+    "prefix_chunk_len",
+    "padding_factor_millionths",
+    "max_seq_len",
+    "max_context_size",
     "captured_hidden_mode",
 )
 WIDTH = len(FIELDS)
@@ -56,9 +67,17 @@ def payload(runner: Any, factor: float) -> list:
     variants = sum(1 << int(n) for n in (runner._prefix_capture_variants or ()))
     mode = getattr(runner, "capture_hidden_mode", None)
     return [
-        MAGIC, FORMAT, BACKENDS.get(name, 3), int(runner._capture_req_slots) if full else 0, len(buckets),
-        _digest(buckets), min(buckets, default=0), max(buckets, default=0), variants,
-        int(getattr(runner, "_prefix_chunk_len", 0) or 0), int(round(float(factor) * 1_000_000)),
+        MAGIC,
+        FORMAT,
+        BACKENDS.get(name, 3),
+        int(runner._capture_req_slots) if full else 0,
+        len(buckets),
+        _digest(buckets),
+        min(buckets, default=0),
+        max(buckets, default=0),
+        variants,
+        int(getattr(runner, "_prefix_chunk_len", 0) or 0),
+        int(round(float(factor) * 1_000_000)),
         -1 if runner.max_seq_len is None else int(runner.max_seq_len),
         -1 if runner.max_context_size is None else int(runner.max_context_size),
         -1 if mode is None else int(mode),
@@ -93,9 +112,12 @@ def compare(rows: Sequence[Sequence[int]]) -> Optional[str]:
             diffs.append(f"{field}: dp_rank 0 = {_show(field, a[i], a)}, dp_rank 1 = {_show(field, b[i], b)}")
     if not diffs:
         return None
-    return ("[prefill-graph-dp] the two DP ranks' prefill CUDA-graph configurations differ (" + "; ".join(diffs)
-            + "): one shared graph/eager verdict cannot hold for both. Start both ranks with the same "
-              "cuda_graph_config[prefill] and DSPARK_HARDEN_PREFILL_GRAPH_PADDING.")
+    return (
+        "[prefill-graph-dp] the two DP ranks' prefill CUDA-graph configurations differ ("
+        + "; ".join(diffs)
+        + "): one shared graph/eager verdict cannot hold for both. Start both ranks with the same "
+        "cuda_graph_config[prefill] and DSPARK_HARDEN_PREFILL_GRAPH_PADDING."
+    )
 
 
 def exchange_gloo(row: Sequence[int], group: Any) -> list:
@@ -105,8 +127,9 @@ def exchange_gloo(row: Sequence[int], group: Any) -> list:
 
     size = dist.get_world_size(group)
     if size != 2:
-        raise PrefillGraphConfigMismatch(f"[prefill-graph-dp] configuration check expects 2 ranks in the TP CPU group, "
-                                         f"found {size}")
+        raise PrefillGraphConfigMismatch(
+            f"[prefill-graph-dp] configuration check expects 2 ranks in the TP CPU group, found {size}"
+        )
     local = torch.tensor(list(row), dtype=torch.int64)
     out = [torch.empty_like(local) for _ in range(size)]
     dist.all_gather(out, local, group=group)
@@ -137,5 +160,7 @@ def check(runner: Any, factor: float, *, exchange: Optional[Callable] = None, gr
     if message:
         logger.critical("%s", message)
         raise PrefillGraphConfigMismatch(message)
-    logger.info("dspark-harden prefill-graph-dp: both DP ranks' prefill-graph configurations agree (%s)",
-                _show("buckets_digest", row[5], row))
+    logger.info(
+        "dspark-harden prefill-graph-dp: both DP ranks' prefill-graph configurations agree (%s)",
+        _show("buckets_digest", row[5], row),
+    )

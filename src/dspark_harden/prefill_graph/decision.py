@@ -148,7 +148,8 @@ def worker_capture_mode(spec_algorithm: Any) -> Any:
         raise UnmodelledWorker(
             f"speculative algorithm {name}: its worker's capture_hidden_mode override for target prefill and "
             f"idle-rank forwards is not modelled by the prefill-graph decision (modelled: "
-            f"{', '.join(WORKER_CAPTURE)})")
+            f"{', '.join(WORKER_CAPTURE)})"
+        )
     mode = WORKER_CAPTURE[name]
     return None if mode is None else CaptureHiddenMode[mode]
 
@@ -165,8 +166,9 @@ def _cpu_lens(values) -> Any:
     return torch.tensor([int(v) for v in values], dtype=torch.int64)
 
 
-def required_capture_hidden_mode(batch: Any, server_mode: Any, worker_mode: Any = None, *,
-                                 is_draft_worker: bool = False) -> Any:
+def required_capture_hidden_mode(
+    batch: Any, server_mode: Any, worker_mode: Any = None, *, is_draft_worker: bool = False
+) -> Any:
     """The capture mode ``ForwardBatch.init_new`` gives ``batch``: the mode the rank's worker passes
     (``worker_mode``, e.g. DSpark's FULL for target prefill and idle ranks), else its own
     derivation: NULL on a draft runner, else max(batch request mode, server mode), raised to the
@@ -175,13 +177,17 @@ def required_capture_hidden_mode(batch: Any, server_mode: Any, worker_mode: Any 
 
     if worker_mode is not None:
         return worker_mode
-    request = CaptureHiddenMode.NULL if is_draft_worker else max(
-        getattr(batch, "return_hidden_states_mode", None) or CaptureHiddenMode.NULL, server_mode)
+    request = (
+        CaptureHiddenMode.NULL
+        if is_draft_worker
+        else max(getattr(batch, "return_hidden_states_mode", None) or CaptureHiddenMode.NULL, server_mode)
+    )
     return get_required_capture_hidden_mode(request, getattr(batch, "spec_info", None))
 
 
-def schedule_view(batch: Any, *, server_mode: Any, decode_as_extend: bool = False,
-                  worker_mode: Any = None) -> Optional[PredictedForwardBatch]:
+def schedule_view(
+    batch: Any, *, server_mode: Any, decode_as_extend: bool = False, worker_mode: Any = None
+) -> Optional[PredictedForwardBatch]:
     """What ``batch`` (a ``ScheduleBatch``) becomes at forward time, before DP padding.
 
     EXTEND / MIXED: ``ForwardBatch.init_new`` of the batch itself. DECODE with
@@ -196,7 +202,8 @@ def schedule_view(batch: Any, *, server_mode: Any, decode_as_extend: bool = Fals
     # every request carries it (the scheduler keeps readout batches homogeneous)
     pool = (
         [list(r.token_indices_to_pool) for r in reqs]
-        if reqs and getattr(batch, "is_prefill_only", False)
+        if reqs
+        and getattr(batch, "is_prefill_only", False)
         and all(getattr(r, "token_indices_to_pool", None) is not None for r in reqs)
         else None
     )
@@ -218,7 +225,9 @@ def schedule_view(batch: Any, *, server_mode: Any, decode_as_extend: bool = Fals
             replace_embeds=getattr(batch, "replace_embeds", None),
             spec_info=getattr(batch, "spec_info", None),
             token_indices_to_pool=pool,
-            mm_inputs=any(m is not None and m.contains_mm_input() for m in (getattr(batch, "multimodal_inputs", None) or ())),
+            mm_inputs=any(
+                m is not None and m.contains_mm_input() for m in (getattr(batch, "multimodal_inputs", None) or ())
+            ),
             extend_num_tokens=getattr(batch, "extend_num_tokens", None),
         )
     if mode.is_decode() and decode_as_extend:
@@ -274,17 +283,33 @@ def at_bucket(view: PredictedForwardBatch, bucket: int, n_ranks: int = 2) -> Pre
 # -- the checks ---------------------------------------------------------------------------------
 
 _NEUTRAL = dict(
-    batch_size=1, num_tokens=None, input_embeds=None, replace_embeds=None, prefix_lens=None,
-    is_target_verify=False, capture_hidden_mode=None, return_logprob=False, lora_ineligible=False,
-    is_mixed=False, batch_max_context_len=0, contains_mm_inputs=False,
+    batch_size=1,
+    num_tokens=None,
+    input_embeds=None,
+    replace_embeds=None,
+    prefix_lens=None,
+    is_target_verify=False,
+    capture_hidden_mode=None,
+    return_logprob=False,
+    lora_ineligible=False,
+    is_mixed=False,
+    batch_max_context_len=0,
+    contains_mm_inputs=False,
 )
 # can_replay_locally argument -> the check it decides
 _ARG_CHECK = (
-    ("batch_size", "request_slots"), ("contains_mm_inputs", "mm_inputs"), ("lora_ineligible", "lora"),
-    ("is_mixed", "mixed"), ("input_embeds", "input_embeds"), ("replace_embeds", "replace_embeds"),
-    ("prefix_lens", "prefix"), ("is_target_verify", "target_verify"),
-    ("capture_hidden_mode", "capture_hidden_mode"), ("return_logprob", "logprob_tail"),
-    ("batch_max_context_len", "max_context"), ("num_tokens", "num_tokens"),
+    ("batch_size", "request_slots"),
+    ("contains_mm_inputs", "mm_inputs"),
+    ("lora_ineligible", "lora"),
+    ("is_mixed", "mixed"),
+    ("input_embeds", "input_embeds"),
+    ("replace_embeds", "replace_embeds"),
+    ("prefix_lens", "prefix"),
+    ("is_target_verify", "target_verify"),
+    ("capture_hidden_mode", "capture_hidden_mode"),
+    ("return_logprob", "logprob_tail"),
+    ("batch_max_context_len", "max_context"),
+    ("num_tokens", "num_tokens"),
 )
 
 
@@ -351,11 +376,15 @@ def local_failures(runner: Any, fb: Any, *, num_tokens: Optional[int], schedule_
     if cp_bcg and not schedule_time and not fails:
         from sglang.srt.model_executor.runner import prefill_cuda_graph_runner as pcg
 
-        if runner.prefill_cp_bcg_input.select_replay_bucket_for_batch(
-            num_tokens=len(fb.input_ids), extend_seq_lens=fb.extend_seq_lens_cpu,
-            capture_num_tokens=runner.capture_num_tokens,
-            max_padding_factor=pcg._MAX_PREFILL_CUDA_GRAPH_PADDING_FACTOR,
-        ) is None:
+        if (
+            runner.prefill_cp_bcg_input.select_replay_bucket_for_batch(
+                num_tokens=len(fb.input_ids),
+                extend_seq_lens=fb.extend_seq_lens_cpu,
+                capture_num_tokens=runner.capture_num_tokens,
+                max_padding_factor=pcg._MAX_PREFILL_CUDA_GRAPH_PADDING_FACTOR,
+            )
+            is None
+        ):
             fails.append("cp_bucket")
     hook = runner._backend_can_run_prefill_cuda_graph
     if hook is not None:
@@ -450,11 +479,16 @@ def _compile_stock_padding() -> dict:
     tree = ast.parse(textwrap.dedent(inspect.getsource(ForwardBatch.prepare_mlp_sync_batch)))
     for node in ast.walk(tree):
         if isinstance(node, ast.If) and "can_run_dp_prefill_cuda_graph" in ast.unparse(node.test):
-            assigns = [st for st in node.body if isinstance(st, ast.Assign)
-                       and any(isinstance(t, ast.Name) and t.id == "bucket" for t in st.targets)]
+            assigns = [
+                st
+                for st in node.body
+                if isinstance(st, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "bucket" for t in st.targets)
+            ]
             if len(assigns) == 1:
                 _STOCK_PADDING["max_len"] = compile(ast.Expression(node.test), "<stock prepare_mlp_sync_batch>", "eval")
-                _STOCK_PADDING["bucket"] = compile(ast.Expression(assigns[0].value), "<stock prepare_mlp_sync_batch>", "eval")
+                _STOCK_PADDING["bucket"] = compile(
+                    ast.Expression(assigns[0].value), "<stock prepare_mlp_sync_batch>", "eval"
+                )
                 return _STOCK_PADDING
     raise RuntimeError("ForwardBatch.prepare_mlp_sync_batch no longer picks a shared prefill-graph bucket")
 
@@ -468,12 +502,23 @@ def stock_bucket(bs: Sequence[int], max_tokens: int) -> Optional[int]:
     return eval(_stock_padding_code()["bucket"], ns)  # noqa: S307 - stock's own expression
 
 
-def stock_forces_max_len(*, verdict: bool, is_extend_in_batch: bool, bs: Sequence[int], global_num_tokens: Sequence[int],
-                         tolerates_sum_len: bool = False) -> bool:
+def stock_forces_max_len(
+    *,
+    verdict: bool,
+    is_extend_in_batch: bool,
+    bs: Sequence[int],
+    global_num_tokens: Sequence[int],
+    tolerates_sum_len: bool = False,
+) -> bool:
     """Stock's condition for MAX_LEN padding to one shared bucket (evaluated from the stock source)."""
     me = _Flags(can_run_dp_prefill_cuda_graph=verdict, is_extend_in_batch=is_extend_in_batch)
-    ns = {"self": me, "prefill_cg": _Bs(list(bs)), "global_num_tokens": list(global_num_tokens), "max": max,
-          "prefill_graph_tolerates_sum_len": lambda: tolerates_sum_len}
+    ns = {
+        "self": me,
+        "prefill_cg": _Bs(list(bs)),
+        "global_num_tokens": list(global_num_tokens),
+        "max": max,
+        "prefill_graph_tolerates_sum_len": lambda: tolerates_sum_len,
+    }
     return bool(eval(_stock_padding_code()["max_len"], ns))  # noqa: S307 - stock's own expression
 
 
@@ -520,11 +565,18 @@ def finalize(
         return SharedDecision(False, None, "padding", n_max, f"bucket {bucket} > {factor} x {n_max}")
     if len(aligned) > 1 and any(int(n) == 0 for n in global_num_tokens):
         if idle_relabel:
-            return SharedDecision(False, None, "idle_participant", n_max,
-                                  "hybrid-SSM speculative: stock relabels the idle batch IDLE -> TARGET_VERIFY")
+            return SharedDecision(
+                False,
+                None,
+                "idle_participant",
+                n_max,
+                "hybrid-SSM speculative: stock relabels the idle batch IDLE -> TARGET_VERIFY",
+            )
         fails = local_failures(
-            runner, dummy_extend_view(bucket, server_mode=server_mode, worker_mode=worker_mode), num_tokens=bucket,
-            schedule_time=True
+            runner,
+            dummy_extend_view(bucket, server_mode=server_mode, worker_mode=worker_mode),
+            num_tokens=bucket,
+            schedule_time=True,
         )
         if fails:
             return SharedDecision(False, None, "idle_participant", n_max, f"dummy extend fails {fails}")
@@ -533,6 +585,7 @@ def finalize(
 
 def geometry(fb: Any) -> dict:
     """Bounded description of a batch for error messages."""
+
     def short(xs, n=8):
         xs = list(xs or [])
         return xs if len(xs) <= n else xs[:n] + [f"...+{len(xs) - n}"]

@@ -152,7 +152,7 @@ FEATURES = [
         name=FEATURE,
         area="prefill-graph",
         description="one DP prefill CUDA-graph decision: every forward-time check in the min-reduced vote, "
-                    "padding on the shared bucket, idle ranks as participants, no rank-local eager fallback",
+        "padding on the shared bucket, idle ranks as participants, no rank-local eager fallback",
         switch=S.SWITCH,
         default_on=True,
         available=_available,
@@ -204,6 +204,17 @@ def dspark_settings():
 
 
 @hookimpl
+def dspark_stock_sources():
+    """The read-only stock sources the decision reproduces (MIRRORED, MIRRORED_TEXT): port-report lists them."""
+    from ..core.porting import StockSource
+
+    return [
+        StockSource(FEATURE, target, fp, "reproduced by the shared prefill-graph decision")
+        for target, fp in {**MIRRORED, **MIRRORED_TEXT}.items()
+    ]
+
+
+@hookimpl
 def dspark_metrics():
     from .metrics import GROUP
 
@@ -214,22 +225,31 @@ def patches() -> list:
     common = dict(feature=FEATURE, kind=Kind.WRAP, roles={Role.SCHEDULER})
     return [
         Patch(
-            target=VOTE_TARGET, build=_vote_builder, fingerprint=VOTE_FINGERPRINT, **common,
+            target=VOTE_TARGET,
+            build=_vote_builder,
+            fingerprint=VOTE_FINGERPRINT,
+            **common,
             why="stock's min-reduced vote skips forward-time checks (capture_hidden_mode, the backend's "
-                "can_run_prefill_cuda_graph hook, token_indices_to_pool, CP) and bounds padding on the local "
-                "count; any skipped check can turn one rank eager after a shared 'graph' verdict",
+            "can_run_prefill_cuda_graph hook, token_indices_to_pool, CP) and bounds padding on the local "
+            "count; any skipped check can turn one rank eager after a shared 'graph' verdict",
             retire_when="the stock vote evaluates every can_run_graph / _forward_raw condition (upstream #37561 class)",
         ),
         Patch(
-            target=GATHER_TARGET, build=_gather_builder, fingerprint=GATHER_FINGERPRINT, **common,
+            target=GATHER_TARGET,
+            build=_gather_builder,
+            fingerprint=GATHER_FINGERPRINT,
+            **common,
             why="bucket, padding bound (factor x global max) and idle-participant validity must be derived "
-                "from gathered values so every rank reaches the same verdict and bucket",
+            "from gathered values so every rank reaches the same verdict and bucket",
             retire_when="stock finalises the DP prefill-graph verdict from the gathered table",
         ),
         Patch(
-            target=GUARD_TARGET, build=_guard_builder, fingerprint=GUARD_FINGERPRINT, **common,
+            target=GUARD_TARGET,
+            build=_guard_builder,
+            fingerprint=GUARD_FINGERPRINT,
+            **common,
             why="after a shared 'graph' verdict stock falls back to eager on one rank without telling its "
-                "peer (ModelRunner._forward_raw): collectives mismatch (hang or wrong tokens)",
+            "peer (ModelRunner._forward_raw): collectives mismatch (hang or wrong tokens)",
             retire_when="ModelRunner._forward_raw refuses a rank-local eager fallback under a DP graph verdict",
         ),
     ]
@@ -257,7 +277,9 @@ def dspark_process_bound(role, settings, report):
         ctx = roles.CONTEXT
         logger.warning(
             "dspark-harden %s not applied in this scheduler (dp_rank %s): %s",
-            FEATURE, ctx.dp_label if ctx is not None else "?", st.detail,
+            FEATURE,
+            ctx.dp_label if ctx is not None else "?",
+            st.detail,
         )
         return
     if st.status != "bound":
@@ -270,8 +292,11 @@ def dspark_process_bound(role, settings, report):
     allow = settings["DSPARK_HARDEN_ALLOW_DRIFT"]
     if not present and "all" not in allow:
         st.status, st.detail = "failed", detail
-        raise BindError(f"dspark-harden refuses to start ({role.value}): [{FEATURE}] {detail} "
-                        f"(DSPARK_HARDEN_ALLOW_DRIFT=all overrides)", report)
+        raise BindError(
+            f"dspark-harden refuses to start ({role.value}): [{FEATURE}] {detail} "
+            f"(DSPARK_HARDEN_ALLOW_DRIFT=all overrides)",
+            report,
+        )
     from .tbo import probe_prefill_tbo_unsupported
 
     unsupported, tbo_detail = probe_prefill_tbo_unsupported()
@@ -287,8 +312,8 @@ def dspark_process_bound(role, settings, report):
     message = tbo.refusal(view) or speculative_refusal(view)
     if message:
         raise BindError(f"dspark-harden refuses to start ({role.value}): [{FEATURE}] {message}", report)
-    from .admission import RUNTIME
     from . import config_digest, metrics
+    from .admission import RUNTIME
 
     RUNTIME.factor = factor
     RUNTIME.dp_rank = ctx.dp_rank

@@ -42,7 +42,9 @@ def capture_config(buckets=None, *, chunked_prefill: int = DEFAULT_CHUNKED_PREFI
 def with_globals(func, **names):
     """``func`` over a private copy of its globals with ``names`` replaced (the process-wide
     functions stay untouched)."""
-    return types.FunctionType(func.__code__, {**func.__globals__, **names}, func.__name__, func.__defaults__, func.__closure__)
+    return types.FunctionType(
+        func.__code__, {**func.__globals__, **names}, func.__name__, func.__defaults__, func.__closure__
+    )
 
 
 def dsv4_hooks(cfg: CaptureConfig, server_mode: Any, spec: str = "none") -> Any:
@@ -58,10 +60,14 @@ def dsv4_hooks(cfg: CaptureConfig, server_mode: Any, spec: str = "none") -> Any:
 
     class Dsv4BackendStandIn:
         can_run_prefill_cuda_graph = B.can_run_prefill_cuda_graph
-        vote_prefill_cuda_graph = with_globals(B.vote_prefill_cuda_graph, get_server_return_hidden_states_mode=lambda: server_mode)
+        vote_prefill_cuda_graph = with_globals(
+            B.vote_prefill_cuda_graph, get_server_return_hidden_states_mode=lambda: server_mode
+        )
         _prefill_graph_fits_late_tail = B._prefill_graph_fits_late_tail
         _prefill_graph_tail_capacity = B._prefill_graph_tail_capacity
-        _prefill_graph_seq_limit = with_globals(B._prefill_graph_seq_limit, _prefill_graph_max_seq_len=lambda: cfg.max_seq_len)
+        _prefill_graph_seq_limit = with_globals(
+            B._prefill_graph_seq_limit, _prefill_graph_max_seq_len=lambda: cfg.max_seq_len
+        )
         prefill_cuda_graph_default_max_seq_len = None
 
         def __init__(self) -> None:

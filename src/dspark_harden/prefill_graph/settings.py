@@ -28,7 +28,9 @@ padding_factor.bad_examples = ("", "1", "1.0", "0.5", "0", "-4", "8.01", "9", "i
 
 SETTINGS = [
     Setting(
-        SWITCH, flag01, True,
+        SWITCH,
+        flag01,
+        True,
         "1: every DP rank takes the same prefill CUDA-graph decision (every forward-time check folded "
         "into the schedule-time vote, padding judged on the shared bucket, idle ranks participate where "
         "valid, a rank-local rejection after a shared 'graph' verdict raises). On wherever DP attention "
@@ -36,9 +38,12 @@ SETTINGS = [
         feature=FEATURE,
     ),
     Setting(
-        PADDING, padding_factor, DEFAULT_PADDING_FACTOR,
+        PADDING,
+        padding_factor,
+        DEFAULT_PADDING_FACTOR,
         "Largest admitted ratio of the shared token bucket to the global maximum token count of the "
         "step (stock: 2, checked per rank on local counts).",
-        feature=FEATURE, accepts="number f, 1 < f <= 8",
+        feature=FEATURE,
+        accepts="number f, 1 < f <= 8",
     ),
 ]

@@ -31,7 +31,9 @@ from typing import Any, Optional
 
 def _with_globals(func: Any, **names: Any) -> Any:
     func = getattr(func, "__func__", func)
-    return types.FunctionType(func.__code__, {**func.__globals__, **names}, func.__name__, func.__defaults__, func.__closure__)
+    return types.FunctionType(
+        func.__code__, {**func.__globals__, **names}, func.__name__, func.__defaults__, func.__closure__
+    )
 
 
 class _IdleBatch:
@@ -70,8 +72,13 @@ def probe_idle_votes_tbo() -> tuple:
             results[f"{name}/{a2a.name.lower()}"] = bool(can_run)
     vetoes = [k for k, v in results.items() if not v]
     if vetoes:
-        return False, f"TboDPAttentionPreparer.prepare_all_gather: an idle/absent batch vetoes TBO ({', '.join(vetoes)})"
-    return True, "TboDPAttentionPreparer.prepare_all_gather: idle and absent batches vote can-run-TBO (" + ", ".join(results) + ")"
+        return (
+            False,
+            f"TboDPAttentionPreparer.prepare_all_gather: an idle/absent batch vetoes TBO ({', '.join(vetoes)})",
+        )
+    return True, "TboDPAttentionPreparer.prepare_all_gather: idle and absent batches vote can-run-TBO (" + ", ".join(
+        results
+    ) + ")"
 
 
 def _early_return_tests(func: Any) -> list:
@@ -91,7 +98,10 @@ def probe_decode_tbo_capture() -> tuple:
 
     tests = _early_return_tests(tbo.TboCudaGraphRunnerPlugin.capture_one_batch_size)
     if tests != ["not is_tbo_enabled()"]:
-        return False, f"TboCudaGraphRunnerPlugin.capture_one_batch_size returns early on {tests} (expected only 'not is_tbo_enabled()')"
+        return (
+            False,
+            f"TboCudaGraphRunnerPlugin.capture_one_batch_size returns early on {tests} (expected only 'not is_tbo_enabled()')",
+        )
     return True, "TboCudaGraphRunnerPlugin.capture_one_batch_size skips capture only when TBO is off"
 
 

@@ -111,11 +111,16 @@ def parse_step(obj: Any, where: str = "step") -> Step:
                     if not isinstance(v, bool):
                         raise TraceError(f"{wq}.{f} must be true or false, got {v!r}")
                     flags[f] = v
-                req = TraceReq(extend=_int(q.get("extend"), f"{wq}.extend", 1),
-                               prefix=_int(q.get("prefix", 0), f"{wq}.prefix", 0), **flags)
+                req = TraceReq(
+                    extend=_int(q.get("extend"), f"{wq}.extend", 1),
+                    prefix=_int(q.get("prefix", 0), f"{wq}.prefix", 0),
+                    **flags,
+                )
                 if req.replace and req.prefix:
-                    raise TraceError(f"{wq}: a 'replace' request (positional embedding override) never hits the "
-                                     f"prefix cache (stock disables matching): prefix must be 0, got {req.prefix}")
+                    raise TraceError(
+                        f"{wq}: a 'replace' request (positional embedding override) never hits the "
+                        f"prefix cache (stock disables matching): prefix must be 0, got {req.prefix}"
+                    )
                 reqs.append(req)
             if mode == "mixed" and "seq" in r:
                 seq = _seq(r["seq"], w, mode)
@@ -147,8 +152,11 @@ def step_to_json(step: Step) -> dict:
         d: dict = {"mode": r.mode}
         if r.reqs:
             d["reqs"] = [
-                {"extend": q.extend, **({"prefix": q.prefix} if q.prefix else {}),
-                 **{f: True for f in REQ_FLAGS if getattr(q, f)}}
+                {
+                    "extend": q.extend,
+                    **({"prefix": q.prefix} if q.prefix else {}),
+                    **{f: True for f in REQ_FLAGS if getattr(q, f)},
+                }
                 for q in r.reqs
             ]
         if r.seq:
@@ -215,12 +223,18 @@ def _prefill_rank(rng: random.Random, shape: TraceShape) -> RankStep:
         extend = min(length - prefix, budget)  # chunked prefill: the rest comes in later steps
         budget -= extend
         replace = shape.p_replace > 0 and rng.random() < shape.p_replace
-        reqs.append(TraceReq(
-            extend=extend, prefix=0 if replace else prefix,
-            logprob=rng.random() < shape.p_logprob, hidden=rng.random() < shape.p_hidden,
-            pool=rng.random() < shape.p_pool, embeds=rng.random() < shape.p_embeds,
-            mm=shape.p_mm > 0 and rng.random() < shape.p_mm, replace=replace,
-        ))
+        reqs.append(
+            TraceReq(
+                extend=extend,
+                prefix=0 if replace else prefix,
+                logprob=rng.random() < shape.p_logprob,
+                hidden=rng.random() < shape.p_hidden,
+                pool=rng.random() < shape.p_pool,
+                embeds=rng.random() < shape.p_embeds,
+                mm=shape.p_mm > 0 and rng.random() < shape.p_mm,
+                replace=replace,
+            )
+        )
     return RankStep(mode, tuple(reqs), seq)
 
 

@@ -66,20 +66,56 @@ def _config_dir() -> str:
     if os.path.exists(cfg_path):
         return path
     os.makedirs(path, exist_ok=True)
-    yarn = {"beta_fast": 32, "beta_slow": 1, "factor": 4.0, "mscale": 1.0, "mscale_all_dim": 1.0,
-            "original_max_position_embeddings": 1 << 15, "rope_type": "yarn", "type": "yarn"}
+    yarn = {
+        "beta_fast": 32,
+        "beta_slow": 1,
+        "factor": 4.0,
+        "mscale": 1.0,
+        "mscale_all_dim": 1.0,
+        "original_max_position_embeddings": 1 << 15,
+        "rope_type": "yarn",
+        "type": "yarn",
+    }
     cfg = {
-        "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "vocab_size": 2048,
-        "hidden_size": 128, "intermediate_size": 256, "moe_intermediate_size": 64, "num_hidden_layers": 2,
-        "num_attention_heads": 4, "num_key_value_heads": 4, "head_dim": 16, "kv_lora_rank": 32,
-        "q_lora_rank": 64, "qk_head_dim": 48, "qk_nope_head_dim": 32, "qk_rope_head_dim": 16,
-        "v_head_dim": 32, "first_k_dense_replace": 1, "moe_layer_freq": 1, "n_group": 1, "topk_group": 1,
-        "n_routed_experts": 4, "n_shared_experts": 1, "num_experts_per_tok": 2, "norm_topk_prob": True,
-        "routed_scaling_factor": 2.5, "scoring_func": "sigmoid", "topk_method": "noaux_tc",
-        "max_position_embeddings": 1 << 17, "rms_norm_eps": 1e-6, "rope_scaling": yarn,
-        "rope_parameters": {**yarn, "rope_theta": 10000.0}, "bos_token_id": 0, "eos_token_id": 2,
-        "pad_token_id": 3, "tie_word_embeddings": False, "torch_dtype": "bfloat16", "hidden_act": "silu",
-        "num_nextn_predict_layers": 0, "attention_bias": False,
+        "architectures": ["DeepseekV3ForCausalLM"],
+        "model_type": "deepseek_v3",
+        "vocab_size": 2048,
+        "hidden_size": 128,
+        "intermediate_size": 256,
+        "moe_intermediate_size": 64,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 4,
+        "head_dim": 16,
+        "kv_lora_rank": 32,
+        "q_lora_rank": 64,
+        "qk_head_dim": 48,
+        "qk_nope_head_dim": 32,
+        "qk_rope_head_dim": 16,
+        "v_head_dim": 32,
+        "first_k_dense_replace": 1,
+        "moe_layer_freq": 1,
+        "n_group": 1,
+        "topk_group": 1,
+        "n_routed_experts": 4,
+        "n_shared_experts": 1,
+        "num_experts_per_tok": 2,
+        "norm_topk_prob": True,
+        "routed_scaling_factor": 2.5,
+        "scoring_func": "sigmoid",
+        "topk_method": "noaux_tc",
+        "max_position_embeddings": 1 << 17,
+        "rms_norm_eps": 1e-6,
+        "rope_scaling": yarn,
+        "rope_parameters": {**yarn, "rope_theta": 10000.0},
+        "bos_token_id": 0,
+        "eos_token_id": 2,
+        "pad_token_id": 3,
+        "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16",
+        "hidden_act": "silu",
+        "num_nextn_predict_layers": 0,
+        "attention_bias": False,
     }
     tmp = cfg_path + f".{os.getpid()}.tmp"
     with open(tmp, "w", encoding="utf-8") as fh:
@@ -108,9 +144,17 @@ def publish_runtime(cfg, *, backend: str, spec: str, server_hidden: str = "null"
     from sglang.srt.server_args import ServerArgs
 
     if "server_args" not in _PUBLISHED:
-        sa = ServerArgs(model_path=_config_dir(), device="cpu", dp_size=2, tp_size=2, enable_dp_attention=True,
-                        skip_tokenizer_init=True, page_size=1, load_format="dummy",
-                        cuda_graph_config={"prefill": {"backend": "full"}})
+        sa = ServerArgs(
+            model_path=_config_dir(),
+            device="cpu",
+            dp_size=2,
+            tp_size=2,
+            enable_dp_attention=True,
+            skip_tokenizer_init=True,
+            page_size=1,
+            load_format="dummy",
+            cuda_graph_config={"prefill": {"backend": "full"}},
+        )
         import logging
 
         quiet = logging.getLogger("sglang")
@@ -122,14 +166,21 @@ def publish_runtime(cfg, *, backend: str, spec: str, server_hidden: str = "null"
             quiet.setLevel(level)
         _PUBLISHED["server_args"] = sa
         _PUBLISHED["model_config"] = ModelConfig.from_server_args(sa)
-    graph = CudaGraphConfig(prefill=PhaseConfig(
-        backend=backend, bs=list(cfg.buckets), max_bs=max(cfg.buckets),
-        full_prefill_max_req=cfg.slots if backend == "full" else None, max_seq_len=cfg.max_seq_len,
-    ))
+    graph = CudaGraphConfig(
+        prefill=PhaseConfig(
+            backend=backend,
+            bs=list(cfg.buckets),
+            max_bs=max(cfg.buckets),
+            full_prefill_max_req=cfg.slots if backend == "full" else None,
+            max_seq_len=cfg.max_seq_len,
+        )
+    )
     from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
 
     get_context().override(
-        "dspark-harden prefill world", cuda_graph_config=graph, chunked_prefill_size=cfg.chunked_prefill,
+        "dspark-harden prefill world",
+        cuda_graph_config=graph,
+        chunked_prefill_size=cfg.chunked_prefill,
         max_running_requests=cfg.max_running_requests,
         return_hidden_states_mode=None if server_hidden == "null" else server_hidden,
         speculative_algorithm=None if spec == "none" else SpeculativeAlgorithm.from_string(spec.upper()).name,
@@ -225,13 +276,28 @@ class RankEngine:
         from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
         from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey
 
-        self.req_to_token_pool = ReqToTokenPool(size=REQ_SLOTS, max_context_len=TABLE_WIDTH, device="cpu",
-                                                enable_memory_saver=False)
-        kv = MHATokenToKVPool(size=KV_TOKENS, page_size=1, dtype=torch.float32, head_num=1, head_dim=1, layer_num=1,
-                              device="cpu", enable_memory_saver=False)
+        self.req_to_token_pool = ReqToTokenPool(
+            size=REQ_SLOTS, max_context_len=TABLE_WIDTH, device="cpu", enable_memory_saver=False
+        )
+        kv = MHATokenToKVPool(
+            size=KV_TOKENS,
+            page_size=1,
+            dtype=torch.float32,
+            head_num=1,
+            head_dim=1,
+            layer_num=1,
+            device="cpu",
+            enable_memory_saver=False,
+        )
         self.allocator = TokenToKVPoolAllocator(KV_TOKENS, torch.float32, "cpu", kv, need_sort=False)
-        self.tree = RadixCache(CacheInitParams(disable=False, page_size=1, token_to_kv_pool_allocator=self.allocator,
-                                               req_to_token_pool=self.req_to_token_pool))
+        self.tree = RadixCache(
+            CacheInitParams(
+                disable=False,
+                page_size=1,
+                token_to_kv_pool_allocator=self.allocator,
+                req_to_token_pool=self.req_to_token_pool,
+            )
+        )
         rng = random.Random(1000 + self.rank)
         vocab = self.model_config.vocab_size
         self.base = array("q", (rng.randrange(16, vocab) for _ in range(BASE_LEN)))
@@ -245,9 +311,19 @@ class RankEngine:
         diverge = (self.base[prefix] + 1) % self.model_config.vocab_size if prefix < BASE_LEN else 5
         return head + array("q", [max(diverge, 8)]) + array("q", [9]) * max(length - prefix - 1, 0)
 
-    def new_req(self, *, prefix: int, extend: int, logprob: bool = False, hidden: bool = False,
-                pool: bool = False, embeds: bool = False, mm: bool = False, replace: bool = False,
-                max_new_tokens: int = 16):
+    def new_req(
+        self,
+        *,
+        prefix: int,
+        extend: int,
+        logprob: bool = False,
+        hidden: bool = False,
+        pool: bool = False,
+        embeds: bool = False,
+        mm: bool = False,
+        replace: bool = False,
+        max_new_tokens: int = 16,
+    ):
         from sglang.srt.managers.schedule_batch import Req
         from sglang.srt.sampling.sampling_params import SamplingParams
 
@@ -263,8 +339,12 @@ class RankEngine:
 
             overrides = PositionalEmbeds(embeds=torch.zeros(1, 1), positions=[length - 1])
         req = Req(
-            rid=f"r{self.rank}-{self.serial}", origin_input_text="", origin_input_ids=self._ids(prefix, length),
-            sampling_params=params, return_logprob=logprob, return_hidden_states=hidden,
+            rid=f"r{self.rank}-{self.serial}",
+            origin_input_text="",
+            origin_input_ids=self._ids(prefix, length),
+            sampling_params=params,
+            return_logprob=logprob,
+            return_hidden_states=hidden,
             input_embeds=[[0.0]] * length if embeds else None,
             positional_embed_overrides=overrides,
             token_indices_to_pool=[extend - 1] if pool else None,
@@ -274,8 +354,9 @@ class RankEngine:
             import torch
             from sglang.srt.managers.schedule_batch import Modality, MultimodalDataItem, MultimodalInputs
 
-            req.multimodal_inputs = MultimodalInputs(mm_items=[
-                MultimodalDataItem(modality=Modality.IMAGE, feature=torch.zeros(1), offsets=[(0, 0)])])
+            req.multimodal_inputs = MultimodalInputs(
+                mm_items=[MultimodalDataItem(modality=Modality.IMAGE, feature=torch.zeros(1), offsets=[(0, 0)])]
+            )
         # Scheduler.handle_generate_request: -1 (last token only) without logprobs, past the prompt for a
         # prefill-only request; a logprob request here asks for input logprobs of its new tokens
         req.logprob_start_len = prefix if logprob else (length if req.is_prefill_only else -1)
@@ -290,8 +371,9 @@ class RankEngine:
     def _init_batch(self, reqs, spec_algorithm):
         from sglang.srt.managers.schedule_batch import ScheduleBatch
 
-        return ScheduleBatch.init_new(reqs, self.req_to_token_pool, self.allocator, self.tree, self.model_config,
-                                      False, spec_algorithm)
+        return ScheduleBatch.init_new(
+            reqs, self.req_to_token_pool, self.allocator, self.tree, self.model_config, False, spec_algorithm
+        )
 
     def extend_batch(self, reqs, spec_algorithm):
         """Stock ``prepare_for_extend``; input ids resolved as ``resolve_forward_inputs`` does."""
@@ -354,7 +436,7 @@ class _Rendezvous:
             self.barrier.wait()
             width = local_row.numel()
             for r in (0, 1):
-                global_flat[r * width:(r + 1) * width] = self.rows[r]
+                global_flat[r * width : (r + 1) * width] = self.rows[r]
             self.barrier.wait()
 
         return exchange_sync_rows
@@ -378,9 +460,11 @@ def forward_raw_prefill_condition():
     found = []
     for node in ast.walk(tree):
         if isinstance(node, ast.If) and any(
-            isinstance(sub, ast.Attribute) and sub.attr == "execute"
+            isinstance(sub, ast.Attribute)
+            and sub.attr == "execute"
             and "prefill_cuda_graph_runner" in ast.unparse(sub.value)
-            for st in node.body for sub in ast.walk(st)
+            for st in node.body
+            for sub in ast.walk(st)
         ):
             found.append(node.test)
     if len(found) != 1:
@@ -407,8 +491,13 @@ def stock_replays(model_runner, forward_batch) -> bool:
     """Evaluate stock ``_forward_raw``'s prefill-graph condition for this rank."""
     from sglang.srt.model_executor import model_runner as mr_mod
 
-    return bool(eval(forward_raw_prefill_condition(), mr_mod.__dict__,  # noqa: S307 - stock's own expression
-                     {"self": model_runner, "forward_batch": forward_batch}))
+    return bool(
+        eval(
+            forward_raw_prefill_condition(),
+            mr_mod.__dict__,  # noqa: S307 - stock's own expression
+            {"self": model_runner, "forward_batch": forward_batch},
+        )
+    )
 
 
 # -- one DP2 step through the real pipeline -----------------------------------------------------
@@ -444,8 +533,11 @@ def snapshot(fb) -> dict:
         "global_forward_mode": fb.global_forward_mode,
         "batch_size": fb.batch_size,
         "extend_seq_lens_cpu": None if fb.extend_seq_lens_cpu is None else [int(x) for x in fb.extend_seq_lens_cpu],
-        "extend_prefix_lens_cpu": None if fb.extend_prefix_lens_cpu is None else [int(x) for x in fb.extend_prefix_lens_cpu],
-        "extend_logprob_start_lens_cpu": None if fb.extend_logprob_start_lens_cpu is None
+        "extend_prefix_lens_cpu": None
+        if fb.extend_prefix_lens_cpu is None
+        else [int(x) for x in fb.extend_prefix_lens_cpu],
+        "extend_logprob_start_lens_cpu": None
+        if fb.extend_logprob_start_lens_cpu is None
         else [int(x) for x in fb.extend_logprob_start_lens_cpu],
         "seq_lens_cpu": None if seq is None else [int(x) for x in seq.tolist()],
         "capture_hidden_mode": fb.capture_hidden_mode,
@@ -453,11 +545,14 @@ def snapshot(fb) -> dict:
         "input_embeds": fb.input_embeds is not None,
         "replace_embeds": fb.replace_embeds is not None,
         "mm_inputs": bool(fb.contains_mm_inputs()),
-        "token_indices_to_pool": None if fb.token_indices_to_pool is None
+        "token_indices_to_pool": None
+        if fb.token_indices_to_pool is None
         else [[int(i) for i in t.tolist()] for t in fb.token_indices_to_pool],
         "spec_info": fb.spec_info,
         "num_tokens": None if fb.input_ids is None else int(len(fb.input_ids)),
-        "global_num_tokens_cpu": None if fb.global_num_tokens_cpu is None else [int(x) for x in fb.global_num_tokens_cpu],
+        "global_num_tokens_cpu": None
+        if fb.global_num_tokens_cpu is None
+        else [int(x) for x in fb.global_num_tokens_cpu],
         "can_run_dp_prefill_cuda_graph": bool(fb.can_run_dp_prefill_cuda_graph),
         "dp_prefill_cuda_graph_max_prefix_len": int(fb.dp_prefill_cuda_graph_max_prefix_len or 0),
         "extend_num_tokens": None if fb.extend_num_tokens is None else int(fb.extend_num_tokens),
@@ -481,8 +576,19 @@ def build_batch(eng: RankEngine, rs: T.RankStep, spec_algorithm):
         return None
     if rs.mode == "decode":
         return eng.decode_batch(rs.seq, spec_algorithm)
-    reqs = [eng.new_req(prefix=q.prefix, extend=q.extend, logprob=q.logprob, hidden=q.hidden, pool=q.pool,
-                        embeds=q.embeds, mm=q.mm, replace=q.replace) for q in rs.reqs]
+    reqs = [
+        eng.new_req(
+            prefix=q.prefix,
+            extend=q.extend,
+            logprob=q.logprob,
+            hidden=q.hidden,
+            pool=q.pool,
+            embeds=q.embeds,
+            mm=q.mm,
+            replace=q.replace,
+        )
+        for q in rs.reqs
+    ]
     batch = eng.extend_batch(reqs, spec_algorithm)
     if rs.mode == "mixed" and spec_algorithm.is_none():  # speculative_hook disables mixed chunks
         running = eng.decode_batch(rs.seq or (_DEFAULT_DECODE_SEQ,), spec_algorithm)
@@ -501,8 +607,17 @@ ALL_SIDES = SIDES + ("probe",)
 class World:
     """Both DP ranks of one deployment (real objects; see the module docstring)."""
 
-    def __init__(self, cfg, *, backend: str = "full", spec: str = "none", server_hidden: str = "null",
-                 factor: Optional[float] = None, runtime_hook=None, coordination_applied: bool = False) -> None:
+    def __init__(
+        self,
+        cfg,
+        *,
+        backend: str = "full",
+        spec: str = "none",
+        server_hidden: str = "null",
+        factor: Optional[float] = None,
+        runtime_hook=None,
+        coordination_applied: bool = False,
+    ) -> None:
         from sglang.srt.managers.scheduler_components import dp_attn
         from sglang.srt.model_executor.forward_batch_info import get_server_return_hidden_states_mode
         from sglang.srt.model_executor.runner.prefill_cuda_graph_runner import PrefillCudaGraphRunner
@@ -521,7 +636,9 @@ class World:
         # step (stock prepare_mlp_sync_batch then keeps SUM_LEN padding whatever the verdict)
         self.coordination_applied = coordination_applied
         self.model_config = publish_runtime(cfg, backend=backend, spec=spec, server_hidden=server_hidden)
-        self.spec_algorithm = SpeculativeAlgorithm.NONE if spec == "none" else SpeculativeAlgorithm.from_string(spec.upper())
+        self.spec_algorithm = (
+            SpeculativeAlgorithm.NONE if spec == "none" else SpeculativeAlgorithm.from_string(spec.upper())
+        )
         self.server_mode = get_server_return_hidden_states_mode()
         parallel = get_parallel()
         if not isinstance(getattr(parallel, "_stamp", {}).get("tp_group"), _TpGroupStandIn):
@@ -535,13 +652,31 @@ class World:
         self.stock_can_run = R.stock(PrefillCudaGraphRunner.__dict__["can_run_graph"])
         stock_raw = R.stock(dp_attn.prepare_mlp_sync_batch_raw)
         stock_prepare = R.stock(dp_attn.SchedulerDPAttnAdapter.prepare_mlp_sync_batch)
-        self.runtimes = [A.Runtime(factor=self.factor, dp_rank=r, bs=list(cfg.buckets), server_mode=self.server_mode,
-                                   attn_tp_size=1, tolerates_sum_len=lambda: False) for r in (0, 1)]
+        self.runtimes = [
+            A.Runtime(
+                factor=self.factor,
+                dp_rank=r,
+                bs=list(cfg.buckets),
+                server_mode=self.server_mode,
+                attn_tp_size=1,
+                tolerates_sum_len=lambda: False,
+            )
+            for r in (0, 1)
+        ]
         if runtime_hook is not None:
             for rt in self.runtimes:
                 runtime_hook(rt)
-        self.probe_runtimes = [A.Runtime(factor=self.factor, dp_rank=r, bs=list(cfg.buckets), server_mode=self.server_mode,
-                                         attn_tp_size=1, tolerates_sum_len=lambda: False) for r in (0, 1)]
+        self.probe_runtimes = [
+            A.Runtime(
+                factor=self.factor,
+                dp_rank=r,
+                bs=list(cfg.buckets),
+                server_mode=self.server_mode,
+                attn_tp_size=1,
+                tolerates_sum_len=lambda: False,
+            )
+            for r in (0, 1)
+        ]
         self.probe_fails: list = [None, None]
         self.runners: dict = {}
         self.prepare: dict = {}
@@ -559,20 +694,40 @@ class World:
                     update = self._probe_update(stock_update)
                 else:
                     vote, update = stock_vote, stock_update
-                info_cls = type("MLPSyncBatchInfo", (dp_attn.MLPSyncBatchInfo,), {
-                    "all_gather": with_globals(R.stock(dp_attn.MLPSyncBatchInfo.all_gather),
-                                                exchange_sync_rows=self.rendezvous.exchange_for(r)),
-                })
-                raw = with_globals(stock_raw, _local_prefill_cuda_graph_vote=vote, _update_gather_batch=update,
-                                    MLPSyncBatchInfo=info_cls)
+                info_cls = type(
+                    "MLPSyncBatchInfo",
+                    (dp_attn.MLPSyncBatchInfo,),
+                    {
+                        "all_gather": with_globals(
+                            R.stock(dp_attn.MLPSyncBatchInfo.all_gather),
+                            exchange_sync_rows=self.rendezvous.exchange_for(r),
+                        ),
+                    },
+                )
+                raw = with_globals(
+                    stock_raw,
+                    _local_prefill_cuda_graph_vote=vote,
+                    _update_gather_batch=update,
+                    MLPSyncBatchInfo=info_cls,
+                )
                 self.prepare[side, r] = with_globals(stock_prepare, prepare_mlp_sync_batch_raw=raw)
-                mr = ModelRunnerStandIn(model_config=self.model_config, spec_algorithm=self.spec_algorithm,
-                                        is_draft_worker=False, prefill_runner=runner)
+                mr = ModelRunnerStandIn(
+                    model_config=self.model_config,
+                    spec_algorithm=self.spec_algorithm,
+                    is_draft_worker=False,
+                    prefill_runner=runner,
+                )
                 eng = self.engines[r]
                 self.adapters[side, r] = dp_attn.SchedulerDPAttnAdapter(
-                    model_runner=mr, req_to_token_pool=eng.req_to_token_pool, token_to_kv_pool_allocator=eng.allocator,
-                    tree_cache=eng.tree, offload_tags=set(), model_config=self.model_config, enable_overlap=False,
-                    spec_algorithm=self.spec_algorithm, get_require_mlp_sync=lambda: True,
+                    model_runner=mr,
+                    req_to_token_pool=eng.req_to_token_pool,
+                    token_to_kv_pool_allocator=eng.allocator,
+                    tree_cache=eng.tree,
+                    offload_tags=set(),
+                    model_config=self.model_config,
+                    enable_overlap=False,
+                    spec_algorithm=self.spec_algorithm,
+                    get_require_mlp_sync=lambda: True,
                 )
                 self.runners[side, r] = runner
         self.future_map = _FutureMapStandIn(self.spec_algorithm)
@@ -603,7 +758,9 @@ class World:
         world = self
 
         def can_run_graph(runner, forward_batch):
-            fails = D.local_failures(runner, forward_batch, num_tokens=len(forward_batch.input_ids), schedule_time=False)
+            fails = D.local_failures(
+                runner, forward_batch, num_tokens=len(forward_batch.input_ids), schedule_time=False
+            )
             if runner._has_inactive_dp_rank(forward_batch):
                 fails = ["inactive_dp_rank"] + fails
             world.probe_fails[rank] = fails
@@ -641,7 +798,7 @@ class World:
             rts = self.runtimes if side == "harden" else self.probe_runtimes if side == "probe" else None
             if rts is not None:
                 for r in (0, 1):
-                    rts[r].on_view = (lambda v, r=r: views.__setitem__(r, v))
+                    rts[r].on_view = lambda v, r=r: views.__setitem__(r, v)
             fut = self.pool.submit(self.prepare[side, 1], self.adapters[side, 1], batches[1])
             try:
                 out0 = self.prepare[side, 0](self.adapters[side, 0], batches[0])
@@ -676,8 +833,12 @@ class World:
                     continue  # a speculative decode step: no prefill-graph forward (see decode_batch)
                 resolve_forward_inputs(batch, self.future_map)
                 mr = self.adapters[side, r].model_runner
-                fb = ForwardBatch.init_new(batch, mr, capture_hidden_mode=self.worker_capture_mode(batch),
-                                           return_hidden_states_before_norm=False)
+                fb = ForwardBatch.init_new(
+                    batch,
+                    mr,
+                    capture_hidden_mode=self.worker_capture_mode(batch),
+                    return_hidden_states_before_norm=False,
+                )
                 res.fb_pre = snapshot(fb)
                 fb.prepare_mlp_sync_batch = types.MethodType(_prepare_mlp_sync_batch_on_cpu(), fb)
                 with get_parallel().override(attn_dp_rank=r, tp_rank=r):
@@ -701,10 +862,24 @@ class World:
 # -- the differential check: view vs the real ForwardBatch --------------------------------------
 
 #: fields of a ForwardBatch the guard, ``local_failures`` and the backend hook read (``snapshot`` keys)
-PRE_FIELDS = ("forward_mode", "_original_forward_mode", "global_forward_mode", "batch_size", "extend_seq_lens_cpu",
-              "extend_prefix_lens_cpu", "extend_logprob_start_lens_cpu", "seq_lens_cpu", "capture_hidden_mode",
-              "return_logprob", "input_embeds", "replace_embeds", "mm_inputs", "token_indices_to_pool", "spec_info",
-              "extend_num_tokens")
+PRE_FIELDS = (
+    "forward_mode",
+    "_original_forward_mode",
+    "global_forward_mode",
+    "batch_size",
+    "extend_seq_lens_cpu",
+    "extend_prefix_lens_cpu",
+    "extend_logprob_start_lens_cpu",
+    "seq_lens_cpu",
+    "capture_hidden_mode",
+    "return_logprob",
+    "input_embeds",
+    "replace_embeds",
+    "mm_inputs",
+    "token_indices_to_pool",
+    "spec_info",
+    "extend_num_tokens",
+)
 POST_FIELDS = PRE_FIELDS + ("num_tokens", "global_num_tokens_cpu", "can_run_dp_prefill_cuda_graph", "prefix_variant")
 
 
@@ -717,8 +892,11 @@ def view_snapshot(view) -> dict:
         "global_forward_mode": view.global_forward_mode,
         "batch_size": view.batch_size,
         "extend_seq_lens_cpu": [int(x) for x in view.extend_seq_lens_cpu],
-        "extend_prefix_lens_cpu": None if view.extend_prefix_lens_cpu is None else [int(x) for x in view.extend_prefix_lens_cpu],
-        "extend_logprob_start_lens_cpu": None if view.extend_logprob_start_lens_cpu is None
+        "extend_prefix_lens_cpu": None
+        if view.extend_prefix_lens_cpu is None
+        else [int(x) for x in view.extend_prefix_lens_cpu],
+        "extend_logprob_start_lens_cpu": None
+        if view.extend_logprob_start_lens_cpu is None
         else [int(x) for x in view.extend_logprob_start_lens_cpu],
         "seq_lens_cpu": None if seq is None else [int(x) for x in (seq.tolist() if hasattr(seq, "tolist") else seq)],
         "capture_hidden_mode": view.capture_hidden_mode,
@@ -726,7 +904,8 @@ def view_snapshot(view) -> dict:
         "input_embeds": view.input_embeds is not None,
         "replace_embeds": view.replace_embeds is not None,
         "mm_inputs": bool(view.contains_mm_inputs()),
-        "token_indices_to_pool": None if view.token_indices_to_pool is None
+        "token_indices_to_pool": None
+        if view.token_indices_to_pool is None
         else [[int(i) for i in t] for t in view.token_indices_to_pool],
         "spec_info": view.spec_info,
         "num_tokens": None if view.input_ids is None else len(view.input_ids),
@@ -777,12 +956,15 @@ def view_differences(world: "World", step: T.Step, results: list) -> list:
         if view is not None and not (view.forward_mode.is_extend() and res.fb_pre["forward_mode"].is_decode()):
             for k in PRE_FIELDS:
                 if view_snapshot(view)[k] != res.fb_pre[k]:
-                    out.append(f"{where} after init_new: {k}: view {view_snapshot(view)[k]!r} != real {res.fb_pre[k]!r}")
+                    out.append(
+                        f"{where} after init_new: {k}: view {view_snapshot(view)[k]!r} != real {res.fb_pre[k]!r}"
+                    )
         if bucket is None or res.fb is None or not res.fb.forward_mode.is_extend():
             continue
         if view is None and res.mode == "idle":
-            predicted = D.dummy_extend_view(bucket, server_mode=world.server_mode,
-                                            worker_mode=D.worker_capture_mode(world.spec_algorithm))
+            predicted = D.dummy_extend_view(
+                bucket, server_mode=world.server_mode, worker_mode=D.worker_capture_mode(world.spec_algorithm)
+            )
             predicted.global_num_tokens_cpu = [bucket] * 2
             predicted.can_run_dp_prefill_cuda_graph = True
         elif view is not None:

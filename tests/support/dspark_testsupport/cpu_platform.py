@@ -129,9 +129,12 @@ def check_stock_surfaces() -> None:
     if "get_cuda_graph_seq_len_fill_value" not in _module_level_names_of_class(
         "sglang.srt.layers.attention.base_attn_backend", "AttentionBackend"
     ):
-        missing.append("sglang.srt.layers.attention.base_attn_backend.AttentionBackend.get_cuda_graph_seq_len_fill_value")
+        missing.append(
+            "sglang.srt.layers.attention.base_attn_backend.AttentionBackend.get_cuda_graph_seq_len_fill_value"
+        )
     assert not missing, (
-        "dspark_test_cpu platform: SGLang no longer has " + ", ".join(missing)
+        "dspark_test_cpu platform: SGLang no longer has "
+        + ", ".join(missing)
         + " (written against sglang 0.5.23): update tests/support/dspark_testsupport/cpu_platform.py"
     )
 
@@ -191,9 +194,9 @@ DSPARK_HANDLER_MODULE = "sglang.srt.arg_groups.speculative_hook"
 DSPARK_HANDLER = "_handle_dspark"
 DSPARK_DEVICE_GATE = (
     '    if not cfg.device.startswith(("cuda", "npu", "xpu")):\n'
-    '        raise ValueError(\n'
+    "        raise ValueError(\n"
     '            "DSpark speculative decoding only supports CUDA, NPU or XPU device."\n'
-    '        )\n'
+    "        )\n"
 )
 DSPARK_OOT_GATE = '    _check_oot_speculative_algorithm(algorithm="DSPARK", device=cfg.device)\n'
 SPECULATIVE_ALGORITHMS = frozenset({"DSPARK"})
@@ -255,8 +258,9 @@ def copy_all_layer_kv_cache_cpu(data_ptrs, strides, tgt_loc, src_loc) -> None:
             ctypes.memmove(int(base) + t * int(stride), row, int(stride))
 
 
-def assign_req_to_token_pool_cpu(req_pool_indices, req_to_token, start_offset, end_offset, out_cache_loc,
-                                 pool_len) -> None:
+def assign_req_to_token_pool_cpu(
+    req_pool_indices, req_to_token, start_offset, end_offset, out_cache_loc, pool_len
+) -> None:
     del pool_len  # req_to_token's row length
     offset = 0
     for row, start, end in zip(req_pool_indices.tolist(), start_offset.tolist(), end_offset.tolist()):
@@ -269,9 +273,15 @@ def assign_req_to_token_pool_cpu(req_pool_indices, req_to_token, start_offset, e
 # module -> (stock function that branches on _is_cpu, sgl-kernel CPU op name, CPU form)
 CPU_OP_FORMS = {
     "sglang.kernels.ops.kvcache.cache_move": (
-        "copy_all_layer_kv_cache_func", "copy_all_layer_kv_cache_cpu", copy_all_layer_kv_cache_cpu),
+        "copy_all_layer_kv_cache_func",
+        "copy_all_layer_kv_cache_cpu",
+        copy_all_layer_kv_cache_cpu,
+    ),
     "sglang.srt.mem_cache.allocation": (
-        "assign_req_to_token_pool_func", "assign_req_to_token_pool_cpu", assign_req_to_token_pool_cpu),
+        "assign_req_to_token_pool_func",
+        "assign_req_to_token_pool_cpu",
+        assign_req_to_token_pool_cpu,
+    ),
 }
 
 
@@ -369,8 +379,9 @@ def adjust_loaded_model(model) -> list[str]:
     return done
 
 
-def speculative_cache_locs_cpu(*, req_pool_indices, req_to_token, start_offset, end_offset, batch_size,
-                               draft_token_num, device):
+def speculative_cache_locs_cpu(
+    *, req_pool_indices, req_to_token, start_offset, end_offset, batch_size, draft_token_num, device
+):
     """Platform form of ``cache_locs.assign_extend_cache_locs_func`` (stock out-of-tree hook
     ``get_speculative_cache_locs_fn``): row i's ``draft_token_num`` slots are
     ``req_to_token[req_pool_indices[i], start_offset[i]:end_offset[i]]``, rows concatenated."""
@@ -419,15 +430,16 @@ class TargetVerifyCpuFormError(NotImplementedError):
 def target_verify_attention_cpu(backend, q, k, v, layer, forward_batch, save_kv_cache=True):
     """TARGET_VERIFY attention of ``TorchNativeAttnBackend`` (see the comment above)."""
     import torch
-    from torch.nn.functional import scaled_dot_product_attention
-
     from sglang.srt.layers.radix_attention import AttentionType
     from sglang.srt.mem_cache.memory_pool import KVWriteLoc
+    from torch.nn.functional import scaled_dot_product_attention
 
     spec = forward_batch.spec_info
 
     def refuse(what):
-        raise TargetVerifyCpuFormError(f"dspark_test_cpu TARGET_VERIFY attention: {what} is not supported by the CPU form")
+        raise TargetVerifyCpuFormError(
+            f"dspark_test_cpu TARGET_VERIFY attention: {what} is not supported by the CPU form"
+        )
 
     if spec is None:
         refuse("a TARGET_VERIFY batch without spec_info")
@@ -481,8 +493,12 @@ def target_verify_attention_cpu(backend, q, k, v, layer, forward_batch, save_kv_
         else:
             mask = torch.ones((n, kv_len), dtype=torch.bool)
         o = scaled_dot_product_attention(
-            query.movedim(0, 1).unsqueeze(0), key.movedim(0, 1).unsqueeze(0), value.movedim(0, 1).unsqueeze(0),
-            attn_mask=mask.to(query.device), scale=layer.scaling, enable_gqa=nq != nkv,
+            query.movedim(0, 1).unsqueeze(0),
+            key.movedim(0, 1).unsqueeze(0),
+            value.movedim(0, 1).unsqueeze(0),
+            attn_mask=mask.to(query.device),
+            scale=layer.scaling,
+            enable_gqa=nq != nkv,
         )
         out[rows] = o.squeeze(0).movedim(0, 1)
     return out.view(q.shape[0], nq * layer.v_head_dim)
@@ -494,7 +510,9 @@ _STOCK_TORCH_NATIVE_FORWARD_EXTEND = None
 def _torch_native_forward_extend_cpu_form(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
     if forward_batch.forward_mode.is_target_verify():
         return target_verify_attention_cpu(self, q, k, v, layer, forward_batch, save_kv_cache=save_kv_cache)
-    return _STOCK_TORCH_NATIVE_FORWARD_EXTEND(self, q, k, v, layer, forward_batch, save_kv_cache=save_kv_cache, **kwargs)
+    return _STOCK_TORCH_NATIVE_FORWARD_EXTEND(
+        self, q, k, v, layer, forward_batch, save_kv_cache=save_kv_cache, **kwargs
+    )
 
 
 def install_target_verify_cpu_form() -> list[str]:
@@ -505,7 +523,9 @@ def install_target_verify_cpu_form() -> list[str]:
     global _STOCK_TORCH_NATIVE_FORWARD_EXTEND
     backend = getattr(importlib.import_module(ATTN_BACKEND_MODULE), ATTN_BACKEND_CLASS)
     current = backend.__dict__.get("forward_extend")
-    assert callable(current), f"dspark_test_cpu platform: {ATTN_BACKEND_CLASS}.forward_extend does not exist in this SGLang"
+    assert callable(current), (
+        f"dspark_test_cpu platform: {ATTN_BACKEND_CLASS}.forward_extend does not exist in this SGLang"
+    )
     if current is _torch_native_forward_extend_cpu_form:
         return []
     _STOCK_TORCH_NATIVE_FORWARD_EXTEND = current
@@ -551,7 +571,9 @@ class DsparkTestCpuPlatform(CpuDeviceMixin, SRTPlatform):
     def apply_server_args_defaults(self, server_args) -> None:
         add_draft_attention_backends()
         if install_dspark_cpu_handler():
-            logger.info("dspark_test_cpu platform: %s.%s replaced by its CPU form", DSPARK_HANDLER_MODULE, DSPARK_HANDLER)
+            logger.info(
+                "dspark_test_cpu platform: %s.%s replaced by its CPU form", DSPARK_HANDLER_MODULE, DSPARK_HANDLER
+            )
 
     def post_load_model(self, model) -> None:
         done = adjust_loaded_model(model)

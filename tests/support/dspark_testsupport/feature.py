@@ -50,9 +50,12 @@ ROLES = frozenset({Role.MAIN, Role.SCHEDULER})
 CALLS_METRIC = "dspark_harden_testfeature_verify_calls_total"
 METRICS = (
     metrics.Family(
-        CALLS_METRIC, "counter",
+        CALLS_METRIC,
+        "counter",
         "TEST ONLY: SamplingParams.verify calls through the test feature's wrapper, by process role.",
-        labels=("role",), feature=FEATURE, roles=("main", "scheduler"),
+        labels=("role",),
+        feature=FEATURE,
+        roles=("main", "scheduler"),
         precreate=(("main",), ("scheduler",)),
         aggregation="sum by (role) (increase(...)); test support only",
     ),
@@ -93,13 +96,17 @@ def dspark_features():
 def dspark_settings():
     return _fault_settings() + [
         Setting(
-            SWITCH, flag01, False,
+            SWITCH,
+            flag01,
+            False,
             "TEST ONLY (dspark-testsupport): 1 binds the test feature's harmless wrap of "
             "SamplingParams.verify in the main and scheduler processes.",
             feature=FEATURE,
         ),
         Setting(
-            BREAK, parse_break, "",
+            BREAK,
+            parse_break,
+            "",
             "TEST ONLY: break the test feature on purpose so startup must fail closed: 'drift' (wrong "
             "fingerprint), 'missing' (target does not exist), 'replaced' (another plugin REPLACEs the target "
             "through SGLang's HookRegistry after we bound). Empty: not broken.",
@@ -107,7 +114,9 @@ def dspark_settings():
             accepts="'', drift, missing, replaced",
         ),
         Setting(
-            PLATFORM_ENV, flag01, False,
+            PLATFORM_ENV,
+            flag01,
+            False,
             "TEST ONLY (dspark-testsupport): 1 activates the out-of-tree CPU platform 'dspark_test_cpu' for "
             "SGLang (also set SGLANG_PLATFORM=dspark_test_cpu). Read by the platform, not by the plugin.",
             feature=None,
@@ -159,7 +168,9 @@ def _register_rogue_replace() -> None:
 
     module, _, qual = TARGET.partition(":")
     HookRegistry.register(
-        f"{module}.{qual}", rogue_verify, HookType.REPLACE,
+        f"{module}.{qual}",
+        rogue_verify,
+        HookType.REPLACE,
         source=HookSource(plugin_name=ROGUE_PLUGIN, dist_name="dspark-testsupport"),
     )
     _rogue_registered = True
@@ -237,23 +248,46 @@ def _wrap_generate(dp_rank: int):
 
 
 def _fault_features():
-    return [Feature(name=FAULT_FEATURE, area="test",
-                    description="TEST ONLY: raise in one DP rank's scheduler loop for requests with a marked rid",
-                    switch=FAULT_SWITCH, default_on=False, roles=frozenset({Role.SCHEDULER}), test_only=True)]
+    return [
+        Feature(
+            name=FAULT_FEATURE,
+            area="test",
+            description="TEST ONLY: raise in one DP rank's scheduler loop for requests with a marked rid",
+            switch=FAULT_SWITCH,
+            default_on=False,
+            roles=frozenset({Role.SCHEDULER}),
+            test_only=True,
+        )
+    ]
 
 
 def _fault_settings():
-    return [Setting(FAULT_SWITCH, parse_fault_rank, None,
-                    f"TEST ONLY (dspark-testsupport): the DP rank whose scheduler raises RuntimeError for a request "
-                    f"whose rid starts with {FAULT_RID_PREFIX!r} (a real exception in its event loop). Unset: off.",
-                    feature=FAULT_FEATURE, accepts="DP rank >= 1")]
+    return [
+        Setting(
+            FAULT_SWITCH,
+            parse_fault_rank,
+            None,
+            f"TEST ONLY (dspark-testsupport): the DP rank whose scheduler raises RuntimeError for a request "
+            f"whose rid starts with {FAULT_RID_PREFIX!r} (a real exception in its event loop). Unset: off.",
+            feature=FAULT_FEATURE,
+            accepts="DP rank >= 1",
+        )
+    ]
 
 
 def _fault_patches(role, settings):
     rank = settings[FAULT_SWITCH]
     if rank is None or role is not Role.SCHEDULER:
         return []
-    return [Patch(feature=FAULT_FEATURE, target=FAULT_TARGET, kind=Kind.WRAP, roles={Role.SCHEDULER},
-                  build=_wrap_generate(rank), fingerprint=FAULT_FINGERPRINT,
-                  why="TEST ONLY: a real exception in a scheduler's event loop for the lifecycle drills",
-                  retire_when="never (test support)")]
+    return [
+        Patch(
+            feature=FAULT_FEATURE,
+            target=FAULT_TARGET,
+            kind=Kind.WRAP,
+            roles={Role.SCHEDULER},
+            build=_wrap_generate(rank),
+            fingerprint=FAULT_FINGERPRINT,
+            why="TEST ONLY: a real exception in a scheduler's event loop for the lifecycle drills",
+            retire_when="never (test support)",
+        )
+    ]

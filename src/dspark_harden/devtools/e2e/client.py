@@ -62,8 +62,16 @@ def _absorb(res: Result, entry: dict, answers: list, tokenizer_dir: Optional[str
                 res.invalid.append(f"{finish}: {why}")
 
 
-async def send(session, url: str, entry: dict, *, stream: Optional[bool] = None, extra: Optional[dict] = None,
-               timeout: float = REQUEST_TIMEOUT_S, tokenizer_dir: Optional[str] = None) -> Result:
+async def send(
+    session,
+    url: str,
+    entry: dict,
+    *,
+    stream: Optional[bool] = None,
+    extra: Optional[dict] = None,
+    timeout: float = REQUEST_TIMEOUT_S,
+    tokenizer_dir: Optional[str] = None,
+) -> Result:
     """One request; constrained outputs are checked (truncated ones as token prefixes when
     ``tokenizer_dir``, the server's tokenizer, is given; else as complete documents)."""
     import aiohttp
@@ -101,7 +109,7 @@ async def send(session, url: str, entry: dict, *, stream: Optional[bool] = None,
                         res.ttft_s = time.monotonic() - t0
                     new = list(chunk.get("output_ids") or [])
                     # cumulative (stock default) or incremental (--incremental-streaming-output)
-                    ids = new if new[:len(ids)] == ids and len(new) >= len(ids) else ids + new
+                    ids = new if new[: len(ids)] == ids and len(new) >= len(ids) else ids + new
                     last = chunk
                 if res.error is None:
                     if last:
@@ -118,8 +126,14 @@ async def send(session, url: str, entry: dict, *, stream: Optional[bool] = None,
     return res
 
 
-async def _replay(url: str, entries: list[dict], *, sequential: bool, stream_override: Optional[bool],
-                  tokenizer_dir: Optional[str] = None) -> tuple[list, float]:
+async def _replay(
+    url: str,
+    entries: list[dict],
+    *,
+    sequential: bool,
+    stream_override: Optional[bool],
+    tokenizer_dir: Optional[str] = None,
+) -> tuple[list, float]:
     import aiohttp
 
     # force_close: a fresh connection per request (a reused keep-alive connection that uvicorn closes
@@ -128,9 +142,11 @@ async def _replay(url: str, entries: list[dict], *, sequential: bool, stream_ove
     async with aiohttp.ClientSession(connector=conn) as session:
         start = time.monotonic()
         if sequential:
-            results = [await send(session, url, e, stream=stream_override, tokenizer_dir=tokenizer_dir)
-                       for e in entries]
+            results = [
+                await send(session, url, e, stream=stream_override, tokenizer_dir=tokenizer_dir) for e in entries
+            ]
         else:
+
             async def at(e):
                 delay = start + e["t"] - time.monotonic()
                 if delay > 0:
@@ -141,11 +157,18 @@ async def _replay(url: str, entries: list[dict], *, sequential: bool, stream_ove
         return list(results), time.monotonic() - start
 
 
-def replay(url: str, entries: list[dict], *, sequential: bool = False,
-           stream_override: Optional[bool] = None, tokenizer_dir: Optional[str] = None) -> tuple[list, float]:
+def replay(
+    url: str,
+    entries: list[dict],
+    *,
+    sequential: bool = False,
+    stream_override: Optional[bool] = None,
+    tokenizer_dir: Optional[str] = None,
+) -> tuple[list, float]:
     """Replay ``entries`` (open loop at their ``t``, or one at a time); (results, wall seconds)."""
-    return asyncio.run(_replay(url, entries, sequential=sequential, stream_override=stream_override,
-                               tokenizer_dir=tokenizer_dir))
+    return asyncio.run(
+        _replay(url, entries, sequential=sequential, stream_override=stream_override, tokenizer_dir=tokenizer_dir)
+    )
 
 
 def pct(values: list, q: float) -> Optional[float]:
@@ -226,6 +249,14 @@ def identical_fraction(a: dict, b: dict) -> Optional[float]:
 
 
 def as_dict(r: Result) -> dict[str, Any]:
-    return {"id": r.id, "kind": r.kind, "status": r.status, "error": r.error, "e2e_s": round(r.e2e_s, 4),
-            "ttft_s": None if r.ttft_s is None else round(r.ttft_s, 4), "completion_tokens": r.completion_tokens,
-            "invalid": r.invalid, "outputs": [[list(ids), text, fin] for ids, text, fin in r.outputs]}
+    return {
+        "id": r.id,
+        "kind": r.kind,
+        "status": r.status,
+        "error": r.error,
+        "e2e_s": round(r.e2e_s, 4),
+        "ttft_s": None if r.ttft_s is None else round(r.ttft_s, 4),
+        "completion_tokens": r.completion_tokens,
+        "invalid": r.invalid,
+        "outputs": [[list(ids), text, fin] for ids, text, fin in r.outputs],
+    }

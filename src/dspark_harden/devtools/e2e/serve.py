@@ -50,9 +50,21 @@ NOT_EXERCISED = {
     "observability": "kept on in every ablation: the benches and the soak read its metrics",
 }
 
-SUMMARY_KEYS = ("output_tok_s", "req_s", "e2e_p50_s", "e2e_p95_s", "e2e_p99_s", "ttft_p50_s", "ttft_p95_s",
-                "ttft_p99_s", "wall_s", "errors", "constrained_invalid", "constrained_truncated",
-                "accept_length_mean")
+SUMMARY_KEYS = (
+    "output_tok_s",
+    "req_s",
+    "e2e_p50_s",
+    "e2e_p95_s",
+    "e2e_p99_s",
+    "ttft_p50_s",
+    "ttft_p95_s",
+    "ttft_p99_s",
+    "wall_s",
+    "errors",
+    "constrained_invalid",
+    "constrained_truncated",
+    "accept_length_mean",
+)
 
 
 def log(msg: str) -> None:
@@ -81,8 +93,13 @@ def base_config(speculative: Optional[str] = None) -> _server.ServerConfig:
     spec = SPECULATIVE[speculative]
     from .. import tiny_models
 
-    extra = ("--speculative-algorithm", spec["algorithm"], "--speculative-draft-model-path",
-             tiny_models.dspark_draft_dir(), "--enable-dp-lm-head")
+    extra = (
+        "--speculative-algorithm",
+        spec["algorithm"],
+        "--speculative-draft-model-path",
+        tiny_models.dspark_draft_dir(),
+        "--enable-dp-lm-head",
+    )
     return _server.ServerConfig(**{**c.__dict__, "arch": spec["arch"], "extra_args": tuple(c.extra_args) + extra})
 
 
@@ -91,15 +108,18 @@ def stock_config(speculative: Optional[str] = None) -> _server.ServerConfig:
     return _server.ServerConfig(**{**c.__dict__, "plugins": None, "name": "e2e-stock"})
 
 
-def plugin_config(grammar_dir: str, off: Optional[dict] = None, name: str = "e2e-plugin",
-                  speculative: Optional[str] = None) -> _server.ServerConfig:
+def plugin_config(
+    grammar_dir: str, off: Optional[dict] = None, name: str = "e2e-plugin", speculative: Optional[str] = None
+) -> _server.ServerConfig:
     spec_env = SPECULATIVE[speculative]["plugin_env"] if speculative else {}
     env = {**PLUGIN_ENV, **spec_env, "DSPARK_HARDEN_GRAMMAR_DISK_DIR": grammar_dir, **(off or {})}
     c = base_config(speculative).with_env(**env)
     return _server.ServerConfig(**{**c.__dict__, "name": name})
 
 
-_MASK_STEPS = re.compile(r'^dspark_harden_dspark_mask_steps_total\{dp_rank="(\d+)",outcome="(\w+)"\} ([0-9.e+]+)$', re.M)
+_MASK_STEPS = re.compile(
+    r'^dspark_harden_dspark_mask_steps_total\{dp_rank="(\d+)",outcome="(\w+)"\} ([0-9.e+]+)$', re.M
+)
 _MASK_ENGINE = re.compile(r'^dspark_harden_dspark_mask_engine\{dp_rank="(\d+)",engine="(\w+)"\} ([0-9.e+]+)$', re.M)
 
 
@@ -143,7 +163,9 @@ class Pausable:
             if r.status_code == 200:
                 return
             if time.monotonic() > deadline:
-                raise _server.ServerError(self.server._failure(f"/flush_cache answered HTTP {r.status_code}: {r.text[:300]}"))
+                raise _server.ServerError(
+                    self.server._failure(f"/flush_cache answered HTTP {r.status_code}: {r.text[:300]}")
+                )
             time.sleep(1.0)
 
     def stop(self) -> None:
@@ -175,9 +197,13 @@ def one_pass(p: Pausable, entries: list[dict], *, sequential: bool = False) -> d
     p.resume()
     p.flush()
     before = _procs.sample(p.server.pid)
-    results, wall = _client.replay(p.server.url, entries, sequential=sequential,
-                                   stream_override=False if sequential else None,
-                                   tokenizer_dir=_server.model_path(p.server.config))
+    results, wall = _client.replay(
+        p.server.url,
+        entries,
+        sequential=sequential,
+        stream_override=False if sequential else None,
+        tokenizer_dir=_server.model_path(p.server.config),
+    )
     after = _procs.sample(p.server.pid)
     p.pause()
     summary = _client.summarize(results, wall, entries)
@@ -195,16 +221,29 @@ def aggregate(rounds: list[dict]) -> dict:
     """Medians over rounds, the per-round values and their spread (min, max)."""
     out: dict = {"median": {k: _median(rounds, k) for k in SUMMARY_KEYS}}
     roles = sorted({role for r in rounds for role in r["cpu_s_by_role"]})
-    out["median"]["cpu_s_by_role"] = {role: round(statistics.median(
-        [r["cpu_s_by_role"].get(role, 0.0) for r in rounds]), 3) for role in roles}
+    out["median"]["cpu_s_by_role"] = {
+        role: round(statistics.median([r["cpu_s_by_role"].get(role, 0.0) for r in rounds]), 3) for role in roles
+    }
     out["median"]["cpu_s_total"] = _median(rounds, "cpu_s_total")
-    out["spread"] = {k: [min(v), max(v)] for k in SUMMARY_KEYS
-                     if (v := [r[k] for r in rounds if r.get(k) is not None])}
+    out["spread"] = {k: [min(v), max(v)] for k in SUMMARY_KEYS if (v := [r[k] for r in rounds if r.get(k) is not None])}
     out["errors"] = sum(r["errors"] for r in rounds)
     out["constrained_invalid"] = sum(r["constrained_invalid"] for r in rounds)
     out["rounds"] = rounds
-    out.update({k: out["median"][k] for k in ("output_tok_s", "req_s", "e2e_p50_s", "e2e_p95_s", "e2e_p99_s",
-                                             "ttft_p50_s", "ttft_p95_s", "ttft_p99_s")})
+    out.update(
+        {
+            k: out["median"][k]
+            for k in (
+                "output_tok_s",
+                "req_s",
+                "e2e_p50_s",
+                "e2e_p95_s",
+                "e2e_p99_s",
+                "ttft_p50_s",
+                "ttft_p95_s",
+                "ttft_p99_s",
+            )
+        }
+    )
     out["cpu_s_by_role"] = out["median"]["cpu_s_by_role"]
     return out
 
@@ -228,9 +267,10 @@ def ratios(stock: dict, plugin: dict) -> dict:
         "ttft_p99_s": _ratio(sm["ttft_p99_s"], pm["ttft_p99_s"]),
         "cpu_s_total": _ratio(pm["cpu_s_total"], sm["cpu_s_total"]),
     }
-    out["per_round"] = [{"output_tok_s": _ratio(p["output_tok_s"], s["output_tok_s"]),
-                         "p99_s": _ratio(s["e2e_p99_s"], p["e2e_p99_s"])}
-                        for s, p in zip(stock["rounds"], plugin["rounds"])]
+    out["per_round"] = [
+        {"output_tok_s": _ratio(p["output_tok_s"], s["output_tok_s"]), "p99_s": _ratio(s["e2e_p99_s"], p["e2e_p99_s"])}
+        for s, p in zip(stock["rounds"], plugin["rounds"])
+    ]
     return out
 
 
@@ -248,29 +288,51 @@ def compare_sequential(stock_out: dict, plugin_out: dict, entries: list[dict]) -
                 identical += 1
             else:
                 first = next((i for i, (u, v) in enumerate(zip(x, y)) if u != v), min(len(x), len(y)))
-                diffs.append({"id": rid, "kind": by_id[rid]["kind"], "first_difference_at": first,
-                              "stock_len": len(x), "plugin_len": len(y)})
+                diffs.append(
+                    {
+                        "id": rid,
+                        "kind": by_id[rid]["kind"],
+                        "first_difference_at": first,
+                        "stock_len": len(x),
+                        "plugin_len": len(y),
+                    }
+                )
     missing = [rid for rid in by_id if rid not in stock_out or rid not in plugin_out]
     return {"checked": checked, "identical": identical, "differences": diffs[:20], "failed_requests": missing}
 
 
-def run(entries: list[dict], *, rounds: int = 3, seq_requests: int = 18, ablate: bool = False,
-        ablate_only: Optional[list] = None, details: Optional[str] = None, warmup: bool = True,
-        speculative: Optional[str] = None) -> dict:
+def run(
+    entries: list[dict],
+    *,
+    rounds: int = 3,
+    seq_requests: int = 18,
+    ablate: bool = False,
+    ablate_only: Optional[list] = None,
+    details: Optional[str] = None,
+    warmup: bool = True,
+    speculative: Optional[str] = None,
+) -> dict:
     if rounds < 1:
         raise ValueError("--rounds must be >= 1")
     seq = _trace.sequential_subset(entries, seq_requests)
     workdir = Path(tempfile.mkdtemp(prefix="dsh-bench-serve-", dir="/tmp"))
-    report: dict = {"rounds": rounds, "trace": _trace.describe(entries), "method": {
-        "servers": ("DP2 (--dp-size 2 --tp-size 2 --enable-dp-attention), tiny DeepseekV3, same flags" if not speculative
-                    else f"DP2 (--dp-size 2 --tp-size 2 --enable-dp-attention --enable-dp-lm-head), tiny Qwen3 + tiny "
-                         f"random-weight {SPECULATIVE[speculative]['algorithm']} draft, same flags"),
-        "alternation": "stock, plugin, stock, plugin, ...; the idle server's process group is SIGSTOPped",
-        "cache_state": "POST /flush_cache before every pass (radix cache, KV pools, grammar memory cache); "
-                       "the plugin's persistent grammar disk cache lives in a fresh directory of this run",
-        "ratio": "output_tok_s/req_s: plugin/stock; p50_s/p95_s/p99_s (end-to-end) and ttft_*: stock/plugin",
-        "warmup": "one uncounted pass per server before the gate (and per ablated server)" if warmup else "none",
-    }}
+    report: dict = {
+        "rounds": rounds,
+        "trace": _trace.describe(entries),
+        "method": {
+            "servers": (
+                "DP2 (--dp-size 2 --tp-size 2 --enable-dp-attention), tiny DeepseekV3, same flags"
+                if not speculative
+                else f"DP2 (--dp-size 2 --tp-size 2 --enable-dp-attention --enable-dp-lm-head), tiny Qwen3 + tiny "
+                f"random-weight {SPECULATIVE[speculative]['algorithm']} draft, same flags"
+            ),
+            "alternation": "stock, plugin, stock, plugin, ...; the idle server's process group is SIGSTOPped",
+            "cache_state": "POST /flush_cache before every pass (radix cache, KV pools, grammar memory cache); "
+            "the plugin's persistent grammar disk cache lives in a fresh directory of this run",
+            "ratio": "output_tok_s/req_s: plugin/stock; p50_s/p95_s/p99_s (end-to-end) and ttft_*: stock/plugin",
+            "warmup": "one uncounted pass per server before the gate (and per ablated server)" if warmup else "none",
+        },
+    }
     if speculative:
         from .. import tiny_models
 
@@ -290,9 +352,16 @@ def run(entries: list[dict], *, rounds: int = 3, seq_requests: int = 18, ablate:
             feature, env = SPECULATIVE[speculative]["ablation"]
             servers.pop("plugin").stop()
             report["speculative"]["ablation"] = _ablate_one(
-                entries, servers["stock"], plugin_config(str(workdir / f"grammar-{feature}"), env,
-                                                         name=f"e2e-no-{feature}", speculative=speculative),
-                feature, env, report["plugin"]["median"], rounds)
+                entries,
+                servers["stock"],
+                plugin_config(
+                    str(workdir / f"grammar-{feature}"), env, name=f"e2e-no-{feature}", speculative=speculative
+                ),
+                feature,
+                env,
+                report["plugin"]["median"],
+                rounds,
+            )
         if details:
             Path(details, "report-before-ablation.json").write_text(json.dumps(report, indent=2))
         # ablation: the plugin with one feature off, each followed by a stock round for reference
@@ -310,8 +379,16 @@ def run(entries: list[dict], *, rounds: int = 3, seq_requests: int = 18, ablate:
     return report
 
 
-def compare(stock: Pausable, plugin: Pausable, entries: list[dict], seq: list[dict], rounds: int,
-            report: dict, details: Optional[str] = None, warmup: bool = True) -> dict:
+def compare(
+    stock: Pausable,
+    plugin: Pausable,
+    entries: list[dict],
+    seq: list[dict],
+    rounds: int,
+    report: dict,
+    details: Optional[str] = None,
+    warmup: bool = True,
+) -> dict:
     """The sequential gate, then ``rounds`` alternating concurrent rounds, on two started servers
     (both are left paused); fills ``report``."""
     servers = {"stock": stock, "plugin": plugin}
@@ -326,8 +403,9 @@ def compare(stock: Pausable, plugin: Pausable, entries: list[dict], seq: list[di
         log(f"sequential gate on {name}: {len(seq)} requests one at a time")
         seq_out[name] = one_pass(servers[name], seq, sequential=True)
     report["identical_sequential"] = compare_sequential(seq_out["stock"]["outputs"], seq_out["plugin"]["outputs"], seq)
-    report["sequential_pass"] = {n: {k: seq_out[n]["summary"][k] for k in ("wall_s", "errors", "constrained_invalid")}
-                                 for n in seq_out}
+    report["sequential_pass"] = {
+        n: {k: seq_out[n]["summary"][k] for k in ("wall_s", "errors", "constrained_invalid")} for n in seq_out
+    }
     if details:
         for n in seq_out:
             _write_details(details, f"{n}-sequential", seq_out[n]["results"])
@@ -342,7 +420,9 @@ def compare(stock: Pausable, plugin: Pausable, entries: list[dict], seq: list[di
             res["summary"]["round"] = i + 1
             per[name].append(res["summary"])
             outs[name].append(res["outputs"])
-            log(f"  {name}: {json.dumps({k: res['summary'][k] for k in ('output_tok_s', 'e2e_p99_s', 'errors', 'constrained_invalid')})}")
+            log(
+                f"  {name}: {json.dumps({k: res['summary'][k] for k in ('output_tok_s', 'e2e_p99_s', 'errors', 'constrained_invalid')})}"
+            )
             if details:
                 _write_details(details, f"{name}-round{i + 1}", res["results"])
     report["stock"] = aggregate(per["stock"])
@@ -351,8 +431,10 @@ def compare(stock: Pausable, plugin: Pausable, entries: list[dict], seq: list[di
     s2s = [_client.identical_fraction(a, b) for a, b in zip(outs["stock"], outs["stock"][1:])]
     p2s = [_client.identical_fraction(a, b) for a, b in zip(outs["plugin"], outs["stock"])]
     report["identical_concurrent"] = {
-        "stock_vs_stock": _median_of(s2s), "plugin_vs_stock": _median_of(p2s),
-        "stock_vs_stock_per_pair": s2s, "plugin_vs_stock_per_round": p2s,
+        "stock_vs_stock": _median_of(s2s),
+        "plugin_vs_stock": _median_of(p2s),
+        "stock_vs_stock_per_pair": s2s,
+        "plugin_vs_stock_per_round": p2s,
     }
     report["ok"] = ok(report)
     return report
@@ -377,12 +459,18 @@ def _ablate(entries: list[dict], stock: Pausable, workdir: Path, report: dict, o
             p.stop()
         out["features"][feature] = {
             "env": env,
-            "output_tok_s": a["output_tok_s"], "e2e_p99_s": a["e2e_p99_s"], "errors": a["errors"],
+            "output_tok_s": a["output_tok_s"],
+            "e2e_p99_s": a["e2e_p99_s"],
+            "errors": a["errors"],
             "cpu_s_total": a["cpu_s_total"],
-            "vs_stock_same_time": {"output_tok_s": _ratio(a["output_tok_s"], s["output_tok_s"]),
-                                   "p99_s": _ratio(s["e2e_p99_s"], a["e2e_p99_s"])},
-            "vs_full_plugin_median": {"output_tok_s": _ratio(a["output_tok_s"], full["output_tok_s"]),
-                                      "p99_s": _ratio(full["e2e_p99_s"], a["e2e_p99_s"])},
+            "vs_stock_same_time": {
+                "output_tok_s": _ratio(a["output_tok_s"], s["output_tok_s"]),
+                "p99_s": _ratio(s["e2e_p99_s"], a["e2e_p99_s"]),
+            },
+            "vs_full_plugin_median": {
+                "output_tok_s": _ratio(a["output_tok_s"], full["output_tok_s"]),
+                "p99_s": _ratio(full["e2e_p99_s"], a["e2e_p99_s"]),
+            },
             "stock_reference": {k: s[k] for k in ("output_tok_s", "e2e_p99_s", "errors")},
         }
         log(f"  without {feature}: {json.dumps(out['features'][feature]['vs_stock_same_time'])}")
@@ -409,8 +497,9 @@ def speculative_report(speculative: str, report: dict, plugin: Pausable) -> dict
     }
 
 
-def _ablate_one(entries: list[dict], stock: Pausable, cfg: _server.ServerConfig, feature: str, env: dict,
-                full: dict, rounds: int) -> dict:
+def _ablate_one(
+    entries: list[dict], stock: Pausable, cfg: _server.ServerConfig, feature: str, env: dict, full: dict, rounds: int
+) -> dict:
     """The plugin with ``feature`` off, ``rounds`` rounds alternating with stock reference rounds."""
     p = start(cfg)
     p.pause()
@@ -427,16 +516,28 @@ def _ablate_one(entries: list[dict], stock: Pausable, cfg: _server.ServerConfig,
         p.stop()
     a, s = aggregate(mine), aggregate(ref)
     return {
-        "feature": feature, "env": env, "rounds": rounds,
-        "output_tok_s": a["output_tok_s"], "output_tok_s_spread": a["spread"].get("output_tok_s"),
-        "e2e_p99_s": a["e2e_p99_s"], "errors": a["errors"], "constrained_invalid": a["constrained_invalid"],
+        "feature": feature,
+        "env": env,
+        "rounds": rounds,
+        "output_tok_s": a["output_tok_s"],
+        "output_tok_s_spread": a["spread"].get("output_tok_s"),
+        "e2e_p99_s": a["e2e_p99_s"],
+        "errors": a["errors"],
+        "constrained_invalid": a["constrained_invalid"],
         "accept_length_mean": a["median"].get("accept_length_mean"),
-        "stock_reference": {"output_tok_s": s["output_tok_s"], "output_tok_s_spread": s["spread"].get("output_tok_s"),
-                            "errors": s["errors"]},
-        "vs_stock_same_time": {"output_tok_s": _ratio(a["output_tok_s"], s["output_tok_s"]),
-                               "p99_s": _ratio(s["e2e_p99_s"], a["e2e_p99_s"])},
-        "vs_full_plugin_median": {"output_tok_s": _ratio(a["output_tok_s"], full["output_tok_s"]),
-                                  "p99_s": _ratio(full["e2e_p99_s"], a["e2e_p99_s"])},
+        "stock_reference": {
+            "output_tok_s": s["output_tok_s"],
+            "output_tok_s_spread": s["spread"].get("output_tok_s"),
+            "errors": s["errors"],
+        },
+        "vs_stock_same_time": {
+            "output_tok_s": _ratio(a["output_tok_s"], s["output_tok_s"]),
+            "p99_s": _ratio(s["e2e_p99_s"], a["e2e_p99_s"]),
+        },
+        "vs_full_plugin_median": {
+            "output_tok_s": _ratio(a["output_tok_s"], full["output_tok_s"]),
+            "p99_s": _ratio(full["e2e_p99_s"], a["e2e_p99_s"]),
+        },
     }
 
 
@@ -480,8 +581,12 @@ def main(args) -> int:
             entries = _trace.load(args.trace)
         else:
             speculative = getattr(args, "speculative", None)
-            entries = _trace.generate(seed=args.seed, requests=args.requests, rate=args.rate,
-                                      mix=_trace.CONSTRAINED_MIX if speculative else None)
+            entries = _trace.generate(
+                seed=args.seed,
+                requests=args.requests,
+                rate=args.rate,
+                mix=_trace.CONSTRAINED_MIX if speculative else None,
+            )
         corpus_info = None
         if getattr(args, "corpus", None):
             tok_dir = _server.model_path(base_config(getattr(args, "speculative", None)))
@@ -500,11 +605,21 @@ def main(args) -> int:
     if only:
         unknown = [f for f in only if f not in dict(ABLATIONS)]
         if unknown:
-            print(f"bench serve: --ablate-features: unknown {unknown}; known: {[f for f, _ in ABLATIONS]}", file=sys.stderr)
+            print(
+                f"bench serve: --ablate-features: unknown {unknown}; known: {[f for f, _ in ABLATIONS]}",
+                file=sys.stderr,
+            )
             return 2
-    report = run(entries, rounds=args.rounds, seq_requests=args.seq_requests, ablate=args.ablate or bool(only),
-                 ablate_only=only, details=args.details, warmup=not args.no_warmup,
-                 speculative=getattr(args, "speculative", None))
+    report = run(
+        entries,
+        rounds=args.rounds,
+        seq_requests=args.seq_requests,
+        ablate=args.ablate or bool(only),
+        ablate_only=only,
+        details=args.details,
+        warmup=not args.no_warmup,
+        speculative=getattr(args, "speculative", None),
+    )
     if corpus_info:
         report["corpus"] = corpus_info
     if args.json:
@@ -518,20 +633,30 @@ def human(r: dict) -> str:
     lines = [f"trace: {json.dumps(r['trace'])}"]
     for name in ("stock", "plugin"):
         m = r[name]["median"]
-        lines.append(f"{name:6s}: {m['output_tok_s']} tok/s, {m['req_s']} req/s, e2e p50/p95/p99 "
-                     f"{m['e2e_p50_s']}/{m['e2e_p95_s']}/{m['e2e_p99_s']} s, ttft p50/p99 {m['ttft_p50_s']}/{m['ttft_p99_s']} s, "
-                     f"errors {r[name]['errors']}, cpu-s {m['cpu_s_by_role']} (medians of {r['rounds']} rounds)")
+        lines.append(
+            f"{name:6s}: {m['output_tok_s']} tok/s, {m['req_s']} req/s, e2e p50/p95/p99 "
+            f"{m['e2e_p50_s']}/{m['e2e_p95_s']}/{m['e2e_p99_s']} s, ttft p50/p99 {m['ttft_p50_s']}/{m['ttft_p99_s']} s, "
+            f"errors {r[name]['errors']}, cpu-s {m['cpu_s_by_role']} (medians of {r['rounds']} rounds)"
+        )
     lines.append(f"ratio : {json.dumps({k: v for k, v in r['ratio'].items() if k != 'per_round'})}")
-    lines.append(f"sequential identical: {r['identical_sequential']['identical']}/{r['identical_sequential']['checked']}")
+    lines.append(
+        f"sequential identical: {r['identical_sequential']['identical']}/{r['identical_sequential']['checked']}"
+    )
     lines.append(f"concurrent identical: {json.dumps(r['identical_concurrent'])}")
     for f, a in r.get("ablation", {}).get("features", {}).items():
-        lines.append(f"without {f}: {json.dumps(a['vs_stock_same_time'])} vs stock, {json.dumps(a['vs_full_plugin_median'])} vs full plugin")
+        lines.append(
+            f"without {f}: {json.dumps(a['vs_stock_same_time'])} vs stock, {json.dumps(a['vs_full_plugin_median'])} vs full plugin"
+        )
     if "speculative" in r:
         sp = r["speculative"]
-        lines.append(f"speculative: {sp['algorithm']}, accept length {json.dumps(sp['accept_length_mean'])}, "
-                     f"mask engine {sp['mask_engine']}, mask steps {json.dumps(sp['mask_steps'])}")
+        lines.append(
+            f"speculative: {sp['algorithm']}, accept length {json.dumps(sp['accept_length_mean'])}, "
+            f"mask engine {sp['mask_engine']}, mask steps {json.dumps(sp['mask_steps'])}"
+        )
         if sp.get("ablation"):
             ab = sp["ablation"]
-            lines.append(f"without {ab['feature']}: {ab['output_tok_s']} tok/s, {json.dumps(ab['vs_stock_same_time'])} vs stock")
+            lines.append(
+                f"without {ab['feature']}: {ab['output_tok_s']} tok/s, {json.dumps(ab['vs_stock_same_time'])} vs stock"
+            )
     lines.append("ok" if r["ok"] else "NOT OK")
     return "\n".join(lines)

@@ -35,10 +35,48 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
-_WORDS = ("def", "return", "class", "self", "import", "value", "result", "for", "in", "range", "if",
-          "else", "print", "list", "dict", "key", "items", "data", "path", "open", "read", "write",
-          "config", "server", "request", "response", "token", "batch", "cache", "error", "None",
-          "True", "False", "yield", "async", "await", "lambda", "with", "try", "except")
+_WORDS = (
+    "def",
+    "return",
+    "class",
+    "self",
+    "import",
+    "value",
+    "result",
+    "for",
+    "in",
+    "range",
+    "if",
+    "else",
+    "print",
+    "list",
+    "dict",
+    "key",
+    "items",
+    "data",
+    "path",
+    "open",
+    "read",
+    "write",
+    "config",
+    "server",
+    "request",
+    "response",
+    "token",
+    "batch",
+    "cache",
+    "error",
+    "None",
+    "True",
+    "False",
+    "yield",
+    "async",
+    "await",
+    "lambda",
+    "with",
+    "try",
+    "except",
+)
 
 # Field pool of the generated schemas: every field's JSON text is bounded (enums, booleans,
 # bounded integers, short patterned strings), so a random-weight model's constrained output ends.
@@ -60,13 +98,38 @@ _FIELDS: list[tuple[str, dict]] = [
     ("color", {"type": "string", "enum": ["red", "green", "blue"]}),
     ("retries", {"type": "integer", "minimum": 0, "maximum": 9}),
     ("region", {"type": "string", "enum": ["eu", "us", "ap"]}),
-    ("address", {"type": "object", "properties": {"country": {"type": "string", "enum": ["DE", "FR", "US"]},
-                                                  "zip": {"type": "string", "pattern": "^[0-9]{5}$"}},
-                 "required": ["country", "zip"], "additionalProperties": False}),
+    (
+        "address",
+        {
+            "type": "object",
+            "properties": {
+                "country": {"type": "string", "enum": ["DE", "FR", "US"]},
+                "zip": {"type": "string", "pattern": "^[0-9]{5}$"},
+            },
+            "required": ["country", "zip"],
+            "additionalProperties": False,
+        },
+    ),
     ("labels", {"type": "array", "items": {"type": "string", "enum": ["a", "b", "c"]}, "minItems": 1, "maxItems": 3}),
 ]
-_DOMAINS = ("user", "order", "invoice", "event", "ticket", "device", "shipment", "account", "alert",
-            "job", "sensor", "payment", "review", "session", "build", "policy")
+_DOMAINS = (
+    "user",
+    "order",
+    "invoice",
+    "event",
+    "ticket",
+    "device",
+    "shipment",
+    "account",
+    "alert",
+    "job",
+    "sensor",
+    "payment",
+    "review",
+    "session",
+    "build",
+    "policy",
+)
 
 REGEXES: list[str] = [
     r"(yes|no|maybe)",
@@ -99,14 +162,16 @@ def schema_pool(rng: random.Random, n: int) -> list[dict]:
         if key in seen:
             continue
         seen.add(key)
-        out.append({
-            "title": f"{domain}_{len(out)}",
-            "description": f"A {domain} record",
-            "type": "object",
-            "properties": {name: dict(spec) for name, spec in fields},
-            "required": [name for name, _ in fields],
-            "additionalProperties": False,
-        })
+        out.append(
+            {
+                "title": f"{domain}_{len(out)}",
+                "description": f"A {domain} record",
+                "type": "object",
+                "properties": {name: dict(spec) for name, spec in fields},
+                "required": [name for name, _ in fields],
+                "additionalProperties": False,
+            }
+        )
     return out
 
 
@@ -165,9 +230,17 @@ def _cuts(mix: dict) -> tuple:
     return tuple(out)
 
 
-def generate(seed: int = 0, requests: int = 120, rate: float = 4.0, *, batches: int = 2,
-             burst: int = 12, schemas: int = 30, stream_fraction: float = 0.3,
-             mix: Optional[dict] = None) -> list[dict]:
+def generate(
+    seed: int = 0,
+    requests: int = 120,
+    rate: float = 4.0,
+    *,
+    batches: int = 2,
+    burst: int = 12,
+    schemas: int = 30,
+    stream_fraction: float = 0.3,
+    mix: Optional[dict] = None,
+) -> list[dict]:
     """The default production-shaped trace (see the module docstring), ``requests`` entries, sorted by ``t``.
     ``mix``: fractions of the single entries by kind (json, regex, ebnf, routed; the rest plain),
     default :data:`DEFAULT_MIX`; :data:`CONSTRAINED_MIX` weights the trace towards grammar requests."""
@@ -189,39 +262,102 @@ def generate(seed: int = 0, requests: int = 120, rate: float = 4.0, *, batches: 
         t += rng.expovariate(rate)
         if i in batch_at:
             rank = len([e for e in entries if e["kind"] == "batch"]) % 2
-            entries.append({"kind": "batch", "t": t, "stream": False, "check": None, "body": {
-                "text": [prompts.prompt() for _ in range(BATCH_SIZE)],
-                "sampling_params": _sp(rng.choice([8, 16]), ignore_eos=True), "routed_dp_rank": rank}})
+            entries.append(
+                {
+                    "kind": "batch",
+                    "t": t,
+                    "stream": False,
+                    "check": None,
+                    "body": {
+                        "text": [prompts.prompt() for _ in range(BATCH_SIZE)],
+                        "sampling_params": _sp(rng.choice([8, 16]), ignore_eos=True),
+                        "routed_dp_rank": rank,
+                    },
+                }
+            )
             t += rng.expovariate(rate)
         if i == burst_at:
             # a burst of one schema nobody sent before, all at the same instant
             text = json.dumps(burst_schema)
             for _ in range(burst):
-                entries.append({"kind": "burst", "t": t, "stream": False,
-                                "check": {"type": "json_schema", "schema": burst_schema},
-                                "body": {"text": prompts.prompt() + "\nJSON:", "sampling_params": _sp(JSON_MAX_NEW_TOKENS, json_schema=text)}})
+                entries.append(
+                    {
+                        "kind": "burst",
+                        "t": t,
+                        "stream": False,
+                        "check": {"type": "json_schema", "schema": burst_schema},
+                        "body": {
+                            "text": prompts.prompt() + "\nJSON:",
+                            "sampling_params": _sp(JSON_MAX_NEW_TOKENS, json_schema=text),
+                        },
+                    }
+                )
             t += rng.expovariate(rate)
         r = rng.random()
         stream = rng.random() < stream_fraction
         if r < cut[0]:
             schema = rng.choices(pool, weights)[0]
-            entries.append({"kind": "json", "t": t, "stream": stream, "check": {"type": "json_schema", "schema": schema},
-                            "body": {"text": prompts.prompt() + "\nJSON:", "sampling_params": _sp(JSON_MAX_NEW_TOKENS, json_schema=schema_variant(schema, rng))}})
+            entries.append(
+                {
+                    "kind": "json",
+                    "t": t,
+                    "stream": stream,
+                    "check": {"type": "json_schema", "schema": schema},
+                    "body": {
+                        "text": prompts.prompt() + "\nJSON:",
+                        "sampling_params": _sp(JSON_MAX_NEW_TOKENS, json_schema=schema_variant(schema, rng)),
+                    },
+                }
+            )
         elif r < cut[1]:
             pattern = rng.choice(REGEXES)
-            entries.append({"kind": "regex", "t": t, "stream": stream, "check": {"type": "regex", "pattern": pattern},
-                            "body": {"text": prompts.prompt(), "sampling_params": _sp(32, regex=pattern)}})
+            entries.append(
+                {
+                    "kind": "regex",
+                    "t": t,
+                    "stream": stream,
+                    "check": {"type": "regex", "pattern": pattern},
+                    "body": {"text": prompts.prompt(), "sampling_params": _sp(32, regex=pattern)},
+                }
+            )
         elif r < cut[2]:
             grammar, pattern = rng.choice(EBNFS)
-            entries.append({"kind": "ebnf", "t": t, "stream": stream, "check": {"type": "regex", "pattern": pattern},
-                            "body": {"text": prompts.prompt(), "sampling_params": _sp(32, ebnf=grammar)}})
+            entries.append(
+                {
+                    "kind": "ebnf",
+                    "t": t,
+                    "stream": stream,
+                    "check": {"type": "regex", "pattern": pattern},
+                    "body": {"text": prompts.prompt(), "sampling_params": _sp(32, ebnf=grammar)},
+                }
+            )
         elif r < cut[3]:
-            entries.append({"kind": "routed", "t": t, "stream": stream, "check": None,
-                            "body": {"text": prompts.prompt(), "routed_dp_rank": rng.randrange(2),
-                                     "sampling_params": _sp(rng.choice([8, 16, 32]), ignore_eos=True)}})
+            entries.append(
+                {
+                    "kind": "routed",
+                    "t": t,
+                    "stream": stream,
+                    "check": None,
+                    "body": {
+                        "text": prompts.prompt(),
+                        "routed_dp_rank": rng.randrange(2),
+                        "sampling_params": _sp(rng.choice([8, 16, 32]), ignore_eos=True),
+                    },
+                }
+            )
         else:
-            entries.append({"kind": "plain", "t": t, "stream": stream, "check": None,
-                            "body": {"text": prompts.prompt(), "sampling_params": _sp(rng.choice([8, 16, 32, 48]), ignore_eos=True)}})
+            entries.append(
+                {
+                    "kind": "plain",
+                    "t": t,
+                    "stream": stream,
+                    "check": None,
+                    "body": {
+                        "text": prompts.prompt(),
+                        "sampling_params": _sp(rng.choice([8, 16, 32, 48]), ignore_eos=True),
+                    },
+                }
+            )
     for i, e in enumerate(entries):
         e["id"] = f"r{i:05d}"
         e["t"] = round(e["t"], 4)
@@ -255,18 +391,32 @@ def load(path: str | Path) -> list[dict]:
             if "stream" in body:
                 raise TraceError(f"{where}: put 'stream' next to 'body', not inside it")
             check = e.get("check")
-            if check is not None and not (isinstance(check, dict) and (
+            if check is not None and not (
+                isinstance(check, dict)
+                and (
                     (check.get("type") == "json_schema" and isinstance(check.get("schema"), dict))
-                    or (check.get("type") == "regex" and isinstance(check.get("pattern"), str)))):
-                raise TraceError(f"{where}: 'check' must be {{'type': 'json_schema', 'schema': {{...}}}} "
-                                 f"or {{'type': 'regex', 'pattern': '...'}}")
+                    or (check.get("type") == "regex" and isinstance(check.get("pattern"), str))
+                )
+            ):
+                raise TraceError(
+                    f"{where}: 'check' must be {{'type': 'json_schema', 'schema': {{...}}}} "
+                    f"or {{'type': 'regex', 'pattern': '...'}}"
+                )
             stream = e.get("stream", False)
             if not isinstance(stream, bool):
                 raise TraceError(f"{where}: 'stream' must be true or false")
             if stream and isinstance(body["text"], list):
                 raise TraceError(f"{where}: a batch (list 'text') cannot be streamed by this replay")
-            entries.append({"id": str(e.get("id", f"l{lineno}")), "kind": str(e.get("kind", "custom")), "t": float(t),
-                            "stream": stream, "check": check, "body": body})
+            entries.append(
+                {
+                    "id": str(e.get("id", f"l{lineno}")),
+                    "kind": str(e.get("kind", "custom")),
+                    "t": float(t),
+                    "stream": stream,
+                    "check": check,
+                    "body": body,
+                }
+            )
     if not entries:
         raise TraceError(f"{path}: no trace entries")
     return sorted(entries, key=lambda e: e["t"])
@@ -314,14 +464,25 @@ def describe(entries: list[dict]) -> dict:
     kinds: dict[str, int] = {}
     for e in entries:
         kinds[e["kind"]] = kinds.get(e["kind"], 0) + items(e)
-    schemas = {json.dumps(e["check"]["schema"], sort_keys=True) for e in entries
-               if e.get("check") and e["check"]["type"] == "json_schema"}
-    spellings = {e["body"]["sampling_params"].get("json_schema") for e in entries
-                 if "json_schema" in e["body"].get("sampling_params", {})}
-    return {"entries": len(entries), "requests": sum(items(e) for e in entries), "by_kind": kinds,
-            "distinct_schemas": len(schemas), "distinct_schema_spellings": len(spellings),
-            "streaming": sum(1 for e in entries if e.get("stream")),
-            "duration_s": round(max(e["t"] for e in entries), 3)}
+    schemas = {
+        json.dumps(e["check"]["schema"], sort_keys=True)
+        for e in entries
+        if e.get("check") and e["check"]["type"] == "json_schema"
+    }
+    spellings = {
+        e["body"]["sampling_params"].get("json_schema")
+        for e in entries
+        if "json_schema" in e["body"].get("sampling_params", {})
+    }
+    return {
+        "entries": len(entries),
+        "requests": sum(items(e) for e in entries),
+        "by_kind": kinds,
+        "distinct_schemas": len(schemas),
+        "distinct_schema_spellings": len(spellings),
+        "streaming": sum(1 for e in entries if e.get("stream")),
+        "duration_s": round(max(e["t"] for e in entries), 3),
+    }
 
 
 def check_output(check: Optional[dict], text: str) -> Optional[str]:
@@ -370,8 +531,10 @@ def load_corpus(drafts=CORPUS_DRAFTS, *, with_cases: bool = False) -> list[tuple
     group with that schema]). Raises :class:`TraceError` naming the set-up step when missing."""
     root = corpus_dir()
     if not all((root / d).is_dir() for d in drafts):
-        raise TraceError(f"--corpus: the JSON Schema Test Suite is missing at {root}: run scripts/install.sh "
-                         f"(npm package {CORPUS_PACKAGE})")
+        raise TraceError(
+            f"--corpus: the JSON Schema Test Suite is missing at {root}: run scripts/install.sh "
+            f"(npm package {CORPUS_PACKAGE})"
+        )
     seen: dict[str, tuple] = {}
     for draft in drafts:
         for path in sorted((root / draft).rglob("*.json")):
@@ -504,8 +667,15 @@ def leak(check: dict, documents: list, tokenizer_dir: str) -> Optional[str]:
     return None
 
 
-def corpus_entries(n: int, entries: list[dict], *, seed: int = 0, max_new_tokens: int = JSON_MAX_NEW_TOKENS,
-                   compiles=_compiles, tokenizer_dir: Optional[str] = None) -> tuple[list[dict], dict]:
+def corpus_entries(
+    n: int,
+    entries: list[dict],
+    *,
+    seed: int = 0,
+    max_new_tokens: int = JSON_MAX_NEW_TOKENS,
+    compiles=_compiles,
+    tokenizer_dir: Optional[str] = None,
+) -> tuple[list[dict], dict]:
     """``n`` json_schema entries drawn (seeded, spread over the whole corpus) from the schemas of the
     JSON Schema Test Suite the server can hold (:func:`usable_reason`; with ``tokenizer_dir``, also
     none of the suite's own test documents of that schema may pass the grammar while failing the
@@ -533,9 +703,19 @@ def corpus_entries(n: int, entries: list[dict], *, seed: int = 0, max_new_tokens
     prompts = Prompts(rng)
     out = []
     for i, (name, draft, schema) in enumerate(chosen):
-        out.append({"id": f"c{i:05d}", "kind": "corpus", "t": round(rng.uniform(0, span), 4), "stream": False,
-                    "corpus": name, "check": {"type": "json_schema", "schema": schema, "draft": draft},
-                    "body": {"text": prompts.prompt() + "\nJSON:",
-                             "sampling_params": _sp(max_new_tokens, json_schema=json.dumps(schema))}})
+        out.append(
+            {
+                "id": f"c{i:05d}",
+                "kind": "corpus",
+                "t": round(rng.uniform(0, span), 4),
+                "stream": False,
+                "corpus": name,
+                "check": {"type": "json_schema", "schema": schema, "draft": draft},
+                "body": {
+                    "text": prompts.prompt() + "\nJSON:",
+                    "sampling_params": _sp(max_new_tokens, json_schema=json.dumps(schema)),
+                },
+            }
+        )
     info = {"corpus_schemas": len(corpus), "usable": len(usable), "drawn": len(out), "left_out": left_out}
     return out, info

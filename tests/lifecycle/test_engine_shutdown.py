@@ -1,0 +1,100 @@
+"""The offline ``sglang.Engine`` path with the plugin active leaves nothing in /dev/shm (issue 27 item 2).
+
+Real parts: stock ``sglang.Engine`` (in-process main) on the CPU DP2 harness (tiny Qwen3, tp 2, dp 2,
+DP attention, the test CPU platform), a JSON-schema request through xgrammar, stock
+``Engine.shutdown``; two Engines one after the other in the same process (the second must start with
+a run directory its children accept and be tracked on its own). Stock alone leaves 4 entries per
+Engine here (2 ``sem.mp-*``, ``sgl_shm_mq_*``, ``sglang_loads_*``); the wrapped shutdown must leave 0.
+The /dev/shm diff is taken under the server lock, so no other test server creates entries meanwhile.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from dspark_harden.devtools import lock
+from dspark_harden.devtools.server import PLATFORM_ENV, free_port
+
+
+def two_port_bases() -> list:
+    """Two free ports (each checked with the ports SGLang derives from it) far enough apart that the two
+    Engines' ranges cannot overlap."""
+    first = free_port()
+    for _ in range(50):
+        second = free_port()
+        if abs(second - first) > 1000:
+            return [str(first), str(second)]
+    raise RuntimeError("no second free port range")
+
+
+pytestmark = pytest.mark.server
+
+PROBE = textwrap.dedent("""
+    import json, os, sys
+
+    def main():
+        import sglang as sgl
+        from dspark_harden.devtools.tiny_models import ensure_model
+
+        schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"],
+                  "additionalProperties": False}
+        report = []
+        for i in range(2):
+            before = set(os.listdir("/dev/shm"))
+            # a port range of its own per Engine: the first Engine's ports stay bound in this process
+            port = int(sys.argv[1 + i])
+            eng = sgl.Engine(model_path=ensure_model("qwen3"), device="cpu", attention_backend="torch_native",
+                             sampling_backend="pytorch", disable_cuda_graph=True, max_total_tokens=8192,
+                             grammar_backend="xgrammar", constrained_json_disable_any_whitespace=True,
+                             tp_size=2, dp_size=2, enable_dp_attention=True, log_level="warning",
+                             port=port)
+            out = eng.generate("JSON:", sampling_params={"json_schema": json.dumps(schema), "max_new_tokens": 16,
+                                                         "temperature": 0})
+            during = set(os.listdir("/dev/shm")) - before
+            eng.shutdown()
+            left = sorted(set(os.listdir("/dev/shm")) - before)
+            report.append({"text": out["text"], "created": len(during), "left": left})
+        print("PROBE " + json.dumps(report), flush=True)
+
+    if __name__ == "__main__":
+        main()
+""")
+
+
+def test_two_offline_engines_in_one_process_leave_nothing_in_dev_shm(tmp_path):
+    script = tmp_path / "probe.py"
+    script.write_text(PROBE)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DSPARK_HARDEN_") and k != "PYTEST_CURRENT_TEST"}
+    env.update(
+        PLATFORM_ENV,
+        SGLANG_PLUGINS="dspark_harden",
+        HF_HUB_OFFLINE="1",
+        TRANSFORMERS_OFFLINE="1",
+        SGLANG_CPU_OMP_THREADS_BIND="0|1",
+        PYTHONUNBUFFERED="1",
+        TMPDIR=str(tmp_path),
+    )
+    with lock.server_lock():
+        r = subprocess.run(
+            [sys.executable, str(script), *two_port_bases()],
+            cwd=tmp_path,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=900,
+        )
+    lines = [ln for ln in r.stdout.splitlines() if ln.startswith("PROBE ")]
+    assert r.returncode == 0 and lines, (r.returncode, r.stdout[-2000:], r.stderr[-4000:])
+    report = json.loads(lines[-1][6:])
+    assert len(report) == 2
+    for engine in report:
+        assert engine["created"] > 0  # the tree did create shared memory: the check can see leftovers
+        assert engine["left"] == [], report
+        assert engine["text"].startswith('{"a":'), engine  # the schema constrained the answer (16 tokens: a prefix)
+    assert "dspark-harden" in r.stderr and "active in scheduler process" in r.stderr
