@@ -356,6 +356,7 @@ class MainLifecycle:
         and give the next tree a fresh private run directory (``cleanup`` removed this one), so a later
         Engine in the same process starts tracked and with a directory its children accept."""
         self.tracker = None
+        self.cleanup_incomplete = False
         if self.owns_run_dir:
             self.run_dir = records.make_run_dir()
             os.environ[records.RUN_DIR_ENV] = self.run_dir
@@ -936,6 +937,13 @@ def build_engine_shutdown(stock):
                     "dspark-harden lifecycle: Engine.shutdown removed %d leftover(s) of its tree: %s",
                     len(result["removed"]),
                     ", ".join(sorted(result["removed"]))[:400],
+                )
+            if result["kept"] or MAIN.cleanup_incomplete:
+                logger.warning(
+                    "dspark-harden lifecycle: Engine.shutdown left %d entries of its tree (cleanup %s): %s",
+                    len(result["kept"]),
+                    "cut short by its time limit" if MAIN.cleanup_incomplete else "complete",
+                    "; ".join(f"{path}: {why}" for path, why in sorted(result["why"].items()))[:800],
                 )
 
     return shutdown
