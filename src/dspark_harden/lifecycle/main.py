@@ -927,10 +927,16 @@ def build_engine_shutdown(stock):
         if getattr(self, "_attached", False) or MAIN.tracker is None:
             return stock(self)
         MAIN.scan_now()
+        # pinned before stock kills them: stock's wait counts a process whose leader is a zombie as
+        # gone while its other threads still hold its memory (proctree.live_tid)
+        handles = [h for h in map(proctree.open_handle, proctree.descendants(os.getpid())) if h is not None]
         try:
             return stock(self)
         finally:
-            result = MAIN.cleanup()
+            alive = proctree.wait_exited(handles, KILL_WAIT_S)
+            for h in handles:
+                h.close()
+            result = MAIN.cleanup(exclude={h.ident for h in alive})
             MAIN.next_tree()
             if result["removed"]:
                 logger.info(

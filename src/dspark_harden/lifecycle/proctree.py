@@ -60,6 +60,34 @@ def thread_states(pid: int) -> str:
     return "".join(out)
 
 
+def live_tid(p: ProcStat) -> Optional[int]:
+    """A live thread of process ``p``: its pid while the leader runs; while the leader is ``Z`` (it
+    exited) another thread of it that still runs; None when nothing of it is alive.
+
+    A SIGKILLed multi-threaded process often looks like that for a while: the leader is ``Z`` in
+    ``/proc/<pid>/stat`` while its other threads still tear the address space down, so its memory,
+    its files and the kernel's refusal of a write lease on them are all still there (stock
+    ``kill_process_tree`` counts such a zombie as gone; a pidfd turns readable only when the whole
+    thread group exited)."""
+    if p.state not in ("Z", "X"):
+        return p.pid
+    try:
+        tids = os.listdir(f"/proc/{p.pid}/task")
+    except OSError:
+        return None
+    for tid in tids:
+        if tid == str(p.pid):
+            continue
+        try:
+            with open(f"/proc/{p.pid}/task/{tid}/stat", "rb") as f:
+                state = f.read().rsplit(b")", 1)[1].split()[0].decode()
+        except (OSError, IndexError, UnicodeDecodeError):
+            continue
+        if state not in ("Z", "X"):
+            return int(tid)
+    return None
+
+
 def wchan(pid: int) -> str:
     try:
         with open(f"/proc/{pid}/wchan") as f:
@@ -230,7 +258,7 @@ def kill_tree(root: int, *, include_root: bool = False, skip: Iterable[int] = ()
                 if me is not None:
                     procs.insert(0, me)
             for p in procs:
-                if (p.pid, p.start) in held or p.state in ("Z", "X"):
+                if (p.pid, p.start) in held or live_tid(p) is None:
                     continue
                 h = open_handle(p)
                 if h is None:

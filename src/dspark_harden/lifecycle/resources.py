@@ -51,6 +51,10 @@ RESCAN_S = 600.0
 #: outside the tree, a process in D state is not skipped (its mappings could hold our files): its maps
 #: are read on a helper thread for at most this long; if that does not finish it counts as unreadable
 D_MAPS_WAIT_S = 0.5
+#: a write lease refused while /proc shows no holder is tried again for this long: a SIGKILLed
+#: process's last references to a file go away after /proc stops showing them (measured here under
+#: load: all 4 leftovers of an Engine refused, a lease on each granted later, nobody in /proc)
+LEASE_SETTLE_S = 5.0
 
 Key = tuple  # (st_dev, st_ino)
 
@@ -87,13 +91,25 @@ def shm_listing() -> dict[Key, str]:
     return out
 
 
-def mapped_keys(pid: int, dev: Optional[int]) -> set[Key]:
+def proc_dir(p: proctree.ProcStat) -> Optional[str]:
+    """Where the address space and the fd table of process ``p`` can be read: ``/proc/<pid>``, or for
+    an exited leader whose other threads still run, one of those threads' ``/proc/<pid>/task/<tid>``
+    (:func:`proctree.live_tid`: its own ``maps`` and ``fd`` are empty then, the threads' still show
+    every mapping); None when nothing of it is alive."""
+    tid = proctree.live_tid(p)
+    if tid is None:
+        return None
+    return f"/proc/{p.pid}" if tid == p.pid else f"/proc/{p.pid}/task/{tid}"
+
+
+def mapped_keys(pid: int, dev: Optional[int], where: Optional[str] = None) -> set[Key]:
     """Identities of the /dev/shm files ``pid`` maps (``dev`` = /dev/shm's device). By identity,
     not name: a POSIX semaphore is mapped under the temporary name sem_open() created and unlinked
     (``/dev/shm/sem.XXXXXX (deleted)``), then linked as ``sem.mp-*``; only the inode is the same.
+    ``where``: the /proc directory to read (:func:`proc_dir`), ``/proc/<pid>`` by default.
     Raises OSError (PermissionError: another user's process) when the maps cannot be read."""
     out: set[Key] = set()
-    with open(f"/proc/{pid}/maps") as f:
+    with open(f"{where or f'/proc/{pid}'}/maps") as f:
         for line in f:
             parts = line.split(None, 5)
             if len(parts) < 6:
@@ -116,13 +132,13 @@ def mapped_shm_inodes(pid: int) -> set[int]:
         return set()
 
 
-def fd_holdings(pid: int, devs: set) -> tuple[set[Key], set[int]]:
+def fd_holdings(pid: int, devs: set, where: Optional[str] = None) -> tuple[set[Key], set[int]]:
     """(identities of open files on a device in ``devs``, socket inodes) of ``pid``'s fds; raises
     OSError when its fd table cannot be read. Never touches the process's memory, and stats only
     targets under /dev/shm (a stat through another fd could block on a hung filesystem)."""
     files: set[Key] = set()
     socks: set[int] = set()
-    base = f"/proc/{pid}/fd/"
+    base = f"{where or f'/proc/{pid}'}/fd/"
     for fd in os.listdir(base):
         try:
             target = os.readlink(base + fd)
@@ -229,14 +245,15 @@ class ResourceTracker:
         live: set[Key] = set()
         sock_inodes: set[int] = set()
         for p in proctree.tree(self.root):
-            if p.state in ("Z", "X") or p.pid in skip:
+            where = proc_dir(p) if p.pid not in skip else None
+            if where is None:
                 continue
             report.processes += 1
             if deadline is not None and time.monotonic() > deadline:
                 report.skipped[p.pid] = "time limit"
                 continue
             try:
-                files, socks = fd_holdings(p.pid, devs)
+                files, socks = fd_holdings(p.pid, devs, where)
                 live |= files
                 sock_inodes |= socks
             except OSError:
@@ -245,7 +262,7 @@ class ResourceTracker:
                 report.skipped[p.pid] = "a thread is in D state"
                 continue
             try:
-                live |= mapped_keys(p.pid, dev)
+                live |= mapped_keys(p.pid, dev, where)
             except OSError:
                 pass
         listing = shm_listing()
@@ -332,14 +349,14 @@ def _exists_as(path: str, key: Key) -> bool:
         return False
 
 
-def _maps_bounded(pid: int, dev: Optional[int], timeout_s: float) -> Optional[set]:
+def _maps_bounded(pid: int, dev: Optional[int], timeout_s: float, where: Optional[str] = None) -> Optional[set]:
     """mapped_keys on a helper thread; None when the read did not finish in time (a reader
     blocked on the process's mmap lock waits killably: it goes away with this process)."""
     box: dict = {}
 
     def run():
         try:
-            box["keys"] = mapped_keys(pid, dev)
+            box["keys"] = mapped_keys(pid, dev, where)
         except BaseException as exc:  # noqa: BLE001 - handed back to the caller
             box["error"] = exc
 
@@ -383,15 +400,16 @@ def holders(candidates: dict[str, Key], exclude: set, deadline: Optional[float] 
         if not entry.isdigit():
             continue
         p = proctree.stat(int(entry))
-        if p is None or p.state in ("Z", "X"):
-            continue  # gone, or a zombie: no files, no memory
+        where = proc_dir(p) if p is not None else None
+        if where is None:
+            continue  # gone, or a zombie with no thread left: no files, no memory
         if p.pid == me or (p.pid, p.start) in exclude:
             try:
-                files, socks = fd_holdings(p.pid, devs)
+                files, socks = fd_holdings(p.pid, devs, where)
                 excluded_socks |= socks
                 out.ours |= files & by_key.keys()
                 if not _stuck(p.pid):
-                    out.ours |= mapped_keys(p.pid, dev) & by_key.keys()
+                    out.ours |= mapped_keys(p.pid, dev, where) & by_key.keys()
             except OSError:
                 pass
             continue
@@ -401,7 +419,7 @@ def holders(candidates: dict[str, Key], exclude: set, deadline: Optional[float] 
             unchecked += 1
             continue
         try:
-            files, _socks = fd_holdings(p.pid, devs)  # never blocks on the process
+            files, _socks = fd_holdings(p.pid, devs, where)  # never blocks on the process
         except PermissionError:
             unreadable[p.pid] = f"the open files of pid {p.pid} ({p.name}) cannot be read"
             files = set()
@@ -411,7 +429,7 @@ def holders(candidates: dict[str, Key], exclude: set, deadline: Optional[float] 
             out.in_use.setdefault(by_key[k], f"open in pid {p.pid} ({p.name})")
         try:
             if _stuck(p.pid):
-                maps = _maps_bounded(p.pid, dev, D_MAPS_WAIT_S)
+                maps = _maps_bounded(p.pid, dev, D_MAPS_WAIT_S, where)
                 if maps is None:
                     unreadable[p.pid] = (
                         f"pid {p.pid} ({p.name}) is in D state (blocked in the kernel) and its "
@@ -419,7 +437,7 @@ def holders(candidates: dict[str, Key], exclude: set, deadline: Optional[float] 
                     )
                     continue
             else:
-                maps = mapped_keys(p.pid, dev)
+                maps = mapped_keys(p.pid, dev, where)
         except PermissionError:
             unreadable[p.pid] = f"the mappings of pid {p.pid} ({p.name}) cannot be read"
             continue
@@ -553,57 +571,52 @@ def remove_leftovers(tracker: ResourceTracker, exclude: Iterable = (), deadline:
 
     A shared-memory file is removed only while the kernel confirms (write lease) that nobody has it
     open; when that cannot be confirmed because this process or an excluded one holds it, or leases
-    are not available, the /proc inspection decides, and it must have been complete."""
+    are not available, the /proc inspection decides, and it must have been complete. A lease refused
+    while /proc shows no holder is tried again for up to :data:`LEASE_SETTLE_S` (the killed tree's last
+    references can outlive what /proc shows of it), /proc looked at again each time."""
     exclude = set(exclude)
     exclude |= {(p.pid, p.start) for p in proctree.descendants(tracker.root)}
     candidates = tracker.candidates()
     found = holders(candidates, exclude, deadline)
     decisive = leases_count_readers()
     removed, kept, why = [], [], {}
+    unseen: dict[str, Key] = {}  # lease refused, no holder in /proc: tried again below
 
     def keep(path: str, reason: str) -> None:
         kept.append(path)
         why[path] = reason
 
-    for path in sorted(candidates):
-        key = candidates[path]
+    def attempt(path: str, key: Key, found: Holders) -> None:
         if path in found.in_use:
             keep(path, found.in_use[path])
-            continue
+            return
         if not _exists_as(path, key):  # replaced since the check: not ours any more
-            continue
+            return
         try:
             if S.S_ISSOCK(_mode(path)):
                 os.unlink(path)
                 removed.append(path)
-                continue
+                return
             outcome = _lease_and_unlink(path, key, _own_fd_for(key) if key in found.ours else None)
-            if outcome == FREE and decisive:
+            if outcome == FREE:
                 removed.append(path)
-                continue
-            if outcome == FREE:  # leases ignore read-only opens on this kernel: the /proc look decides
-                removed.append(path)
-                if found.doubt:
+                if not decisive and found.doubt:  # leases ignore read-only opens here: /proc decided
                     logger.warning(
                         "dspark-harden lifecycle: removed %s although %s (this kernel's leases do not "
                         "see read-only opens)",
                         path,
                         found.doubt,
                     )
-                continue
+                return
             if outcome == GONE:
-                continue
+                return
             if outcome == BUSY and key not in found.ours:
-                keep(
-                    path,
-                    "open in a process /proc does not show (another PID namespace or an uninspectable "
-                    "process): the kernel refused a write lease",
-                )
-                continue
+                unseen[path] = key
+                return
             # BUSY because this process or a killed one holds it, or UNSUPPORTED: /proc decides
             if found.doubt:
                 keep(path, f"may be in use: {found.doubt}")
-                continue
+                return
             if _exists_as(path, key):
                 os.unlink(path)
                 removed.append(path)
@@ -611,4 +624,34 @@ def remove_leftovers(tracker: ResourceTracker, exclude: Iterable = (), deadline:
             pass
         except OSError as exc:
             keep(path, exc.strerror or str(exc))
+
+    for path in sorted(candidates):
+        attempt(path, candidates[path], found)
+    settle_end = time.monotonic() + LEASE_SETTLE_S
+    if deadline is not None:
+        settle_end = min(settle_end, deadline)
+    pause, tries, t_settle = 0.02, 1, time.monotonic()
+    refused = len(unseen)
+    while unseen and time.monotonic() + pause < settle_end:
+        time.sleep(pause)
+        pause, tries = min(pause * 2, 0.5), tries + 1
+        retry, unseen = unseen, {}
+        again = holders(retry, exclude, deadline)
+        for path in sorted(retry):
+            attempt(path, retry[path], again)
+    if refused:
+        logger.info(
+            "dspark-harden lifecycle: %d leftover(s) refused a write lease with no holder in /proc; after %d "
+            "attempt(s) in %.0f ms %d still refused",
+            refused,
+            tries,
+            (time.monotonic() - t_settle) * 1000,
+            len(unseen),
+        )
+    for path in sorted(unseen):
+        keep(
+            path,
+            "open in a process /proc does not show (another PID namespace or an uninspectable "
+            f"process): the kernel refused a write lease {tries} time(s) in {LEASE_SETTLE_S:g} s",
+        )
     return {"removed": removed, "kept": kept, "why": why}
