@@ -155,28 +155,17 @@ def _receive_and_close(b: socket.socket) -> None:
                 os.close(fd)
 
 
-def _made(tag: str) -> str:
-    path = _name(tag)
-    fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
-    os.close(fd)
-    return path
-
-
-def test_a_lease_refused_with_no_holder_in_proc_is_tried_again_until_released():
-    path = _made("inflight")
+@pytest.fixture
+def in_flight():
+    """A fresh /dev/shm file open only in a unix socket's queue, recorded by a tracker of this
+    process's tree: ``(path, tracker, receiving_socket)``."""
+    path = _name("inflight")
+    os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600))
     a, b = _in_flight(path)
+    tracker = resources.ResourceTracker(root=os.getpid())
+    tracker.add_paths(shm=[path])
     try:
-        tracker = resources.ResourceTracker(root=os.getpid())
-        tracker.add_paths(shm=[path])
-        assert resources.holders(tracker.candidates(), set()).in_use == {}  # /proc shows nobody
-        timer = threading.Timer(0.3, _receive_and_close, (b,))
-        timer.start()
-        t0 = time.monotonic()
-        result = resources.remove_leftovers(tracker)
-        timer.join()
-        assert path in result["removed"], result
-        assert 0.25 < time.monotonic() - t0 < resources.LEASE_SETTLE_S, "removed only once released"
-        assert not os.path.exists(path)
+        yield path, tracker, b
     finally:
         a.close()
         b.close()
@@ -184,26 +173,30 @@ def test_a_lease_refused_with_no_holder_in_proc_is_tried_again_until_released():
             os.unlink(path)
 
 
-def test_a_lease_still_refused_after_the_retries_is_kept_and_says_so():
-    path = _made("held")
-    a, b = _in_flight(path)
-    try:
-        tracker = resources.ResourceTracker(root=os.getpid())
-        tracker.add_paths(shm=[path])
-        t0 = time.monotonic()
-        result = resources.remove_leftovers(tracker)
-        waited = time.monotonic() - t0
-        assert path in result["kept"], result
-        why = result["why"][path]
-        assert "the kernel refused a write lease" in why and "time(s) in" in why, why
-        assert int(why.rsplit("lease ", 1)[1].split()[0]) > 3, why  # tried again, not once
-        assert waited >= resources.LEASE_SETTLE_S - 0.6, waited
-        assert os.path.exists(path)
-    finally:
-        a.close()
-        b.close()
-        if os.path.exists(path):
-            os.unlink(path)
+def test_a_lease_refused_with_no_holder_in_proc_is_tried_again_until_released(in_flight):
+    path, tracker, b = in_flight
+    assert resources.holders(tracker.candidates(), set()).in_use == {}  # /proc shows nobody
+    timer = threading.Timer(0.3, _receive_and_close, (b,))
+    timer.start()
+    t0 = time.monotonic()
+    result = resources.remove_leftovers(tracker)
+    timer.join()
+    assert path in result["removed"], result
+    assert 0.25 < time.monotonic() - t0 < resources.LEASE_SETTLE_S, "removed only once released"
+    assert not os.path.exists(path)
+
+
+def test_a_lease_still_refused_after_the_retries_is_kept_and_says_so(in_flight):
+    path, tracker, _b = in_flight
+    t0 = time.monotonic()
+    result = resources.remove_leftovers(tracker)
+    waited = time.monotonic() - t0
+    assert path in result["kept"], result
+    why = result["why"][path]
+    assert "the kernel refused a write lease" in why and "time(s) in" in why, why
+    assert int(why.rsplit("lease ", 1)[1].split()[0]) > 3, why  # tried again, not once
+    assert waited >= resources.LEASE_SETTLE_S - 0.6, waited
+    assert os.path.exists(path)
 
 
 def test_stock_counts_a_process_whose_leader_exited_as_gone_and_a_pidfd_does_not(leader_exited):
