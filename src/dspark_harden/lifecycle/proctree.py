@@ -43,21 +43,26 @@ PR_SET_CHILD_SUBREAPER = 36
 MAX_STOP_ROUNDS = 50
 
 
-def thread_states(pid: int) -> str:
-    """The states of every thread of ``pid`` (``/proc/<pid>/stat`` shows only the leader's: a
-    worker thread blocked in a driver call is ``D`` while the leader sleeps)."""
-    out = []
+def task_states(pid: int) -> dict[int, str]:
+    """tid -> state of every thread of ``pid`` (``/proc/<pid>/task/<tid>/stat``); empty when gone."""
+    out: dict[int, str] = {}
     try:
         tids = os.listdir(f"/proc/{pid}/task")
     except OSError:
-        return ""
+        return out
     for tid in tids:
         try:
             with open(f"/proc/{pid}/task/{tid}/stat", "rb") as f:
-                out.append(f.read().rsplit(b")", 1)[1].split()[0].decode())
-        except (OSError, IndexError):
+                out[int(tid)] = f.read().rsplit(b")", 1)[1].split()[0].decode()
+        except (OSError, IndexError, ValueError):
             continue
-    return "".join(out)
+    return out
+
+
+def thread_states(pid: int) -> str:
+    """The states of every thread of ``pid`` (``/proc/<pid>/stat`` shows only the leader's: a
+    worker thread blocked in a driver call is ``D`` while the leader sleeps)."""
+    return "".join(task_states(pid).values())
 
 
 def live_tid(p: ProcStat) -> Optional[int]:
@@ -71,20 +76,9 @@ def live_tid(p: ProcStat) -> Optional[int]:
     thread group exited)."""
     if p.state not in ("Z", "X"):
         return p.pid
-    try:
-        tids = os.listdir(f"/proc/{p.pid}/task")
-    except OSError:
-        return None
-    for tid in tids:
-        if tid == str(p.pid):
-            continue
-        try:
-            with open(f"/proc/{p.pid}/task/{tid}/stat", "rb") as f:
-                state = f.read().rsplit(b")", 1)[1].split()[0].decode()
-        except (OSError, IndexError, UnicodeDecodeError):
-            continue
-        if state not in ("Z", "X"):
-            return int(tid)
+    for tid, state in task_states(p.pid).items():
+        if tid != p.pid and state not in ("Z", "X"):
+            return tid
     return None
 
 
