@@ -287,6 +287,24 @@ def test_server_command_and_environment(tmp_path, monkeypatch):
     assert "--tp-size" not in single.command() and "--enable-dp-attention" not in single.command()
 
 
+def test_server_launcher_serve_and_unknown_launcher(tmp_path):
+    """``launcher="serve"`` runs this environment's real ``sglang serve`` console script with the same
+    flags; an unknown launcher is a clear error, not a silent ``launch_server``."""
+    import dataclasses
+
+    from tests.harness.server import DP2_CONFIG, ServerError, SGLangServer
+
+    server = SGLangServer(dataclasses.replace(DP2_CONFIG, launcher="serve"))
+    server.workdir, server.port = tmp_path, 12345
+    cmd = server.command()
+    assert cmd[0] == str(Path(sys.executable).with_name("sglang")) and cmd[1] == "serve", cmd
+    assert Path(cmd[0]).read_text().count("from sglang.cli.main import main") == 1  # the stock entry point
+    assert "--enable-dp-attention" in cmd and "--model-path" in cmd
+    bad = SGLangServer(dataclasses.replace(DP2_CONFIG, launcher="sglang-run"))
+    with pytest.raises(ServerError, match="unknown launcher 'sglang-run'"):
+        bad.command()
+
+
 def test_stock_server_allow_list_loads_no_plugin():
     """What ServerConfig(plugins=None) sets really keeps dspark_harden out (unset would load it)."""
     from tests.harness.server import STOCK_PLUGINS

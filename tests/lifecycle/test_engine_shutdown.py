@@ -10,6 +10,7 @@ The /dev/shm diff is taken under the server lock, so no other test server create
 
 from __future__ import annotations
 
+import collections
 import json
 import os
 import subprocess
@@ -19,7 +20,10 @@ import textwrap
 import pytest
 
 from dspark_harden.devtools import lock
-from dspark_harden.devtools.server import PLATFORM_ENV, free_port
+from dspark_harden.devtools.server import PLATFORM_ENV, PLUGIN_ACTIVE_RE, free_port
+
+#: processes that log 'dspark-harden ... active in <role> process' across the probe's two DP2 Engines
+ENGINE_ROLES = {"main": 1, "controller": 2, "scheduler": 4, "detokenizer": 2}
 
 
 def two_port_bases() -> list:
@@ -42,8 +46,8 @@ PROBE = textwrap.dedent("""
         import sglang as sgl
         from dspark_harden.devtools.tiny_models import ensure_model
 
-        schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"],
-                  "additionalProperties": False}
+        schema = {"type": "object", "properties": {"ok": {"type": "boolean"}, "color": {"enum": ["red", "blue"]}},
+                  "required": ["ok", "color"], "additionalProperties": False}
         report = []
         for i in range(2):
             before = set(os.listdir("/dev/shm"))
@@ -54,12 +58,13 @@ PROBE = textwrap.dedent("""
                              grammar_backend="xgrammar", constrained_json_disable_any_whitespace=True,
                              tp_size=2, dp_size=2, enable_dp_attention=True, log_level="warning",
                              port=port)
-            out = eng.generate("JSON:", sampling_params={"json_schema": json.dumps(schema), "max_new_tokens": 16,
+            out = eng.generate("JSON:", sampling_params={"json_schema": json.dumps(schema), "max_new_tokens": 64,
                                                          "temperature": 0})
             during = set(os.listdir("/dev/shm")) - before
             eng.shutdown()
             left = sorted(set(os.listdir("/dev/shm")) - before)
-            report.append({"text": out["text"], "created": len(during), "left": left})
+            report.append({"text": out["text"], "finish": out["meta_info"]["finish_reason"]["type"],
+                           "created": len(during), "left": left})
         print("PROBE " + json.dumps(report), flush=True)
 
     if __name__ == "__main__":
@@ -98,5 +103,10 @@ def test_two_offline_engines_in_one_process_leave_nothing_in_dev_shm(tmp_path):
         if engine["left"]:  # the wrapper's lines name why (pytest.fail: its message is never shortened)
             why = [ln[:1500] for ln in r.stderr.splitlines() if "dspark-harden lifecycle" in ln]
             pytest.fail(f"left {engine['left']} of {report}; lifecycle log: " + "\n".join(why or ["(none)"]))
-        assert engine["text"].startswith('{"a":'), engine  # the schema constrained the answer (16 tokens: a prefix)
-    assert "dspark-harden" in r.stderr and "active in scheduler process" in r.stderr
+        assert engine["finish"] == "stop", engine  # the schema's grammar ended the answer
+        value = json.loads(engine["text"])
+        assert sorted(value) == ["color", "ok"] and isinstance(value["ok"], bool), engine
+    # the plugin bound in every process of both trees: the caller's own process once (it is the main
+    # process of both Engines), and each Engine's DP controller, two schedulers and detokenizer
+    roles = collections.Counter(m.group(1) for m in PLUGIN_ACTIVE_RE.finditer(r.stderr))
+    assert dict(roles) == ENGINE_ROLES, (dict(roles), r.stderr[-4000:])

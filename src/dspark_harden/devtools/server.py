@@ -217,6 +217,9 @@ class ServerConfig:
     #: SGLANG_PLUGINS value; None: stock SGLang, no general plugin at all (see STOCK_PLUGINS)
     plugins: Optional[str] = "dspark_harden"
     name: str = "sglang"
+    #: the stock entry point: "launch_server" (``python -m sglang.launch_server``) or "serve" (the
+    #: ``sglang serve`` console script of this interpreter's environment)
+    launcher: str = "launch_server"
 
     @property
     def ranks(self) -> int:
@@ -231,6 +234,18 @@ class ServerConfig:
 
 #: The configuration every e2e test shares: DeepseekV3 (MLA + MoE), DP2 attention over TP2.
 DP2_CONFIG = ServerConfig(arch="deepseek_v3", dp_size=2, tp_size=2, dp_attention=True, name="dp2")
+
+
+def launcher_command(launcher: str) -> list:
+    """The argv prefix that starts SGLang through ``launcher`` (see :attr:`ServerConfig.launcher`)."""
+    if launcher == "launch_server":
+        return [sys.executable, "-m", "sglang.launch_server"]
+    if launcher == "serve":
+        script = Path(sys.executable).with_name("sglang")
+        if not script.is_file():
+            raise ServerError(f"no 'sglang' console script beside {sys.executable}: is sglang installed here?")
+        return [str(script), "serve"]
+    raise ServerError(f"unknown launcher {launcher!r} (launch_server or serve)")
 
 
 def model_path(config: ServerConfig) -> str:
@@ -305,9 +320,7 @@ class SGLangServer:
     def command(self) -> list[str]:
         c = self.config
         cmd = [
-            sys.executable,
-            "-m",
-            "sglang.launch_server",
+            *launcher_command(c.launcher),
             "--model-path",
             model_path(c),
             "--host",
