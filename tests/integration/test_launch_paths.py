@@ -10,18 +10,15 @@ path is tests/lifecycle/test_engine_shutdown.py. One server start (~1 min on 2 c
 
 from __future__ import annotations
 
-import collections
 import dataclasses
-import json
 import os
 import signal
 import sys
-import time
 
 import pytest
 
 from tests.harness.server import SGLangServer
-from tests.integration.test_server_plugin import BOUNDED_SCHEMA, DP2_ROLES
+from tests.integration.test_server_plugin import answer_bounded_json, assert_plugin_in_every_role
 from tests.lifecycle import drills as D
 
 pytestmark = [pytest.mark.server, pytest.mark.timeout(1200)]
@@ -32,34 +29,13 @@ def test_sglang_serve_binds_every_role_answers_json_and_exits_clean():
     shm_before = D.shm_entries()
     server = SGLangServer(config).start()
     try:
-        assert server.command()[1] == "serve" and os.path.basename(server.command()[0]) == "sglang"
-        roles = collections.Counter(server.plugin_roles())
-        assert dict(roles) == DP2_ROLES, (
-            f"sglang serve: expected one 'dspark-harden ... active in <role> process' line per process "
-            f"{DP2_ROLES}, found {dict(roles)}\n{server.log_tail(8000)}"
-        )
+        cmd = server.command()
+        assert cmd[1] == "serve" and os.path.basename(cmd[0]) == "sglang", cmd
+        assert_plugin_in_every_role(server)
         for rank in (0, 1):
-            out = server.generate(
-                "Answer in JSON:",
-                max_new_tokens=64,
-                routed_dp_rank=rank,
-                sampling_params={"json_schema": json.dumps(BOUNDED_SCHEMA)},
-            )
-            assert out["meta_info"]["finish_reason"]["type"] == "stop", out["meta_info"]
-            assert out["meta_info"]["dp_rank"] == rank, out["meta_info"]
-            value = json.loads(out["text"])
-            assert set(value) == set(BOUNDED_SCHEMA["required"]), value
-            assert isinstance(value["ok"], bool) and value["color"] in ("red", "green", "blue"), value
-        log_offset = len(server.log_text())
-        t_event = time.monotonic()
-        os.kill(server.pid, signal.SIGTERM)
-        drill = D.finish(
-            D.Drill("sglang serve SIGTERM"),
-            server,
-            shm_before=shm_before,
-            log_offset=log_offset,
-            t_event=t_event,
-            load=None,
+            answer_bounded_json(server, rank)
+        drill = D.signal_drill(
+            server, "sglang serve SIGTERM", target="main", sig=signal.SIGTERM, lengths=None, shm_before=shm_before
         )
     finally:
         server.stop()

@@ -37,12 +37,18 @@ BOUNDED_SCHEMA = {
 }
 
 
-def test_plugin_active_in_every_process_role(dp2_server):
-    roles = collections.Counter(dp2_server.plugin_roles())
+def assert_plugin_in_every_role(server) -> None:
+    """One 'dspark-harden ... active in <role> process' line per process of a DP2 server (shared by every
+    launch path's test)."""
+    roles = collections.Counter(server.plugin_roles())
     assert dict(roles) == DP2_ROLES, (
         f"expected one 'dspark-harden ... active in <role> process' line per process {DP2_ROLES}, "
-        f"found {dict(roles)}\n{dp2_server.log_tail(8000)}"
+        f"found {dict(roles)}\n{server.log_tail(8000)}"
     )
+
+
+def test_plugin_active_in_every_process_role(dp2_server):
+    assert_plugin_in_every_role(dp2_server)
 
 
 def test_plain_generate(dp2_server):
@@ -69,20 +75,28 @@ def test_routed_dp_rank_out_of_range_is_rejected(dp2_server):
     assert r.status_code == 400, (r.status_code, r.text[:500])
 
 
-@pytest.mark.parametrize("rank", [0, 1])
-def test_json_schema_constrained_output_parses_and_matches(dp2_server, rank):
-    out = dp2_server.generate(
+def answer_bounded_json(server, rank: int) -> dict:
+    """A BOUNDED_SCHEMA request routed to DP rank ``rank``; asserts the answer finished, came from that
+    rank and is JSON of the schema (shared by every launch path's test)."""
+    out = server.generate(
         "Answer in JSON:",
         max_new_tokens=64,
         routed_dp_rank=rank,
         sampling_params={"json_schema": json.dumps(BOUNDED_SCHEMA)},
     )
     assert out["meta_info"]["finish_reason"]["type"] == "stop", out["meta_info"]["finish_reason"]
+    assert out["meta_info"]["dp_rank"] == rank, out["meta_info"]
     value = json.loads(out["text"])
     assert set(value) == {"ok", "color", "size"}
     assert isinstance(value["ok"], bool)
     assert value["color"] in ("red", "green", "blue")
     assert value["size"] in (1, 2, 3)
+    return value
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_json_schema_constrained_output_parses_and_matches(dp2_server, rank):
+    answer_bounded_json(dp2_server, rank)
 
 
 def test_server_metrics_carry_dp_rank(dp2_server):

@@ -218,17 +218,19 @@ def signal_drill(
     *,
     target: str,
     sig: int,
-    lengths: list,
-    wait_for: int,
+    lengths: Optional[list],
+    wait_for: int = 0,
     probes=None,
     exit_timeout: float = 90.0,
     shm_before: set,
 ) -> Drill:
-    """Start ``lengths`` requests, wait until ``wait_for`` are in the schedulers, send ``sig`` to
-    ``target`` ("main" or a process title prefix), run ``probes(server, drill)`` right after, then
-    :func:`finish`."""
-    load = Load(server, lengths).start()
-    wait_in_flight(server, wait_for)
+    """Start ``lengths`` requests (None: none), wait until ``wait_for`` are in the schedulers, send
+    ``sig`` to ``target`` ("main" or a process title prefix), run ``probes(server, drill)`` right after,
+    then :func:`finish`."""
+    load = None
+    if lengths is not None:
+        load = Load(server, lengths).start()
+        wait_in_flight(server, wait_for)
     log_offset = len(server.log_text())
     pid = server.pid if target == "main" else server.process_titled(target)
     drill = Drill(name)
