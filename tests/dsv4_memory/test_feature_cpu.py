@@ -5,7 +5,10 @@ The pool and in-place kernels need CUDA: tests/gpu/test_dsv4_memory_gpu.py runs 
 
 from __future__ import annotations
 
+import pathlib
 import random
+import shutil
+import subprocess
 
 import pytest
 import torch
@@ -34,6 +37,8 @@ def test_declared_fingerprints_match_the_installed_sources():
         (S.Q_B_TARGET, S.Q_B_FINGERPRINT),
         (S.PREFILL_PLAN_TARGET, S.PREFILL_PLAN_FINGERPRINT),
         (S.DECODE_PLAN_TARGET, S.DECODE_PLAN_FINGERPRINT),
+        (S.METADATA_TARGET, S.METADATA_FINGERPRINT),
+        (S.METADATA_OUT_GRAPH_TARGET, S.METADATA_OUT_GRAPH_FINGERPRINT),
     ]:
         assert source_fingerprint(target) == fp, target
     patched = F.patches(Role.SCHEDULER, _settings(**{S.POOL: 1, S.QNORM: 1, S.GUARDS: 1}))
@@ -45,6 +50,8 @@ def test_declared_fingerprints_match_the_installed_sources():
             S.Q_B_TARGET,
             S.PREFILL_PLAN_TARGET,
             S.DECODE_PLAN_TARGET,
+            S.METADATA_TARGET,
+            S.METADATA_OUT_GRAPH_TARGET,
         ]
     )
     assert F.patches(Role.SCHEDULER, _settings()) == [] and F.patches(Role.MAIN, _settings(**{S.POOL: 1})) == []
@@ -61,6 +68,7 @@ def test_declared_fingerprints_match_the_installed_sources():
         (S.POOL_TOKENS, "8k"),
         (S.POOL_SLOTS, "0"),
         (S.POOL_SLOTS, "5"),
+        (S.GUARDS_SYNC, "yes"),
     ],
 )
 def test_bad_values_are_rejected_by_name(name, bad):
@@ -194,14 +202,21 @@ def test_planner_guard_passes_every_valid_geometry_and_names_each_violation():
         assert probs and any(frag in p for p in probs), (frag, probs)
 
 
-def test_guarded_generate_refuses_before_the_planner_launches():
-    """The planner kernels need CUDA; here the stock ``generate`` is a recorder standing in for the
-    launch, to show the guard raises before it and passes valid plans straight through."""
-    launched = []
-    gen = PL.unwrap(PL.build_prefill_generate(lambda *a: launched.append(a) or "plan", lambda ok: None))
-    g = _valid_prefill(random.Random(3))
-    g["compress_ratio"], g["ring_size"] = 4, 128
-    args = [
+def test_kernel_sources_the_guard_copies_match_and_drift_is_refused(monkeypatch):
+    """The installed c_plan.cuh (copied into guarded_c_plan.cuh) and c128_online_v2.cuh / generate_online
+    (documented as reading no req_to_token) match their recorded digests; a changed digest is named, and
+    DSPARK_HARDEN_ALLOW_DRIFT skips exactly what it names."""
+    assert F.kernel_source_drift() == []
+    monkeypatch.setitem(S.KERNEL_SOURCES, "deepseek_v4/c_plan.cuh", "0" * 16)
+    monkeypatch.setitem(S.ONLINE_PLAN_SOURCES, next(iter(S.ONLINE_PLAN_SOURCES)), "1" * 16)
+    drifted = F.kernel_source_drift()
+    assert len(drifted) == 2 and "c_plan.cuh (expected 0000000000000000, found ece03178ec400098)" in drifted[0]
+    assert "generate_online" in drifted[1]
+    assert len(F.kernel_source_drift(("deepseek_v4/c_plan.cuh",))) == 1 and F.kernel_source_drift(("all",)) == []
+
+
+def _plan_args(g):
+    return [
         g[k]
         for k in (
             "compress_ratio",
@@ -215,10 +230,64 @@ def test_guarded_generate_refuses_before_the_planner_launches():
             "num_q_tokens",
         )
     ]
+
+
+def test_guarded_generate_refuses_before_the_planner_launches():
+    """The planner kernels need CUDA; here the device-guarded ``generate`` is a recorder standing in for the
+    launch, to show the host checks that need no device read (shapes, host lengths) raise before it, a
+    violation an earlier plan published (the pending-report reader, a stand-in) raises before it, and valid
+    plans pass straight through to it -- never to stock."""
+    launched, pending = [], []
+
+    def check_pending(device=None):
+        if pending:
+            raise PL.PlannerBoundsError(pending.pop())
+
+    gen = PL.unwrap(
+        PL.build_prefill_generate(
+            lambda *a: pytest.fail("stock planner called"),
+            lambda ok: None,
+            device_generate=lambda *a: launched.append(a) or "plan",
+            check_pending=check_pending,
+        )
+    )
+    g = _valid_prefill(random.Random(3))
+    g["compress_ratio"], g["ring_size"] = 4, 128
+    args = _plan_args(g)
     assert gen(*args) == "plan" and len(launched) == 1
     args[8] = g["num_q_tokens"] - 1
     with pytest.raises(PL.PlannerBoundsError, match="refused before launch.*more than num_q_tokens"):
         gen(*args)
+    args[8] = g["num_q_tokens"]
+    pending.append("device-side guard: a full_to_state read outside its allocation")
+    with pytest.raises(PL.PlannerBoundsError, match="device-side guard"):
+        gen(*args)
+    assert len(launched) == 1
+    assert gen(*args) == "plan" and len(launched) == 2
+
+
+def test_device_data_checks_run_only_in_the_sync_mode(monkeypatch):
+    """Without ``sync_checks`` nothing reads the planner's device inputs on the host (a bad row index is
+    left to the device guard: the plan is launched); with it the same plan is refused before launch."""
+    launched = []
+    g = _valid_prefill(random.Random(4))
+    g["compress_ratio"], g["ring_size"] = 4, 128
+    args = _plan_args({**g, "req_pool_indices": g["req_pool_indices"] + 1000})
+    for sync in (False, True):
+        gen = PL.unwrap(
+            PL.build_prefill_generate(
+                None,
+                lambda ok: None,
+                device_generate=lambda *a: launched.append(a) or "plan",
+                check_pending=lambda device=None: None,
+                sync_checks=sync,
+            )
+        )
+        if sync:
+            with pytest.raises(PL.PlannerBoundsError, match="outside req_to_token's"):
+                gen(*args)
+        else:
+            assert gen(*args) == "plan"
     assert len(launched) == 1
 
 
@@ -336,38 +405,36 @@ def test_q8kv8_reservation_hands_out_slices_refuses_held_slots_and_bad_geometry(
     del o2
 
 
-def test_captured_decode_plans_record_the_device_guard_and_eager_checks_read_its_flag(monkeypatch):
-    """Routing only (the guarded kernel itself runs in tests/gpu against SGLang's JIT): while a CUDA graph
-    is being captured the decode guard records ``device_generate`` instead of stock, and afterwards every
-    eager guarded plan reads the device flag (here a recorder standing in for the CUDA read) before it
-    launches, so a flag a replay set fails the next eager plan naming the reason."""
-    from dspark_harden.dsv4_memory import planner_device
+def test_every_decode_plan_runs_the_device_guard_and_reads_its_report_outside_capture(monkeypatch):
+    """Routing only (the guarded kernels run in tests/gpu against SGLang's JIT): eager or while a graph is
+    being captured, the decode wrapper launches ``device_generate`` and never stock; outside a capture it
+    first reads the device guard's report, so a violation a replay published fails the next plan naming
+    the reason; during a capture it reads nothing (no raise inside a capture)."""
+    recorded, reads = [], []
+    pending = ["device-side guard: a req_to_token read outside its allocation"]
 
-    recorded, launched = [], []
-    monkeypatch.setattr(PL, "CALLS", dict(PL.CALLS, device_guarded_captures=0))
+    def check_pending(device=None):
+        reads.append(device)
+        if pending:
+            raise PL.PlannerBoundsError(pending.pop())
+
     gen = PL.unwrap(
         PL.build_decode_generate(
-            lambda *a: launched.append(a) or "stock-plan",
+            lambda *a: pytest.fail("stock planner called"),
             lambda ok: None,
             device_generate=lambda *a: recorded.append(a) or "guarded-plan",
+            check_pending=check_pending,
         )
     )
     g = _valid_prefill(random.Random(5))
     args = [4, g["req_pool_indices"], g["req_to_token"], g["full_to_state"], g["seq_lens"], 256, 128]
     monkeypatch.setattr(PL, "_capturing", lambda: True)
-    assert gen(*args) == "guarded-plan" and len(recorded) == 1 and not launched
+    assert gen(*args) == "guarded-plan" and len(recorded) == 1 and not reads
     monkeypatch.setattr(PL, "_capturing", lambda: False)
-    flag = {"set": True}
-
-    def check(device=None):
-        if flag.pop("set", False):
-            raise PL.PlannerBoundsError("device-side guard: a req_to_token read outside its allocation")
-
-    monkeypatch.setattr(planner_device, "check", check)
     with pytest.raises(PL.PlannerBoundsError, match="device-side guard"):
         gen(*args)
-    assert not launched
-    assert gen(*args) == "stock-plan" and len(launched) == 1
+    assert len(recorded) == 1
+    assert gen(*args) == "guarded-plan" and len(recorded) == 2 and len(reads) == 2
 
 
 @pytest.mark.forked
@@ -396,3 +463,47 @@ def test_pool_capacity_covers_the_largest_prefill_graph_bucket_of_the_published_
         SparsePrefillPoolError, match=f"=8192 cannot hold the largest prefill CUDA-graph bucket \\({want} tokens\\)"
     ):
         F.pool_capacity(_settings(**{S.POOL: 1, S.POOL_TOKENS: 8192}), sa, want)
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc (the CUDA toolkit; no GPU needed)")
+def test_guarded_planner_compiles_against_the_installed_stock_header(tmp_path):
+    """What SGLang's JIT would build on a GPU host, compiled here without one: the translation unit made by
+    SGLang's own ``_wrapper_source`` for ``planner_device._module()``'s two wrappers, against the installed
+    ``c_plan.cuh`` and tvm-ffi headers, for sm_90a (the H200). Catches a copy that no longer matches the
+    stock structs it includes. It does not run the kernels (tests/gpu does, on the H200)."""
+    import tvm_ffi
+    from sglang.kernels.jit.utils.compile.paths import KERNEL_PATH
+    from sglang.kernels.jit.utils.compile.spec import _wrapper_source
+
+    from dspark_harden.dsv4_memory import planner_device as PD
+
+    unit = tmp_path / "cuda.cu"
+    unit.write_text(
+        _wrapper_source(
+            (str(PD.CSRC),),
+            (
+                ("plan_decode_guarded", "plan_compress_decode_guarded"),
+                ("plan_prefill_guarded", "plan_compress_prefill_guarded"),
+            ),
+        )
+    )
+    cmd = [
+        "nvcc",
+        "-Xcompiler",
+        "-fPIC",
+        "-gencode=arch=compute_90a,code=sm_90a",
+        "-DSGL_CUDA_ARCH=900",
+        "-std=c++20",
+        "-O3",
+        "--expt-relaxed-constexpr",
+        f"-I{pathlib.Path(tvm_ffi.__file__).parent / 'include'}",
+        f"-I{KERNEL_PATH / 'include'}",
+        f"-I{KERNEL_PATH / 'csrc'}",
+        "-c",
+        str(unit),
+        "-o",
+        str(tmp_path / "cuda.o"),
+    ]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert (tmp_path / "cuda.o").stat().st_size > 0

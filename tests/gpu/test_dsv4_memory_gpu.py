@@ -468,65 +468,301 @@ def _gen_args(g):
     ]
 
 
+def _sorted_rows(t):
+    """The GPU-input planner appends entries with atomicAdd: their order is not deterministic."""
+    return sorted(bytes(r) for r in t.cpu().numpy())
+
+
+def _same_prefill_plan(a, b, gpu_lens):
+    for x, y in ((a.plan_c, b.plan_c), (a.plan_w, b.plan_w)):
+        if x.shape != y.shape or not (_sorted_rows(x) == _sorted_rows(y) if gpu_lens else torch.equal(x, y)):
+            return False
+    return True
+
+
 @pytest.mark.parametrize("gpu_lens", [False, True], ids=["cpu-lens", "gpu-lens"])
 def test_planner_guards_pass_valid_plans_bit_for_bit_and_refuse_bad_ones(gpu_lens):
+    """The wrapped ``CompressorPrefillPlan.generate`` (device-side guarded planner, guarded_c_plan.cuh via
+    SGLang's JIT) against the real stock one: 40 random valid geometries (b 1..16, 2048 int32 columns, c4
+    and c128, host or device int64 lengths) give stock's plan (byte-identical with host lengths, the same
+    multiset of entries with device lengths) and publish no violation; crafted violations are refused on
+    the host before launch where the host can see them (host lengths; the sync mode) and otherwise reported
+    by the device guard naming the reason; per-call time stock / device guard / sync mode."""
     from sglang.kernels.ops.attention.dsv4.compress import CompressorPrefillPlan
 
     from dspark_harden.dsv4_memory import planner as PL
+    from dspark_harden.dsv4_memory import planner_device as PD
 
     stock = CompressorPrefillPlan.generate
     guarded = PL.unwrap(PL.build_prefill_generate(stock, lambda ok: None))
+    synced = PL.unwrap(PL.build_prefill_generate(stock, lambda ok: None, sync_checks=True))
+    PD.ensure_state()
+    PD.check()
     rng = random.Random(17 + gpu_lens)
-
-    def rows(t):  # the GPU-input planner appends entries with atomicAdd: their order is not deterministic
-        return sorted(bytes(r) for r in t.cpu().numpy()) if gpu_lens else t
-
-    for _ in range(40):
+    for i in range(40):
         g = _plan_inputs(rng, gpu_lens=gpu_lens)
+        if gpu_lens and i % 4 == 0:  # zero-length entries (padding / sentinels): legal on the GPU path
+            ext = g["extend_lens"].clone()
+            ext[::3] = 0
+            if int(ext.sum()) == 0:
+                ext[-1] = 1
+            g["extend_lens"], g["num_q_tokens"] = ext, max(int(ext.sum()), len(ext))
         a = stock(*_gen_args(g))
         b = guarded(*_gen_args(g))
         torch.cuda.synchronize()
-        for x, y in ((a.plan_c, b.plan_c), (a.plan_w, b.plan_w)):
-            assert x.shape == y.shape and (rows(x) == rows(y) if gpu_lens else torch.equal(x, y))
+        assert _same_prefill_plan(a, b, gpu_lens), i
+        PD.check()  # nothing published for a valid plan
     g = _plan_inputs(rng, gpu_lens=gpu_lens)
     g["compress_ratio"], g["ring_size"] = 4, 128
-    bad = {
-        "more than num_q_tokens": dict(num_q_tokens=g["num_q_tokens"] - 1),
-        "outside req_to_token's": dict(req_pool_indices=g["req_pool_indices"] + 4096),
-        "outside full_to_state": dict(full_to_state=g["full_to_state"][:16]),
+    bad = {  # change -> (host message, device message)
+        "num_q": (
+            dict(num_q_tokens=g["num_q_tokens"] - 1),
+            "more than num_q_tokens",
+            "adding up to more than num_q_tokens",
+        ),
+        "rid": (dict(req_pool_indices=g["req_pool_indices"] + 4096), "outside req_to_token's", "req_to_token read"),
+        "f2s": (dict(full_to_state=g["full_to_state"][:16]), "outside full_to_state", "full_to_state read"),
     }
-    for frag, change in bad.items():
-        with pytest.raises(PL.PlannerBoundsError, match=frag):
-            guarded(*_gen_args({**g, **change}))
-    # overhead per call: median of alternating blocks, guarded vs stock
-    times = {"stock": [], "guarded": []}
+    seen = {}
+    for name, (change, host_msg, device_msg) in bad.items():
+        with pytest.raises(PL.PlannerBoundsError, match=host_msg):
+            synced(*_gen_args({**g, **change}))
+        if not gpu_lens and name == "num_q":  # host lengths: refused on the host without a sync
+            with pytest.raises(PL.PlannerBoundsError, match="refused before launch.*" + host_msg):
+                guarded(*_gen_args({**g, **change}))
+            continue
+        guarded(*_gen_args({**g, **change}))  # launched: clamped / planned empty on the device
+        with pytest.raises(PL.PlannerBoundsError, match="device-side guard.*" + device_msg):
+            PD.check()
+        seen[name] = device_msg
+    if gpu_lens:  # a batch over num_q_tokens is planned empty: nothing appended past the buffers
+        over = guarded(*_gen_args({**g, "num_q_tokens": g["num_q_tokens"] - 1}))
+        torch.cuda.synchronize()
+        assert bool((over.plan_c.view(torch.int32)[:, 0] == -1).all()), "an over-full batch planned entries"
+        with pytest.raises(PL.PlannerBoundsError):
+            PD.check()
+    # overhead per call: median of alternating blocks
+    times = {"stock": [], "guarded": [], "sync_mode": []}
     for _ in range(5):
-        for name, fn in (("stock", stock), ("guarded", guarded)):
+        for name, fn in (("stock", stock), ("guarded", guarded), ("sync_mode", synced)):
             for _ in range(20):
                 torch.cuda.synchronize()
                 t0 = time.perf_counter()
                 fn(*_gen_args(g))
                 torch.cuda.synchronize()
                 times[name].append(time.perf_counter() - t0)
+    PD.check()
     med = {k: round(statistics.median(v) * 1e6, 1) for k, v in times.items()}
-    _report(f"planner_generate_us_{'gpu' if gpu_lens else 'cpu'}_lens", med)
+    _report(f"planner_generate_us_{'gpu' if gpu_lens else 'cpu'}_lens", dict(med, device_reported=sorted(seen)))
 
 
 def test_decode_planner_guard():
+    """The wrapped ``CompressorDecodePlan.generate``: the stock plan for valid input; a sequence past the
+    columns is reported by the device guard after the launch (no sync in the call), refused before the
+    launch in the sync mode."""
     from sglang.kernels.ops.attention.dsv4.compress import CompressorDecodePlan
 
     from dspark_harden.dsv4_memory import planner as PL
+    from dspark_harden.dsv4_memory import planner_device as PD
 
     stock = CompressorDecodePlan.generate
     guarded = PL.unwrap(PL.build_decode_generate(stock, lambda ok: None))
+    synced = PL.unwrap(PL.build_decode_generate(stock, lambda ok: None, sync_checks=True))
+    PD.ensure_state()
+    PD.check()
     rng = random.Random(3)
     g = _plan_inputs(rng, gpu_lens=True)
     args = [4, g["req_pool_indices"], g["req_to_token"], g["full_to_state"], g["seq_lens"], 256, 128]
     a, b = stock(*args), guarded(*args)
     assert torch.equal(a.plan_d, b.plan_d)
+    PD.check()
     args[4] = g["seq_lens"] + 4096
-    with pytest.raises(PL.PlannerBoundsError, match="columns"):
-        guarded(*args)
+    with pytest.raises(PL.PlannerBoundsError, match="refused before launch.*columns"):
+        synced(*args)
+    guarded(*args)
+    with pytest.raises(PL.PlannerBoundsError, match="req_to_token read outside its allocation"):
+        PD.check()
+
+
+def test_guarded_plans_do_not_synchronize_and_the_report_needs_no_sync():
+    """With 50 ms of GPU work queued ahead (``torch.cuda._sleep``), a guarded eager decode plan and a
+    guarded GPU-input prefill plan return while that work is still running (an event recorded before
+    them is not complete), and so does the sync mode's negative control only after it finished; a bad
+    plan's report reaches the host without any sync: ``check_pending`` (a host memory read) raises
+    within 2 s of polling after the GPU drains."""
+    from sglang.kernels.ops.attention.dsv4.compress import CompressorDecodePlan, CompressorPrefillPlan
+
+    from dspark_harden.dsv4_memory import planner as PL
+    from dspark_harden.dsv4_memory import planner_device as PD
+
+    PD.ensure_state()
+    PD.check()
+    rng = random.Random(5)
+    g = _plan_inputs(rng, gpu_lens=True)
+    dargs = [4, g["req_pool_indices"], g["req_to_token"], g["full_to_state"], g["seq_lens"], 256, 128]
+    gargs = _gen_args({**g, "compress_ratio": 4, "ring_size": 128})
+    dec = PL.unwrap(PL.build_decode_generate(CompressorDecodePlan.generate, lambda ok: None))
+    pre = PL.unwrap(PL.build_prefill_generate(CompressorPrefillPlan.generate, lambda ok: None))
+    dec_sync = PL.unwrap(PL.build_decode_generate(CompressorDecodePlan.generate, lambda ok: None, sync_checks=True))
+    dec(*dargs), pre(*gargs)  # JIT and allocator warm
+    torch.cuda.synchronize()
+    cycles = 50_000_000  # ~25-50 ms on an H200
+
+    def returns_before_the_gpu(fn, args):
+        ahead = torch.cuda.Event()
+        torch.cuda._sleep(cycles)
+        ahead.record()
+        fn(*args)
+        busy = not ahead.query()
+        torch.cuda.synchronize()
+        return busy
+
+    assert returns_before_the_gpu(dec, dargs), "the guarded decode plan waited for the GPU"
+    assert returns_before_the_gpu(pre, gargs), "the guarded prefill plan waited for the GPU"
+    assert not returns_before_the_gpu(dec_sync, dargs), "negative control: the sync mode must wait"
+    bad = list(dargs)
+    bad[4] = g["seq_lens"] + 4096
+    torch.cuda._sleep(cycles)
+    dec(*bad)
+    t0 = time.perf_counter()
+    with pytest.raises(PL.PlannerBoundsError, match="req_to_token read outside its allocation"):
+        while time.perf_counter() - t0 < 2.0:
+            PD.check_pending()
+            time.sleep(0.001)
+    waited = time.perf_counter() - t0
+    _report("guard_report_without_sync", {"seconds_until_reported": round(waited, 4)})
+
+
+def test_device_guarded_prefill_plan_captured_and_replayed():
+    """The GPU-input prefill plan (the prefill-graph path) captured through the wrapper in a CUDA graph
+    with static inputs (b=32, 2048 int32 columns, num_q bucket 1024, c4): replayed with new valid
+    lengths, underfilled buckets and zero-length entries it equals the stock plan computed eagerly on the
+    same inputs (multiset of entries) with nothing reported; replays with lengths past the bucket, an
+    extend longer than its sequence, a request row past req_to_token or locations past full_to_state are
+    reported after the replay naming the reason, and the over-full replay planned no entry."""
+    from sglang.kernels.ops.attention.dsv4.compress import CompressorPrefillPlan
+
+    from dspark_harden.dsv4_memory import planner as PL
+    from dspark_harden.dsv4_memory import planner_device as PD
+
+    stock = CompressorPrefillPlan.generate
+    guarded = PL.unwrap(PL.build_prefill_generate(stock, lambda ok: None))
+    PD.ensure_state()
+    PD.check()
+    rng = random.Random(77)
+    b, rows, cols, n_full, bucket = 32, 48, 2048, 1 << 16, 1024
+    s_rid = torch.zeros(b, dtype=torch.int64, device=DEV)
+    s_seq = torch.ones(b, dtype=torch.int64, device=DEV)
+    s_ext = torch.ones(b, dtype=torch.int64, device=DEV)
+    s_r2t = torch.zeros((rows, cols), dtype=torch.int32, device=DEV)
+    s_f2s = torch.zeros(n_full, dtype=torch.int64, device=DEV)
+
+    def fill(total=None, zeros=False):
+        s_rid.copy_(torch.tensor(rng.sample(range(rows), b), dtype=torch.int64))
+        s_r2t.copy_(torch.randint(0, n_full, (rows, cols), dtype=torch.int32))
+        s_f2s.copy_(torch.randperm(n_full))
+        total = total or rng.randint(b, bucket)
+        ext = [1] * b
+        for _ in range(total - b):
+            ext[rng.randrange(b)] += 1
+        if zeros:
+            for j in range(0, b, 5):
+                ext[j] = 0
+        seq = [e + rng.randint(0, cols - 1 - e) for e in ext]
+        s_ext.copy_(torch.tensor(ext, dtype=torch.int64))
+        s_seq.copy_(torch.tensor(seq, dtype=torch.int64))
+
+    def args():
+        return [4, s_rid, s_seq, s_ext, s_r2t, s_f2s, 256, 128, bucket, True]
+
+    fill()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        guarded(*args())
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = guarded(*args())
+    for k in range(8):
+        fill(total=bucket if k == 0 else None, zeros=k % 3 == 2)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert _same_prefill_plan(captured, stock(*args()), True), k
+        PD.check()
+    cases = []
+    fill(total=bucket)
+    s_ext[0] += 5  # 5 tokens past the bucket
+    s_seq[0] += 5
+    graph.replay()
+    torch.cuda.synchronize()
+    assert bool((captured.plan_c.view(torch.int32)[:, 0] == -1).all()), "over-full replay planned entries"
+    assert bool((captured.plan_w.view(torch.int32)[:, 0] == -1).all())
+    with pytest.raises(PL.PlannerBoundsError, match="adding up to more than num_q_tokens"):
+        PD.check()
+    cases.append("num_q")
+    fill()
+    s_ext[1] = s_seq[1] + 3
+    graph.replay()
+    with pytest.raises(PL.PlannerBoundsError, match="extend length < 0 or larger than its sequence"):
+        PD.check()
+    cases.append("lens")
+    fill()
+    s_rid[2] = rows + 100
+    graph.replay()
+    with pytest.raises(PL.PlannerBoundsError, match="req_to_token read outside its allocation"):
+        PD.check()
+    cases.append("r2t")
+    fill()
+    s_r2t[int(s_rid[3])].fill_(n_full + 9)
+    graph.replay()
+    with pytest.raises(PL.PlannerBoundsError, match="full_to_state read outside its allocation"):
+        PD.check()
+    cases.append("f2s")
+    fill()
+    graph.replay()
+    PD.check()
+    _report("device_guarded_prefill_replay", {"valid_replays": 8, "caught": cases})
+
+
+def test_metadata_report_wrapper_fails_the_next_step_after_a_bad_replay():
+    """``build_metadata_report`` around a stand-in forward-metadata builder (the real DSV4 backend needs the
+    model): after a replayed decode plan read past ``req_to_token``, the next build raises naming the
+    reason (after the GPU drained; no sync in the wrapper) and the stand-in is not called; the build after
+    that passes."""
+    from sglang.kernels.ops.attention.dsv4.compress import CompressorDecodePlan
+
+    from dspark_harden.dsv4_memory import planner as PL
+    from dspark_harden.dsv4_memory import planner_device as PD
+
+    built = []
+    build = PL.build_metadata_report(lambda self, fb, in_capture=False: built.append(fb))
+    build(None, "warm")
+    PD.check()
+    dec = PL.unwrap(PL.build_decode_generate(CompressorDecodePlan.generate, lambda ok: None))
+    g = _plan_inputs(random.Random(9), gpu_lens=True)
+    s_seq = g["seq_lens"].clone()
+    dargs = [4, g["req_pool_indices"], g["req_to_token"], g["full_to_state"], s_seq, 256, 128]
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        dec(*dargs)
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        dec(*dargs)
+    graph.replay()
+    torch.cuda.synchronize()
+    build(None, "step-1")
+    s_seq[0] = g["req_to_token"].shape[1] * 4096  # past the allocation
+    graph.replay()
+    torch.cuda.synchronize()
+    with pytest.raises(PL.PlannerBoundsError, match="req_to_token read outside its allocation"):
+        build(None, "step-2")
+    build(None, "step-3")
+    assert built == ["warm", "step-1", "step-3"]
 
 
 def _peak_and_time(fn, args, reps=20):
@@ -549,13 +785,16 @@ def _peak_and_time(fn, args, reps=20):
 def test_planner_guards_at_production_shapes_bounded_temporaries():
     """b=256 with a 256 x 131,072 int32 ``req_to_token`` (128 MiB) and 4M full locations: the decode
     plan (c4, GPU lengths) and a prefill plan (c4, 64 requests, host lengths, 1..256-token extends at
-    contexts up to 131,072). The guard's extra peak (``max_memory_allocated`` above the stock call's)
-    stays O(num_q_tokens + batch), far below one batch x columns int64 temporary (256 MiB here);
-    plans bit-identical to stock; time per call guard on / off reported."""
+    contexts up to 131,072). Plans bit-identical to stock; the extra peak (``max_memory_allocated``
+    above the stock call's) of the device guard and of the sync mode stays O(num_q_tokens + batch), far
+    below one batch x columns int64 temporary (256 MiB here); time per call stock / device guard /
+    sync mode reported."""
     from sglang.kernels.ops.attention.dsv4.compress import CompressorDecodePlan, CompressorPrefillPlan
 
     from dspark_harden.dsv4_memory import planner as PL
+    from dspark_harden.dsv4_memory import planner_device as PD
 
+    PD.ensure_state()
     rng = random.Random(256)
     b, cols, n_full = 256, 131072, 1 << 22
     r2t = torch.randint(0, n_full, (b, cols), dtype=torch.int32, device=DEV)
@@ -563,49 +802,39 @@ def test_planner_guards_at_production_shapes_bounded_temporaries():
     rid = torch.tensor(rng.sample(range(b), b), dtype=torch.int64, device=DEV)
     seq = torch.tensor([rng.randint(1, cols) for _ in range(b)], dtype=torch.int64, device=DEV)
     figures = {}
-    dec_stock = CompressorDecodePlan.generate
-    dec_guard = PL.unwrap(PL.build_decode_generate(dec_stock, lambda ok: None))
-    dargs = [4, rid, r2t, f2s, seq, 256, 128]
-    assert torch.equal(dec_stock(*dargs).plan_d, dec_guard(*dargs).plan_d)
-    ps, ts = _peak_and_time(dec_stock, dargs)
-    pg, tg = _peak_and_time(dec_guard, dargs)
-    figures["decode_b256"] = {
-        "stock_peak_bytes": ps,
-        "guard_peak_bytes": pg,
-        "stock_us": round(ts, 1),
-        "guard_us": round(tg, 1),
-    }
-    assert pg - ps <= 1 << 20, figures  # 2 x 256 positions: KBs, not 256 MiB
     pb = 64
     pseq = [rng.randint(256, cols) for _ in range(pb)]
     pext = [rng.randint(1, 256) for _ in range(pb)]
     n = sum(pext)
-    pargs = [
-        4,
-        rid[:pb],
-        torch.tensor(pseq, dtype=torch.int64),
-        torch.tensor(pext, dtype=torch.int64),
-        r2t,
-        f2s,
-        256,
-        128,
-        n,
-    ]
-    pre_stock = CompressorPrefillPlan.generate
-    pre_guard = PL.unwrap(PL.build_prefill_generate(pre_stock, lambda ok: None))
-    a, g = pre_stock(*pargs), pre_guard(*pargs)
-    torch.cuda.synchronize()
-    assert torch.equal(a.plan_c, g.plan_c) and torch.equal(a.plan_w, g.plan_w)
-    ps, ts = _peak_and_time(pre_stock, pargs)
-    pg, tg = _peak_and_time(pre_guard, pargs)
-    figures["prefill_b64"] = {
-        "num_q_tokens": n,
-        "stock_peak_bytes": ps,
-        "guard_peak_bytes": pg,
-        "stock_us": round(ts, 1),
-        "guard_us": round(tg, 1),
+    cases = {
+        "decode_b256": (CompressorDecodePlan.generate, PL.build_decode_generate, [4, rid, r2t, f2s, seq, 256, 128]),
+        "prefill_b64": (
+            CompressorPrefillPlan.generate,
+            PL.build_prefill_generate,
+            [4, rid[:pb], torch.tensor(pseq), torch.tensor(pext), r2t, f2s, 256, 128, n],
+        ),
     }
-    assert pg - ps <= 64 * (n + 4 * pb) * 8 + (1 << 20), figures
+    for name, (stock, builder, args) in cases.items():
+        guard = PL.unwrap(builder(stock, lambda ok: None))
+        sync = PL.unwrap(builder(stock, lambda ok: None, sync_checks=True))
+        a, g = stock(*args), guard(*args)
+        torch.cuda.synchronize()
+        for attr in ("plan_d",) if name.startswith("decode") else ("plan_c", "plan_w"):
+            assert torch.equal(getattr(a, attr), getattr(g, attr)), (name, attr)
+        ps, ts = _peak_and_time(stock, args)
+        pg, tg = _peak_and_time(guard, args)
+        py, ty = _peak_and_time(sync, args)
+        figures[name] = {
+            "stock_peak_bytes": ps,
+            "guard_peak_bytes": pg,
+            "sync_mode_peak_bytes": py,
+            "stock_us": round(ts, 1),
+            "guard_us": round(tg, 1),
+            "sync_mode_us": round(ty, 1),
+        }
+        bound = (1 << 20) if name.startswith("decode") else 64 * (n + 4 * pb) * 8 + (1 << 20)
+        assert max(pg, py) - ps <= bound, figures
+    PD.check()
     _report("planner_guards_production_shapes", figures)
 
 

@@ -10,8 +10,10 @@ naming the reason). Patches, fingerprinted against sglang 0.5.23:
   are loaded and before graph capture (the attention backend is created between the two);
 * ``MQALayer._compute_q_b`` (wrap): the ``q_head_norm`` path runs ``fused_q_norm_rope`` in place
   (:mod:`.qnorm`); every other branch calls stock;
-* ``CompressorPrefillPlan.generate`` / ``CompressorDecodePlan.generate`` (wrap): host-side bounds
-  checks before the planner kernels launch (:mod:`.planner`).
+* ``CompressorPrefillPlan.generate`` / ``CompressorDecodePlan.generate`` (wrap): the device-side guarded
+  planners (:mod:`.planner_device`) with the free host checks before the launch (:mod:`.planner`);
+  ``DeepseekV4AttnBackend.init_forward_metadata`` / ``init_forward_metadata_out_graph`` (wrap): the guard's
+  report read (no sync) at every forward-metadata build, eager and graph replay.
 """
 
 from __future__ import annotations
@@ -66,6 +68,44 @@ def _available(settings: Any) -> Optional[str]:
     return _cuda_reason()
 
 
+def kernel_source_drift(allow: tuple = ()) -> list[str]:
+    """``"<file> (expected X, found Y)"`` for each stock kernel source the planner guard copies or relies on
+    whose installed text changed (sglang/kernels/jit/csrc), and each drifted ``generate_online``; names
+    (``deepseek_v4/c_plan.cuh``, a ``generate_online`` target) or ``all`` in ``allow`` are skipped."""
+    import hashlib
+    import importlib.util
+    import pathlib
+
+    from ..core.patch import source_drift
+
+    spec = importlib.util.find_spec("sglang")
+    root = pathlib.Path(next(iter(spec.submodule_search_locations))) / "kernels" / "jit" / "csrc"
+    out = []
+    for rel, expected in S.KERNEL_SOURCES.items():
+        if "all" in allow or rel in allow:
+            continue
+        try:
+            found = hashlib.sha256((root / rel).read_bytes()).hexdigest()[:16]
+        except OSError as exc:
+            found = f"unreadable: {exc}"
+        if found != expected:
+            out.append(f"{root / rel} (expected {expected}, found {found})")
+    return out + source_drift({}, text=dict(S.ONLINE_PLAN_SOURCES), allow=allow)
+
+
+def _guards_available(settings: Any) -> Optional[str]:
+    reason = _cuda_reason()
+    if reason:
+        return reason
+    drifted = kernel_source_drift(tuple(settings.get("DSPARK_HARDEN_ALLOW_DRIFT", ()) or ()))
+    if drifted:
+        return (
+            "the stock planner sources the device-side guard copies (c_plan.cuh) or relies on (generate_online "
+            "reads no req_to_token) changed: " + "; ".join(drifted) + " (DSPARK_HARDEN_ALLOW_DRIFT names them)"
+        )
+    return None
+
+
 @hookimpl
 def dspark_features():
     common = dict(area="dsv4-memory", default_on=False, roles=frozenset({Role.SCHEDULER}))
@@ -88,8 +128,9 @@ def dspark_features():
         Feature(
             name=S.GUARDS_FEATURE,
             switch=S.GUARDS,
-            available=_available,
-            description="bounds checks of the DSV4 compress planner before every eager plan launch, and a device-side guarded decode planner recorded in CUDA graphs (generate_online is not guarded)",
+            available=_guards_available,
+            description="every DSV4 compress plan (eager, captured, replayed) through a device-side guarded planner: "
+            "no device sync, out-of-bounds indices clamped and reported at the next plan or forward-metadata build",
             **common,
         ),
     ]
@@ -212,18 +253,21 @@ def _build_q_b(stock):
     return build_compute_q_b(stock, m.qnorm_call)
 
 
-def _build_prefill_plan(stock):
-    from . import metrics as m
-    from .planner import build_prefill_generate, unwrap
+def _build_plan(kind: str, settings: Any):
+    def build(stock):
+        from . import metrics as m
+        from . import planner
 
-    return build_prefill_generate(unwrap(stock), m.planner_check)
+        builder = planner.build_prefill_generate if kind == "prefill" else planner.build_decode_generate
+        return builder(planner.unwrap(stock), m.planner_check, sync_checks=settings[S.GUARDS_SYNC])
+
+    return build
 
 
-def _build_decode_plan(stock):
-    from . import metrics as m
-    from .planner import build_decode_generate, unwrap
+def _build_metadata_report(stock):
+    from .planner import build_metadata_report
 
-    return build_decode_generate(unwrap(stock), m.planner_check)
+    return build_metadata_report(stock)
 
 
 def patches(role: Role, settings: Any) -> list:
@@ -286,7 +330,7 @@ def patches(role: Role, settings: Any) -> list:
             Patch(
                 target=S.PREFILL_PLAN_TARGET,
                 kind=Kind.WRAP,
-                build=_build_prefill_plan,
+                build=_build_plan("prefill", settings),
                 fingerprint=S.PREFILL_PLAN_FINGERPRINT,
                 why="the GPU-input prefill planner appends one plan entry per extend token into buffers sized "
                 "num_q_tokens and trusts extend/sequence lengths and req_to_token indices unchecked",
@@ -296,12 +340,28 @@ def patches(role: Role, settings: Any) -> list:
             Patch(
                 target=S.DECODE_PLAN_TARGET,
                 kind=Kind.WRAP,
-                build=_build_decode_plan,
+                build=_build_plan("decode", settings),
                 fingerprint=S.DECODE_PLAN_FINGERPRINT,
                 why="the decode planner indexes req_to_token[rid, seq_len - 1] and full_to_state unchecked",
                 retire_when="c_plan.cuh validates its inputs on every path",
                 **common,
             ),
+        ]
+        out += [
+            Patch(
+                target=target,
+                kind=Kind.WRAP,
+                build=_build_metadata_report,
+                fingerprint=fp,
+                why="report the device-side planner guard's violations (a pinned mirror, no sync) at every "
+                "forward-metadata build, graph replays included, and create its counters before any capture",
+                retire_when="c_plan.cuh validates its inputs on every path",
+                **common,
+            )
+            for target, fp in (
+                (S.METADATA_TARGET, S.METADATA_FINGERPRINT),
+                (S.METADATA_OUT_GRAPH_TARGET, S.METADATA_OUT_GRAPH_FINGERPRINT),
+            )
         ]
     return out
 

@@ -1,4 +1,4 @@
-"""Host-side bounds guards for DSV4's compress planner (``sglang/kernels/jit/csrc/deepseek_v4/c_plan.cuh``).
+"""Bounds guards for DSV4's compress planner (``sglang/kernels/jit/csrc/deepseek_v4/c_plan.cuh``).
 
 The planner turns (request pool indices, sequence and extend lengths, ``req_to_token``,
 ``full_to_state``) into compress and write plans. What its kernels trust without checking
@@ -12,15 +12,15 @@ The planner turns (request pool indices, sequence and extend lengths, ``req_to_t
   ``req_pool_indices`` and ``position < seq_len`` unchecked against ``req_to_token``'s shape, and
   ``full_to_state[raw_loc]`` unchecked against its length.
 
-:func:`prefill_problems` / :func:`decode_problems` check all of that before the launch and the
-patched ``generate`` raises :class:`PlannerBoundsError` naming each violation. Shape checks are
-free; plans recorded during a CUDA-graph capture (the decode graph) record the device-side guarded
-kernel instead (:mod:`.planner_device`): the same plan on every replay, with its bounds checked on
-the device and reported through a flag read at the next eager check (which syncs anyway); checks that
-read device tensors touch only the positions the plan reads (O(num_q_tokens +
-batch) int64 temporaries, never batch x columns) and cost one device sync per plan (measured in
-tests/gpu), and are skipped while a CUDA graph is being captured (no sync is allowed there;
-the captured plan's static buffers are sized for the bucket by the capture code itself).
+Every plan -- eager, captured, replayed -- runs the device-side guarded planner (:mod:`.planner_device`):
+those reads are checked on the GPU, no device sync, errors reported through a pinned mirror the host
+reads before every plan and at every forward-metadata build. On the host, before the launch and for
+free, the wrappers refuse what needs no device read (:func:`prefill_problems` / :func:`decode_problems`
+with ``device_data=False``: shapes, ratios, nesting, and the lengths when they are host tensors).
+``DSPARK_HARDEN_DSV4_PLANNER_GUARDS_SYNC=1`` adds the device-data checks before every eager launch
+(``device_data=True``: refuse before launch, one device sync per plan; checks that read device tensors
+touch only the positions the plan reads, O(num_q_tokens + batch) int64 temporaries, never batch x
+columns; skipped while a graph is being captured).
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from .common import capturing as _capturing
 
 MAX_TOKENS = 65536  # ragged ids are uint16 (c_plan.cuh kMaxTokens)
 MAX_GPU_PREFILL_BATCH = 1024  # c_plan.cuh kMaxPrefillBatchSize
-CALLS = {"checked": 0, "rejected": 0, "data_checks_skipped_in_capture": 0, "device_guarded_captures": 0}
+CALLS = {"checked": 0, "rejected": 0, "data_checks_skipped_in_capture": 0}
 
 
 def _r2t_flags(rid, seq, lo, r2t, f2s, *, need_f2s: bool, bound: int) -> list:
@@ -94,7 +94,10 @@ def prefill_problems(
     num_q_tokens,
     use_cuda_graph=False,
     use_req_ring=False,
+    device_data=True,
 ) -> list[str]:
+    """What would make the prefill plan index past an allocation. ``device_data=False``: only what needs
+    no device read (shapes, settings, and the lengths when they are host tensors)."""
     import torch
 
     out = []
@@ -116,12 +119,15 @@ def prefill_problems(
         out.append(f"swa_page_size {swa_page_size} / ring_size {ring_size} / ratio {compress_ratio} not nested")
     if out or b == 0:
         return out
+    if not device_data:
+        return out if gpu_input else _host_length_problems(seq_lens, extend_lens, n)
     if (gpu_input or req_to_token.device.type != "cpu") and _capturing():
         CALLS["data_checks_skipped_in_capture"] += 1
         return out
     seq = seq_lens.to(torch.int64)
     ext = extend_lens.to(torch.int64)
-    bad_len = ((ext <= 0) | (ext > seq)).any()
+    # host lengths: stock's CPU path requires 0 < extend; GPU lengths may carry 0 (padding, sentinels)
+    bad_len = (((ext <= 0) if not gpu_input else (ext < 0)) | (ext > seq)).any()
     total = ext.sum()
     need_f2s = not (compress_ratio == 128 or use_req_ring)
     lo = (seq - ext - compress_ratio).clamp(min=0)
@@ -133,17 +139,36 @@ def prefill_problems(
         [bad_len.to(dev), (total > n).to(dev), (total != n).to(dev)] + [f.to(torch.bool) for f in r2t_flags]
     ).tolist()  # the one device sync
     if flags[0]:
-        out.append("an extend length is <= 0 or larger than its sequence length")
-    if flags[1]:
-        out.append(
-            f"the extend lengths add up to {int(total)} tokens, more than num_q_tokens {n} "
-            f"(the plan buffers hold {n} entries)"
-        )
-    elif flags[2] and not gpu_input:
-        out.append(f"the extend lengths add up to {int(total)} tokens, not num_q_tokens {n}")
+        out.append(_BAD_LEN)
+    if flags[1] or (flags[2] and not gpu_input):
+        out += _sum_problems(int(total), n)
     if out:  # the window check assumed valid lengths: report the lengths alone
         return out
     return _r2t_messages(flags[3:], req_to_token, full_to_state)
+
+
+_BAD_LEN = "an extend length is <= 0 or larger than its sequence length"
+
+
+def _host_length_problems(seq_lens, extend_lens, n: int) -> list[str]:
+    """The length checks of host-resident lengths (no device read; stock's CPU path raises on the same
+    conditions, later and less specifically)."""
+    import torch
+
+    seq = seq_lens.to(torch.int64)
+    ext = extend_lens.to(torch.int64)
+    out = [_BAD_LEN] if bool(((ext <= 0) | (ext > seq)).any()) else []
+    return out + _sum_problems(int(ext.sum()), n)
+
+
+def _sum_problems(total: int, n: int) -> list[str]:
+    if total > n:
+        return [
+            f"the extend lengths add up to {total} tokens, more than num_q_tokens {n} (the plan buffers hold {n} entries)"
+        ]
+    if total != n:
+        return [f"the extend lengths add up to {total} tokens, not num_q_tokens {n}"]
+    return []
 
 
 def decode_problems(
@@ -155,7 +180,9 @@ def decode_problems(
     swa_page_size,
     ring_size,
     use_req_ring=False,
+    device_data=True,
 ) -> list[str]:
+    """As :func:`prefill_problems` for the decode plan (``device_data=False``: shapes and ratio only)."""
     import torch
 
     if seq_lens.dim() != 1 or req_pool_indices.shape != seq_lens.shape:
@@ -166,7 +193,7 @@ def decode_problems(
     out = []
     if compress_ratio not in (4, 128):
         out.append(f"compress_ratio {compress_ratio} (must be 4 or 128)")
-    if out or seq_lens.numel() == 0:
+    if out or seq_lens.numel() == 0 or not device_data:
         return out
     if _capturing():
         CALLS["data_checks_skipped_in_capture"] += 1
@@ -201,7 +228,32 @@ def _raise(kind: str, problems: list[str]) -> None:
     )
 
 
-def build_prefill_generate(stock: Callable, on_call: Callable[[bool], None]) -> Callable:
+def _device_defaults(kind: str, device_generate: Optional[Callable], check_pending: Optional[Callable]):
+    """The device-side guard's plan function and pending-report reader (:mod:`.planner_device`, CUDA),
+    or the ones a test passes in."""
+    if device_generate is None or check_pending is None:
+        from . import planner_device
+
+        device_generate = device_generate or getattr(planner_device, f"generate_{kind}")
+        check_pending = check_pending or planner_device.check_pending
+    return device_generate, check_pending
+
+
+def build_prefill_generate(
+    stock: Callable,
+    on_call: Callable[[bool], None],
+    device_generate: Optional[Callable] = None,
+    check_pending: Optional[Callable] = None,
+    sync_checks: bool = False,
+) -> Callable:
+    """Every prefill plan, eager or captured, runs the device-side guarded planner
+    (:func:`.planner_device.generate_prefill`, default): no device sync. Before it, shape checks and the
+    checks of host-resident lengths (free) refuse the launch; a violation an earlier plan published is
+    raised. ``sync_checks`` (``DSPARK_HARDEN_DSV4_PLANNER_GUARDS_SYNC=1``) adds the device-data checks
+    before every eager launch (one sync per plan: refuse before launch, for debugging). ``stock`` is
+    kept for the signature only: the guarded plan replaces it."""
+    del stock
+
     def generate(
         compress_ratio,
         req_pool_indices,
@@ -215,6 +267,8 @@ def build_prefill_generate(stock: Callable, on_call: Callable[[bool], None]) -> 
         use_cuda_graph=False,
         use_req_ring=False,
     ):
+        nonlocal device_generate, check_pending
+        device_generate, check_pending = _device_defaults("prefill", device_generate, check_pending)
         CALLS["checked"] += 1
         problems = prefill_problems(
             compress_ratio,
@@ -228,12 +282,14 @@ def build_prefill_generate(stock: Callable, on_call: Callable[[bool], None]) -> 
             num_q_tokens,
             use_cuda_graph,
             use_req_ring,
+            device_data=sync_checks,
         )
         on_call(not problems)
         if problems:
             _raise("prefill", problems)
-        _device_flag_check()
-        return stock(
+        if not _capturing():
+            check_pending(req_to_token.device)
+        return device_generate(
             compress_ratio,
             req_pool_indices,
             seq_lens,
@@ -250,20 +306,18 @@ def build_prefill_generate(stock: Callable, on_call: Callable[[bool], None]) -> 
     return staticmethod(generate)
 
 
-def _device_flag_check() -> None:
-    """Read the device-side guard's flag at this (already syncing) eager check, when a guarded plan
-    was ever captured in this process."""
-    if CALLS["device_guarded_captures"]:
-        from . import planner_device
-
-        planner_device.check()
-
-
 def build_decode_generate(
-    stock: Callable, on_call: Callable[[bool], None], device_generate: Optional[Callable] = None
+    stock: Callable,
+    on_call: Callable[[bool], None],
+    device_generate: Optional[Callable] = None,
+    check_pending: Optional[Callable] = None,
+    sync_checks: bool = False,
 ) -> Callable:
-    """``device_generate`` (default :func:`.planner_device.generate_decode`) is what a CUDA-graph
-    capture records instead of stock: the same plan, with device-side bounds checks on every replay."""
+    """Every decode plan, eager or captured (the decode graph replays it), runs the device-side guarded
+    planner (:func:`.planner_device.generate_decode`, default): no device sync, the same plan as stock
+    for in-bounds inputs. Before it, shape checks refuse the launch and a violation an earlier plan (or a
+    replay) published is raised; ``sync_checks`` adds the device-data checks before every eager launch."""
+    del stock
 
     def generate(
         compress_ratio,
@@ -275,35 +329,9 @@ def build_decode_generate(
         ring_size,
         use_req_ring=False,
     ):
+        nonlocal device_generate, check_pending
+        device_generate, check_pending = _device_defaults("decode", device_generate, check_pending)
         CALLS["checked"] += 1
-        if _capturing():
-            fn = device_generate
-            if fn is None:
-                from .planner_device import generate_decode as fn
-            CALLS["device_guarded_captures"] += 1
-            problems = decode_problems(
-                compress_ratio,
-                req_pool_indices,
-                req_to_token,
-                full_to_state,
-                seq_lens,
-                swa_page_size,
-                ring_size,
-                use_req_ring,
-            )  # shape checks only here
-            if problems:
-                on_call(False)
-                _raise("decode", problems)
-            return fn(
-                compress_ratio,
-                req_pool_indices,
-                req_to_token,
-                full_to_state,
-                seq_lens,
-                swa_page_size,
-                ring_size,
-                use_req_ring,
-            )
         problems = decode_problems(
             compress_ratio,
             req_pool_indices,
@@ -313,12 +341,14 @@ def build_decode_generate(
             swa_page_size,
             ring_size,
             use_req_ring,
+            device_data=sync_checks,
         )
         on_call(not problems)
         if problems:
             _raise("decode", problems)
-        _device_flag_check()
-        return stock(
+        if not _capturing():
+            check_pending(req_to_token.device)
+        return device_generate(
             compress_ratio,
             req_pool_indices,
             req_to_token,
@@ -334,3 +364,22 @@ def build_decode_generate(
 
 def unwrap(stock: Any) -> Optional[Callable]:
     return stock.__func__ if isinstance(stock, staticmethod) else stock
+
+
+def build_metadata_report(stock: Callable) -> Callable:
+    """Wrap a ``DeepseekV4AttnBackend`` forward-metadata builder (``init_forward_metadata``, every eager
+    forward; ``init_forward_metadata_out_graph``, every graph replay and, with ``in_capture=True``, eagerly
+    before each capture): create the device guard's counters outside any capture, then read its report
+    (no sync) so a violation a replayed plan published fails the next step, not the next eager plan."""
+    import functools
+
+    @functools.wraps(stock)
+    def wrapper(self, forward_batch, *args, **kwargs):
+        if not _capturing():
+            from . import planner_device
+
+            planner_device.ensure_state()
+            planner_device.check_pending()
+        return stock(self, forward_batch, *args, **kwargs)
+
+    return wrapper

@@ -1,15 +1,24 @@
-"""Device-side bounds guard for the DSV4 compress decode planner, for the plans a CUDA graph replays.
+"""Device-side bounds guards for the DSV4 compress planners: every plan, eager or replayed, no sync.
 
-The host-side guards (:mod:`.planner`) cannot run inside a replayed decode graph: the plan kernel is
-recorded at capture and replayed without Python. ``csrc/guarded_c_plan.cuh`` is the stock
-``plan_compress_decode_kernel`` (SGLang 0.5.23 ``c_plan.cuh``) plus bounds checks on the two
-``req_to_token`` reads and the two ``full_to_state`` reads of every request, compiled by SGLang's own
-JIT (``sglang.kernels.jit.utils.load_jit``) against the stock header it includes. For every input whose
-reads stay inside their allocations it writes the stock plan bit for bit; otherwise it clamps the
-offending index (every location in the plan stays in bounds) and ORs a reason bit into a per-device
-``int32[1]`` error flag. The flag is a static tensor, so a captured plan keeps setting the same flag
-on every replay; :func:`check` reads it (a device sync: call it where the scheduler syncs anyway)
-and raises :class:`~.common.PlannerBoundsError` naming the reason, clearing it first.
+``csrc/guarded_c_plan.cuh`` holds guarded variants of SGLang 0.5.23's ``plan_compress_decode`` and
+``plan_compress_prefill`` (``c_plan.cuh``), compiled by SGLang's own JIT
+(``sglang.kernels.jit.utils.load_jit``) against the stock header they include. For every input whose
+reads stay inside their allocations they write the stock plan bit for bit; otherwise they clamp the
+offending read index (every location in the plan stays in bounds), plan a GPU-input prefill batch whose
+lengths would append past the plan buffers as if it had no tokens, and count the violation per reason in
+a device ``int32[4]`` counter. One tiny kernel queued behind each plan copies the counters into a pinned
+host mirror, so a plan captured in a CUDA graph keeps publishing on every replay.
+
+:func:`check_pending` reads the mirror (a plain host memory read: no sync, no device call) and raises
+:class:`~.common.PlannerBoundsError` naming each reason whose count grew since the last report. The
+planner wrappers call it before every plan and the DSV4 backend wrappers at every forward-metadata build
+(eager forwards and graph replays alike), so a violation fails the server at most a step or two after the
+plan that hit it: the batches planned in between ran with clamped, invalid plan entries, which is why the
+error says to fail them. :func:`check` synchronizes first (tests, shutdown).
+
+The state (counters and mirror) is created once per device outside any graph capture
+(:func:`ensure_state`, called from the forward-metadata wrappers, which stock calls eagerly before every
+capture); a plan captured before it exists stops with a named error instead of capturing a zero-fill.
 
 Needs CUDA and SGLang's JIT toolchain (nvcc); nothing imports this module on a CPU host.
 """
@@ -19,14 +28,31 @@ from __future__ import annotations
 import functools
 import pathlib
 import threading
+from dataclasses import dataclass, field
 from typing import Any
 
-from .common import PlannerBoundsError
+from .common import PlannerBoundsError, capturing
 
 CSRC = pathlib.Path(__file__).resolve().parent / "csrc" / "guarded_c_plan.cuh"
-REASONS = {1: "a req_to_token read outside its allocation", 2: "a full_to_state read outside its allocation"}
-_FLAGS: dict = {}
+#: counter index -> reason (guarded_c_plan.cuh kGuard*)
+REASONS = (
+    "a req_to_token read outside its allocation",
+    "a full_to_state read outside its allocation",
+    "a prefill extend length < 0 or larger than its sequence length (GPU-input lengths)",
+    "prefill extend lengths adding up to more than num_q_tokens (GPU-input lengths)",
+)
 _LOCK = threading.Lock()
+
+
+@dataclass
+class GuardState:
+    counts: Any  # [4] int32 on the device, never reallocated (captured graphs keep its address)
+    mirror: Any  # [4] int32 pinned host memory, written by the publish kernel behind every plan
+    view: Any  # numpy view of the mirror
+    reported: list = field(default_factory=lambda: [0] * len(REASONS))
+
+
+_STATES: dict = {}
 
 
 @functools.lru_cache(maxsize=1)
@@ -35,26 +61,75 @@ def _module() -> Any:
     from sglang.kernels.jit.utils.compile.paths import KERNEL_PATH
 
     return load_jit(
-        "dspark_harden_guarded_compress_plan",
+        "dspark_harden_guarded_compress_plan_v2",
         cuda_files=[str(CSRC)],
-        cuda_wrappers=[("plan_decode_guarded", "plan_compress_decode_guarded")],
+        cuda_wrappers=[
+            ("plan_decode_guarded", "plan_compress_decode_guarded"),
+            ("plan_prefill_guarded", "plan_compress_prefill_guarded"),
+        ],
         extra_include_paths=[str(KERNEL_PATH / "csrc")],
     )
 
 
-def flag_for(device: Any) -> Any:
-    """The static error flag of ``device`` (created once, zero, never reallocated: captured graphs
-    keep its address)."""
+def _index(device: Any) -> int:
     import torch
 
-    dev = torch.device(device)
-    if dev.index is None:
-        dev = torch.device("cuda", torch.cuda.current_device())
+    dev = torch.device(device) if device is not None else torch.device("cuda", torch.cuda.current_device())
+    return dev.index if dev.index is not None else torch.cuda.current_device()
+
+
+def ensure_state(device: Any = None) -> GuardState:
+    """The guard state of ``device``; created here, outside any graph capture, the first time."""
+    import torch
+
+    idx = _index(device)
     with _LOCK:
-        flag = _FLAGS.get(dev.index)
-        if flag is None:
-            flag = _FLAGS[dev.index] = torch.zeros(1, dtype=torch.int32, device=dev)
-        return flag
+        st = _STATES.get(idx)
+        if st is not None:
+            return st
+        if capturing():
+            raise PlannerBoundsError(
+                "DSV4 planner guard: a plan is being captured in a CUDA graph before the guard's counters "
+                f"exist on cuda:{idx} (they are created at the first forward-metadata build, which stock "
+                "runs eagerly before every capture); not capturing an unguarded or zero-filled plan "
+                "(DSPARK_HARDEN_DSV4_PLANNER_GUARDS)"
+            )
+        counts = torch.zeros(len(REASONS), dtype=torch.int32, device=torch.device("cuda", idx))
+        mirror = torch.zeros(len(REASONS), dtype=torch.int32, pin_memory=True)
+        st = _STATES[idx] = GuardState(counts, mirror, mirror.numpy())
+        return st
+
+
+def _state(device: Any) -> GuardState:
+    st = _STATES.get(_index(device))
+    return st if st is not None else ensure_state(device)
+
+
+def check_pending(device: Any = None) -> None:
+    """No sync: raise when the published counters grew since the last report (what the GPU has
+    finished publishing so far; a plan still in flight is reported at a later call)."""
+    st = _STATES.get(_index(device)) if _STATES else None
+    if st is None:
+        return
+    now = [int(v) for v in st.view]
+    if now == st.reported:
+        return
+    grew = [(REASONS[i], now[i] - st.reported[i]) for i in range(len(REASONS)) if now[i] != st.reported[i]]
+    st.reported = now
+    raise PlannerBoundsError(
+        "DSV4 compress plan (device-side guard) would have indexed past an allocation since the last check: "
+        + "; ".join(f"{why} (x{n})" for why, n in grew)
+        + " -- the plans concerned were clamped in bounds (or planned empty) and are not valid: fail the batch "
+        "(DSPARK_HARDEN_DSV4_PLANNER_GUARDS)"
+    )
+
+
+def check(device: Any = None) -> None:
+    """:func:`check_pending` after a device sync (everything queued so far is published)."""
+    import torch
+
+    torch.cuda.synchronize(_index(device))
+    check_pending(device)
 
 
 def generate_decode(
@@ -71,12 +146,14 @@ def generate_decode(
     import torch
     from sglang.kernels.ops.attention.dsv4.compress import CompressorDecodePlan
 
+    st = _state(req_pool_indices.device)
     plan_d = _module().plan_decode_guarded(
         req_pool_indices,
         req_to_token,
         full_to_state,
         seq_lens,
-        flag_for(req_pool_indices.device),
+        st.counts,
+        st.mirror,
         int(compress_ratio),
         int(swa_page_size),
         int(ring_size),
@@ -85,17 +162,45 @@ def generate_decode(
     return CompressorDecodePlan(compress_ratio, torch.from_dlpack(plan_d))
 
 
-def check(device: Any = None) -> None:
-    """Read (a device sync) and clear the error flag; raise naming the reasons when it was set."""
+def generate_prefill(
+    compress_ratio,
+    req_pool_indices,
+    seq_lens,
+    extend_lens,
+    req_to_token,
+    full_to_state,
+    swa_page_size,
+    ring_size,
+    num_q_tokens,
+    use_cuda_graph=False,
+    use_req_ring=False,
+):
+    """``CompressorPrefillPlan.generate`` (CUDA, 0.5.23) with the device-side guard (same arguments and
+    result: stock's pinned scratch for host lengths, its empty-plan shortcut only on HIP)."""
     import torch
+    from sglang.kernels.ops.attention.dsv4.compress import _PREFILL_PLAN_BYTES, CompressorPrefillPlan
 
-    flag = flag_for(device if device is not None else torch.device("cuda", torch.cuda.current_device()))
-    value = int(flag.item())
-    if value:
-        flag.zero_()
-        reasons = [text for bit, text in REASONS.items() if value & bit]
-        raise PlannerBoundsError(
-            "DSV4 compress decode plan (device-side guard) would have indexed past an allocation since the last "
-            f"check: {'; '.join(reasons)} (flag {value}; the batch's plan entries were clamped in bounds and are "
-            "not valid: fail the batch)"
-        )
+    is_gpu_input = seq_lens.device.type == "cuda"
+    pin_buffer = torch.empty(
+        0 if is_gpu_input else int(num_q_tokens) * _PREFILL_PLAN_BYTES,
+        dtype=torch.uint8,
+        pin_memory=not is_gpu_input,
+    )
+    st = _state(req_pool_indices.device)
+    plan_c, plan_w = _module().plan_prefill_guarded(
+        req_pool_indices,
+        req_to_token,
+        full_to_state,
+        seq_lens,
+        extend_lens,
+        pin_buffer,
+        st.counts,
+        st.mirror,
+        int(num_q_tokens),
+        int(compress_ratio),
+        int(swa_page_size),
+        int(ring_size),
+        bool(use_req_ring),
+        bool(use_cuda_graph),
+    )
+    return CompressorPrefillPlan(compress_ratio, torch.from_dlpack(plan_c), torch.from_dlpack(plan_w), pin_buffer)

@@ -14,6 +14,7 @@ POOL_TOKENS = "DSPARK_HARDEN_DSV4_SPARSE_PREFILL_TOKENS"
 POOL_SLOTS = "DSPARK_HARDEN_DSV4_SPARSE_PREFILL_SLOTS"
 QNORM = "DSPARK_HARDEN_DSV4_INPLACE_Q_NORM_ROPE"
 GUARDS = "DSPARK_HARDEN_DSV4_PLANNER_GUARDS"
+GUARDS_SYNC = "DSPARK_HARDEN_DSV4_PLANNER_GUARDS_SYNC"
 
 FLASH_MLA_TARGET = "sglang.kernels.ops.attention.flash_mla_interface:flash_mla_sparse_fwd"
 FLASH_MLA_FINGERPRINT = "dfc3f8b1a22d1ba0"  # checked against the installed source by tests/dsv4_memory
@@ -27,6 +28,24 @@ PREFILL_PLAN_TARGET = "sglang.kernels.ops.attention.dsv4.compress:CompressorPref
 PREFILL_PLAN_FINGERPRINT = "dfcc3c08631d7af8"
 DECODE_PLAN_TARGET = "sglang.kernels.ops.attention.dsv4.compress:CompressorDecodePlan.generate"
 DECODE_PLAN_FINGERPRINT = "7f38a6579d3d76dc"
+# the planner guards' per-step report: every forward-metadata build, eager and graph replay
+METADATA_TARGET = "sglang.srt.layers.attention.deepseek_v4_backend:DeepseekV4AttnBackend.init_forward_metadata"
+METADATA_FINGERPRINT = "86a69e718d9ff3da"
+METADATA_OUT_GRAPH_TARGET = (
+    "sglang.srt.layers.attention.deepseek_v4_backend:DeepseekV4AttnBackend.init_forward_metadata_out_graph"
+)
+METADATA_OUT_GRAPH_FINGERPRINT = "524e43e8dc2c557c"
+# the kernel sources the guarded planner copies (c_plan.cuh) or documents as reading no req_to_token /
+# full_to_state (c128_online_v2.cuh, generate_online): sha256 (first 16 hex) of the installed file under
+# sglang/kernels/jit/csrc, and of the two Python generate_online methods
+KERNEL_SOURCES = {
+    "deepseek_v4/c_plan.cuh": "ece03178ec400098",
+    "deepseek_v4/c128_online_v2.cuh": "0efcc8b09519d2dd",
+}
+ONLINE_PLAN_SOURCES = {
+    "sglang.kernels.ops.attention.dsv4.compress:CompressorPrefillPlan.generate_online": "5e652f8bee4ccc4b",
+    "sglang.kernels.ops.attention.dsv4.compress:CompressorDecodePlan.generate_online": "51573ed900c53730",
+}
 
 SETTINGS = [
     Setting(
@@ -70,11 +89,21 @@ SETTINGS = [
         GUARDS,
         flag01,
         False,
-        "1: validate the DSV4 compress planner's geometry before every eager plan launch "
-        "(CompressorPrefillPlan.generate / CompressorDecodePlan.generate; one device sync per plan), record a "
-        "device-side guarded decode planner in CUDA graphs (its flag read at the next eager plan; "
-        "generate_online is not guarded) and raise a named error "
-        "instead of letting the kernels write or read past an allocation. 0: stock.",
+        "1: every DSV4 compress plan (CompressorPrefillPlan.generate / CompressorDecodePlan.generate), eager, "
+        "captured or replayed, runs a device-side guarded planner (bit-identical to stock for in-bounds "
+        "inputs, no device sync): an index past an allocation is clamped and counted on the GPU, and the "
+        "host raises a named error at the next plan or forward-metadata build (shape and host-length "
+        "problems are refused before the launch). generate_online reads no req_to_token / full_to_state "
+        "entry and is left to stock. Needs CUDA and nvcc (SGLang's JIT). 0: stock.",
+        feature=GUARDS_FEATURE,
+    ),
+    Setting(
+        GUARDS_SYNC,
+        flag01,
+        False,
+        "1 (with the planner guards): also check the planner's device inputs on the host before every eager "
+        "plan, refusing the launch -- one device sync per plan (decode b=256: ~45 -> ~630 us per plan on an "
+        "H200), for debugging. 0: device-side guard only.",
         feature=GUARDS_FEATURE,
     ),
 ]
