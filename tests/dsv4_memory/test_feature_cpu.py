@@ -484,6 +484,7 @@ def test_guarded_planner_compiles_against_the_installed_stock_header(tmp_path):
             (
                 ("plan_decode_guarded", "plan_compress_decode_guarded"),
                 ("plan_prefill_guarded", "plan_compress_prefill_guarded"),
+                ("mirror_device_pointer", "guard_mirror_device_pointer"),
             ),
         )
     )

@@ -16,9 +16,11 @@ planner wrappers call it before every plan and the DSV4 backend wrappers at ever
 plan that hit it: the batches planned in between ran with clamped, invalid plan entries, which is why the
 error says to fail them. :func:`check` synchronizes first (tests, shutdown).
 
-The state (counters and mirror) is created once per device outside any graph capture
-(:func:`ensure_state`, called from the forward-metadata wrappers, which stock calls eagerly before every
-capture); a plan captured before it exists stops with a named error instead of capturing a zero-fill.
+The state (counters, mirror and the mirror's device address, queried once with
+``cudaHostGetDevicePointer``) is created once per device outside any graph capture (:func:`ensure_state`,
+called from the forward-metadata wrappers, which stock calls eagerly before every capture; it also
+JIT-builds and loads the planner there); a plan captured before it exists stops with a named error
+instead of capturing a zero-fill.
 
 Needs CUDA and SGLang's JIT toolchain (nvcc); nothing imports this module on a CPU host.
 """
@@ -48,6 +50,7 @@ _LOCK = threading.Lock()
 class GuardState:
     counts: Any  # [4] int32 on the device, never reallocated (captured graphs keep its address)
     mirror: Any  # [4] int32 pinned host memory, written by the publish kernel behind every plan
+    mirror_ptr: int  # its device address (cudaHostGetDevicePointer, queried once, outside any capture)
     view: Any  # numpy view of the mirror
     reported: list = field(default_factory=lambda: [0] * len(REASONS))
 
@@ -66,6 +69,7 @@ def _module() -> Any:
         cuda_wrappers=[
             ("plan_decode_guarded", "plan_compress_decode_guarded"),
             ("plan_prefill_guarded", "plan_compress_prefill_guarded"),
+            ("mirror_device_pointer", "guard_mirror_device_pointer"),
         ],
         extra_include_paths=[str(KERNEL_PATH / "csrc")],
     )
@@ -94,9 +98,12 @@ def ensure_state(device: Any = None) -> GuardState:
                 "runs eagerly before every capture); not capturing an unguarded or zero-filled plan "
                 "(DSPARK_HARDEN_DSV4_PLANNER_GUARDS)"
             )
-        counts = torch.zeros(len(REASONS), dtype=torch.int32, device=torch.device("cuda", idx))
-        mirror = torch.zeros(len(REASONS), dtype=torch.int32, pin_memory=True)
-        st = _STATES[idx] = GuardState(counts, mirror, mirror.numpy())
+        with torch.cuda.device(idx):
+            counts = torch.zeros(len(REASONS), dtype=torch.int32, device=torch.device("cuda", idx))
+            mirror = torch.zeros(len(REASONS), dtype=torch.int32, pin_memory=True)
+            ptr = int(_module().mirror_device_pointer(mirror))  # also JIT-builds and loads the planner here
+            torch.cuda.synchronize(idx)
+        st = _STATES[idx] = GuardState(counts, mirror, ptr, mirror.numpy())
         return st
 
 
@@ -153,7 +160,7 @@ def generate_decode(
         full_to_state,
         seq_lens,
         st.counts,
-        st.mirror,
+        st.mirror_ptr,
         int(compress_ratio),
         int(swa_page_size),
         int(ring_size),
@@ -195,7 +202,7 @@ def generate_prefill(
         extend_lens,
         pin_buffer,
         st.counts,
-        st.mirror,
+        st.mirror_ptr,
         int(num_q_tokens),
         int(compress_ratio),
         int(swa_page_size),
