@@ -302,6 +302,35 @@ plan_compress_prefill_guarded(const tvm::ffi::TensorView req_pool_indices, const
     const auto device = device_.unwrap();
     const auto stream = LaunchKernel::resolve_device(device);
 
+    // stage 1 (stock plan_compress_prefill_kernel_1, guarded) and the counters' publication, both paths
+    const auto stage1 = [&](tvm::ffi::Tensor C, tvm::ffi::Tensor W, int64_t stride_r2t, uint32_t num_c, uint32_t num_w,
+                            uint32_t num_c_padded, uint32_t num_w_padded) {
+        const auto params = Prefill1Params{
+            .plan_c = static_cast<PlanC *>(C.data_ptr()),
+            .plan_w = static_cast<PlanW *>(W.data_ptr()),
+            .rid_ptr = rid_ptr,
+            .r2t_ptr = r2t_ptr,
+            .f2s_ptr = f2s_ptr,
+            .stride_r2t = stride_r2t,
+            .num_c = num_c,
+            .num_w = num_w,
+            .num_c_padded = num_c_padded,
+            .num_w_padded = num_w_padded,
+            .num_work = std::max(num_c_padded, num_w_padded),
+            .swa_page_size = swa_page_size,
+            .ring_size = ring_size,
+            .compress_ratio = compress_ratio,
+            .use_req_ring = use_req_ring,
+        };
+        const auto block_size = 256;
+        const auto num_blocks = div_ceil(params.num_work, block_size);
+        if (num_blocks > 0) {
+            LaunchKernel(num_blocks, block_size, device)(plan_compress_prefill_guarded_kernel_1, params, guard);
+        }
+        publish_guard(guard, mirror_device_ptr, device);
+        return PrefillPlan{std::move(C), std::move(W)};
+    };
+
     if (cpu_or_gpu.unwrap().device_type == kDLGPU) {
         RuntimeCheck(batch_size <= kMaxPrefillBatchSize, "GPU plan only support batch size up to ",
                      kMaxPrefillBatchSize);
@@ -325,30 +354,9 @@ plan_compress_prefill_guarded(const tvm::ffi::TensorView req_pool_indices, const
             .use_req_ring = use_req_ring,
         };
         LaunchKernel(1, kMaxPrefillBatchSize, device)(plan_compress_prefill_kernel0, params0);
-        const auto params1 = Prefill1Params{
-            .plan_c = static_cast<PlanC *>(C.data_ptr()),
-            .plan_w = static_cast<PlanW *>(W.data_ptr()),
-            .rid_ptr = rid_ptr,
-            .r2t_ptr = r2t_ptr,
-            .f2s_ptr = f2s_ptr,
-            .stride_r2t = req_to_token.stride(0),
-            .num_c = num_q_tokens,
-            .num_w = num_q_tokens,
-            .num_c_padded = num_q_tokens,
-            .num_w_padded = num_q_tokens,
-            .num_work = num_q_tokens,
-            .swa_page_size = swa_page_size,
-            .ring_size = ring_size,
-            .compress_ratio = compress_ratio,
-            .use_req_ring = use_req_ring,
-        };
-        const auto block_size_1 = 256;
-        const auto num_blocks_1 = div_ceil(params1.num_work, block_size_1);
-        if (num_blocks_1 > 0) {
-            LaunchKernel(num_blocks_1, block_size_1, device)(plan_compress_prefill_guarded_kernel_1, params1, guard);
-        }
-        publish_guard(guard, mirror_device_ptr, device);
-        return PrefillPlan{std::move(C), std::move(W)};
+        // kernel_1 sees the already-padded buffers, so num_c == num_w == num_padded == num_q_tokens
+        return stage1(std::move(C), std::move(W), req_to_token.stride(0), num_q_tokens, num_q_tokens, num_q_tokens,
+                      num_q_tokens);
     }
 
     // CPU input path: stock's host stage, checks included (they raise before any launch)
@@ -401,30 +409,7 @@ plan_compress_prefill_guarded(const tvm::ffi::TensorView req_pool_indices, const
     auto W = ffi::empty({num_w_padded, sizeof(PlanW)}, kDLUInt8, device);
     copy_to_device(C.data_ptr(), plan_c_ptr, counter_c);
     copy_to_device(W.data_ptr(), plan_w_ptr, counter_w);
-    const auto params = Prefill1Params{
-        .plan_c = static_cast<PlanC *>(C.data_ptr()),
-        .plan_w = static_cast<PlanW *>(W.data_ptr()),
-        .rid_ptr = rid_ptr,
-        .r2t_ptr = r2t_ptr,
-        .f2s_ptr = f2s_ptr,
-        .stride_r2t = req_to_token.size(1),
-        .num_c = counter_c,
-        .num_w = counter_w,
-        .num_c_padded = num_c_padded,
-        .num_w_padded = num_w_padded,
-        .num_work = std::max(num_c_padded, num_w_padded),
-        .swa_page_size = swa_page_size,
-        .ring_size = ring_size,
-        .compress_ratio = compress_ratio,
-        .use_req_ring = use_req_ring,
-    };
-    const auto block_size = 256;
-    const auto num_blocks = div_ceil(params.num_work, block_size);
-    if (num_blocks > 0) {
-        LaunchKernel(num_blocks, block_size, device)(plan_compress_prefill_guarded_kernel_1, params, guard);
-    }
-    publish_guard(guard, mirror_device_ptr, device);
-    return PrefillPlan{std::move(C), std::move(W)};
+    return stage1(std::move(C), std::move(W), req_to_token.size(1), counter_c, counter_w, num_c_padded, num_w_padded);
 }
 
 } // namespace host::compress
