@@ -216,6 +216,31 @@ def test_bench_grammar_processes_json_shape_and_one_claim_per_key():
     assert waits["all_tasks"]["n"] == 2 * distinct and waits["waited"]["n"] <= distinct
 
 
+@pytest.mark.timeout(600)
+def test_bench_grammar_handoff_json_shape_and_a_real_round_trip():
+    """`bench grammar --handoff --json`: per bench schema, a real compile and a real serialize / durable
+    write / read / deserialize (timed, never asserted); the handoff sum is the four parts and the schemas
+    listed as slower to hand off than to compile are exactly those whose handoff exceeds their compile."""
+    from dspark_harden.grammar.schemas import BENCH_SCHEMAS
+
+    proc = subprocess.run(
+        [sys.executable, "-m", "dspark_harden", "bench", "grammar", "--handoff", "--json", "--vocab", "2048"]
+        + ["--repeats", "1"],
+        capture_output=True,
+        text=True,
+        timeout=580,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert set(result) == {"vocab", "repeats", "distinct_schemas", "per_schema", "handoff_slower_than_compile"}
+    rows = result["per_schema"]
+    assert [r["schema"] for r in rows] == [name for name, _ in BENCH_SCHEMAS]
+    for r in rows:
+        parts = r["serialize_ms"] + r["write_ms"] + r["read_ms"] + r["deserialize_ms"]
+        assert abs(r["handoff_ms"] - parts) < 0.01 and r["bytes"] > 0 and r["compile_ms"] > 0, r
+    assert result["handoff_slower_than_compile"] == [r["schema"] for r in rows if r["handoff_ms"] > r["compile_ms"]]
+
+
 def test_bench_vocab_option_parses_deepseek_size():
     """`--vocab 129280` (DeepSeek V3/V4) reaches both benches' arguments; the 129k run itself is a bench
     option only (docs/grammar.md), never run in CI."""

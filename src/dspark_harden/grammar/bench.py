@@ -727,8 +727,81 @@ def run_processes(n: int = 2, vocab: int = 32000, duplicates: int = 2, log=print
     return out
 
 
+def run_handoff(vocab: int = 32000, repeats: int = 5, log=print) -> dict:
+    """The floor of any cross-process handoff of a compiled grammar (xgrammar's only serialisation is
+    JSON): per bench schema, compile (one compiler thread, no cache) vs serialize + durable write (temp
+    file, fsync, rename, directory fsync) + read + deserialize, medians of ``repeats``. A waiter that
+    waits for another process's publication of a key pays at least the read + deserialize after the
+    publisher's compile + serialize + write; where that handoff alone costs more than the compile, no
+    wait rule can give both one compile host-wide and an added wait below one compile time."""
+    import xgrammar as xgr
+
+    tok = _load_tokenizer(vocab)
+    info = xgr.TokenizerInfo.from_huggingface(tok, vocab_size=len(tok))
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="dsh-handoff-") as root:
+        path = os.path.join(root, "entry")
+        for name, schema in S.BENCH_SCHEMAS:
+            text = json.dumps(schema)
+            t: dict = {k: [] for k in ("compile", "serialize", "write", "read", "deserialize")}
+            size = 0
+            for _ in range(max(1, repeats)):
+                compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+                t0 = time.perf_counter()
+                grammar = compiler.compile_json_schema(text)
+                t["compile"].append(time.perf_counter() - t0)
+                t0 = time.perf_counter()
+                blob = grammar.serialize_json()
+                t["serialize"].append(time.perf_counter() - t0)
+                size = len(blob)
+                t0 = time.perf_counter()
+                with open(path + ".tmp", "w") as fh:
+                    fh.write(blob)
+                    fh.flush()
+                    os.fsync(fh.fileno())
+                os.rename(path + ".tmp", path)
+                dfd = os.open(root, os.O_RDONLY)
+                try:
+                    os.fsync(dfd)
+                finally:
+                    os.close(dfd)
+                t["write"].append(time.perf_counter() - t0)
+                t0 = time.perf_counter()
+                with open(path) as fh:
+                    blob = fh.read()
+                t["read"].append(time.perf_counter() - t0)
+                t0 = time.perf_counter()
+                xgr.CompiledGrammar.deserialize_json(blob, info)
+                t["deserialize"].append(time.perf_counter() - t0)
+            ms = {k: statistics.median(v) * 1e3 for k, v in t.items()}
+            handoff = ms["serialize"] + ms["write"] + ms["read"] + ms["deserialize"]
+            rows.append(
+                {
+                    "schema": name,
+                    **{f"{k}_ms": round(v, 3) for k, v in ms.items()},
+                    "handoff_ms": round(handoff, 3),
+                    "handoff_over_compile": round(handoff / ms["compile"], 3) if ms["compile"] > 0 else None,
+                    "bytes": size,
+                }
+            )
+    slower = [r["schema"] for r in rows if r["handoff_ms"] > r["compile_ms"]]
+    out = {
+        "vocab": len(tok),
+        "repeats": max(1, repeats),
+        "distinct_schemas": len(rows),
+        "per_schema": rows,
+        "handoff_slower_than_compile": slower,
+    }
+    log(f"{len(slower)} of {len(rows)} bench schemas cost more to hand off than to compile: {slower}")
+    return out
+
+
 def main(args: Any) -> int:
     log = (lambda *a, **k: print(*a, file=sys.stderr, **k)) if args.json else print
+    if getattr(args, "handoff", False):
+        result = run_handoff(vocab=args.vocab, repeats=args.repeats, log=log)
+        print(json.dumps(result) if args.json else json.dumps(result, indent=2))
+        return 0
     if getattr(args, "processes", None):
         result = run_processes(args.processes, vocab=args.vocab, duplicates=args.duplicates, log=log)
         print(json.dumps(result) if args.json else json.dumps(result, indent=2))

@@ -77,6 +77,13 @@ def register(subparsers: Any, bench_subparsers: Any) -> None:
         help="host-wide mode instead: N real scheduler-shaped processes, one empty disk cache, the same "
         "burst in each at once; host_compiles vs distinct_schemas and the wait claims added",
     )
+    b.add_argument(
+        "--handoff",
+        action="store_true",
+        help="handoff mode instead: per bench schema, compiling it vs the least any cross-process handoff "
+        "costs (serialize, durable write, read, deserialize), in this process",
+    )
+    b.add_argument("--repeats", type=int, default=5, help="with --handoff: repetitions per schema (median)")
     b.set_defaults(func=_bench_main)
 
 
