@@ -576,7 +576,7 @@ def test_decode_planner_guard():
     a, b = stock(*args), guarded(*args)
     assert torch.equal(a.plan_d, b.plan_d)
     PD.check()
-    args[4] = g["seq_lens"] + 4096
+    args[4] = g["seq_lens"] + g["req_to_token"].numel()  # past the whole allocation
     with pytest.raises(PL.PlannerBoundsError, match="refused before launch.*columns"):
         synced(*args)
     guarded(*args)
@@ -621,7 +621,7 @@ def test_guarded_plans_do_not_synchronize_and_the_report_needs_no_sync():
     assert returns_before_the_gpu(pre, gargs), "the guarded prefill plan waited for the GPU"
     assert not returns_before_the_gpu(dec_sync, dargs), "negative control: the sync mode must wait"
     bad = list(dargs)
-    bad[4] = g["seq_lens"] + 4096
+    bad[4] = g["seq_lens"] + g["req_to_token"].numel()  # past the whole allocation
     torch.cuda._sleep(cycles)
     dec(*bad)
     t0 = time.perf_counter()

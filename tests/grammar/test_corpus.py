@@ -132,6 +132,8 @@ def world(hf_tokenizer, schemas, tmp_path_factory):
         "keys": keys,
         "restart": restart,
         "requests": requests,
+        "cache": cache,
+        "knobs": knobs,
     }
     # module-scoped: built before the per-test close-up (tests/grammar/conftest.py) is in force
     close_parts(svc, restart, ours.grammar_compiler, restart_backend.grammar_compiler, stock)
@@ -341,6 +343,78 @@ def test_masks_identical_to_stock_along_generated_instances(walks):
     assert not bad, bad[:5]
     assert {r["disk_source"] for r in records} <= {"disk", "local_compile"}
     assert "disk" in {r["disk_source"] for r in records}
+
+
+_OTHER_PROCESS = r"""
+import hashlib, json, sys
+import torch, xgrammar as xg
+from transformers import AutoTokenizer
+from dspark_harden.devtools.tiny_models import ensure_tokenizer
+from tests.grammar.conftest import close_parts, persistent_backend, service_for
+
+job = json.load(sys.stdin)
+tok = AutoTokenizer.from_pretrained(ensure_tokenizer(2048))
+backend = persistent_backend(tok, job["cache"], **job["knobs"])
+svc = service_for(backend)
+out = []
+for schema, tokens in job["walks"]:
+    future, _ = svc.lookup(("json", schema), False)
+    grammar = future.result(timeout=300)
+    m, mask, digests = grammar.matcher, xg.allocate_token_bitmask(1, len(tok)), []
+    for t in tokens:
+        mask.fill_(0)
+        m.fill_next_token_bitmask(mask)
+        digests.append(hashlib.sha256(mask.numpy().tobytes()).hexdigest()[:16] + ("+" if m.accept_token(t) else "-"))
+        if digests[-1].endswith("-"):
+            break
+    out.append({"source": future.source, "digests": digests})
+close_parts(svc, backend.grammar_compiler)
+print(json.dumps(out))
+"""
+
+
+def test_masks_identical_to_stock_from_the_disk_cache_in_another_process(world, walks, schemas, hf_tokenizer):
+    """Across processes: a fresh interpreter opens the corpus run's disk cache (a real scheduler-shaped
+    backend: stock XGrammarGrammarBackend + our persistent compiler and service), loads every walked
+    schema (a spelling this process never used) and walks the same token sequences; at every step its
+    mask (digest) and accept decision equal stock's in this process, on a fresh stock matcher."""
+    import hashlib
+    import subprocess
+    import sys
+
+    by_name = dict(schemas)
+    todo, want = [], []
+    for r in walks["records"][:400]:
+        schema = by_name[r["schema"]]
+        tokens = hf_tokenizer.encode(r["text"], add_special_tokens=False, split_special_tokens=True)
+        stock = world["stock"][r["schema"]].copy().matcher
+        mask, digests = xg.allocate_token_bitmask(1, len(hf_tokenizer)), []
+        for t in tokens:
+            mask.fill_(0)
+            stock.fill_next_token_bitmask(mask)
+            digests.append(
+                hashlib.sha256(mask.numpy().tobytes()).hexdigest()[:16] + ("+" if stock.accept_token(t) else "-")
+            )
+            if digests[-1].endswith("-"):
+                break
+        todo.append((json.dumps(schema, separators=(",", ":"), sort_keys=False) + " ", tokens))
+        want.append(digests)
+    job = {"cache": str(world["cache"]), "knobs": {k: str(v) for k, v in world["knobs"].items()}, "walks": todo}
+    proc = subprocess.run(
+        [sys.executable, "-c", _OTHER_PROCESS],
+        input=json.dumps(job),
+        capture_output=True,
+        text=True,
+        timeout=1200,
+        cwd=str(__import__("pathlib").Path(__file__).resolve().parents[2]),
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert len(got) == len(want) >= MIN_PROPERTY_SCHEMAS
+    bad = [(i, todo[i][0][:80]) for i, (g, w) in enumerate(zip(got, want)) if g["digests"] != w]
+    assert not bad, bad[:5]
+    sources = {g["source"] for g in got}
+    assert sources <= {"disk", "local_compile"} and "disk" in sources, sources
 
 
 def test_every_generated_instance_is_accepted(walks, schemas):
