@@ -356,10 +356,11 @@ job = json.load(sys.stdin)
 tok = AutoTokenizer.from_pretrained(ensure_tokenizer(2048))
 backend = persistent_backend(tok, job["cache"], **job["knobs"])
 svc = service_for(backend)
-out = []
+out, sources = [], {}
 for schema, tokens in job["walks"]:
-    future, _ = svc.lookup(("json", schema), False)
-    grammar = future.result(timeout=300)
+    value, hit = svc.lookup(("json", schema), False)  # a schema with several instances: memory hits after the first
+    grammar = value if hit else value.result(timeout=300)
+    source = sources.setdefault(schema, "memory" if hit else value.source)
     m, mask, digests = grammar.matcher, xg.allocate_token_bitmask(1, len(tok)), []
     for t in tokens:
         mask.fill_(0)
@@ -367,7 +368,7 @@ for schema, tokens in job["walks"]:
         digests.append(hashlib.sha256(mask.numpy().tobytes()).hexdigest()[:16] + ("+" if m.accept_token(t) else "-"))
         if digests[-1].endswith("-"):
             break
-    out.append({"source": future.source, "digests": digests})
+    out.append({"source": source, "digests": digests})
 close_parts(svc, backend.grammar_compiler)
 print(json.dumps(out))
 """
