@@ -1,7 +1,8 @@
 """A real DSpark server with the plugin (issue 23): ``python -m sglang.launch_server
 --speculative-algorithm DSPARK`` on the CPU test platform, tiny Qwen3 target + tiny random DSpark
 draft (``ensure_dspark_draft``), ``--dp-size 2 --tp-size 2 --enable-dp-attention --enable-dp-lm-head``,
-``DSPARK_HARDEN_DSPARK_MASKS=1`` (shared fixture ``dspark_dp2_server``, one start per run).
+``DSPARK_HARDEN_DSPARK_MASKS=1`` and ``DSPARK_HARDEN_DSPARK_RESULTS=1`` (shared fixture
+``dspark_dp2_server``, one start per run).
 
 Every decode step runs the real ``DSparkWorkerV2`` (draft block forward, target verify) and every
 grammar verify step builds its draft mask through the plugin's native traversal; the CPU platform
@@ -32,6 +33,7 @@ SCHEMA = {
 }
 REGEX = r"(yes|no|maybe)"
 STEPS = re.compile(r'^dspark_harden_dspark_mask_steps_total\{dp_rank="(\d)",outcome="(\w+)"\} ([0-9.e+]+)$', re.M)
+RESULTS = re.compile(r'^dspark_harden_dspark_results_total\{dp_rank="(\d)",outcome="(\w+)"\} ([0-9.e+]+)$', re.M)
 ENGINE = re.compile(r'^dspark_harden_dspark_mask_engine\{dp_rank="(\d)",engine="(\w+)"\} ([0-9.e+]+)$', re.M)
 
 
@@ -84,3 +86,34 @@ def test_constrained_requests_validate_and_every_verify_step_is_masked_natively(
     other = str(1 - rank)
     assert after.get((other, "masked")) == after_plain.get((other, "masked")), "steps counted on the other rank"
     assert after[(r, "thinking_only")] == after_plain.get((r, "thinking_only"))
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_every_decode_step_is_read_from_a_materialized_record(dspark_dp2_server, rank):
+    """The DSpark result materializer end to end (issue 24) on the real DSpark server with overlap
+    scheduling: every verify step of a request on this rank was materialized (by the background thread,
+    or converted by the consumer that got there first) and read by stock's consumers from its record --
+    a step without one would have stopped the server (``record_of``); no step failed, timed out, lost its
+    thread or carried another step's record; the same greedy constrained request twice gives the same
+    text. (Before the copy wrapper decided from the result instead of the batch's forward mode, this
+    server stopped at its warm-up request: stock copies while DSpark's verify has the batch in
+    TARGET_VERIFY.)"""
+    r = str(rank)
+
+    def counts() -> dict:
+        return {(k, o): float(v) for k, o, v in RESULTS.findall(dspark_dp2_server.metrics_text())}
+
+    before = counts()
+    outs = [
+        dspark_dp2_server.generate(
+            "Answer yes, no or maybe:", max_new_tokens=12, routed_dp_rank=rank, sampling_params={"regex": REGEX}
+        )
+        for _ in range(2)
+    ]
+    after = counts()
+    assert outs[0]["text"] == outs[1]["text"] and re.fullmatch(REGEX, outs[0]["text"]), [o["text"] for o in outs]
+    verify_steps = sum(o["meta_info"]["spec_verify_ct"] for o in outs)
+    done = sum(after.get((r, o), 0.0) - before.get((r, o), 0.0) for o in ("materialized", "converted_by_consumer"))
+    assert verify_steps > 0 and done >= verify_steps, (done, verify_steps, after)
+    bad = {(k, o): v for (k, o), v in after.items() if o not in ("materialized", "converted_by_consumer") and v}
+    assert not bad, bad

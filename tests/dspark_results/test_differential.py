@@ -186,6 +186,20 @@ def make_result(tokens, accept, block, cap, stride):
     return res
 
 
+def copy_in_forward(copy, sched, res, batch):
+    """``copy`` (stock's or the wrapped ``Scheduler._copy_result_to_cpu``) called as stock's overlap loop
+    calls it: inside ``Scheduler._forward_isolation``, where DSpark's verify has set the batch's forward mode
+    to TARGET_VERIFY; the isolation restores DECODE afterwards, which is what the result processor sees
+    (found on the real DSpark CPU server: a wrapper deciding by the batch's mode at copy time never
+    submitted, and the first consumer failed)."""
+    mode = batch.forward_mode
+    batch.forward_mode = ForwardMode.TARGET_VERIFY if mode == ForwardMode.DECODE else mode
+    try:
+        copy(sched, res, batch)
+    finally:
+        batch.forward_mode = mode
+
+
 def result_view(res):
     return (
         res.num_correct_drafts_per_req_cpu,
@@ -215,8 +229,8 @@ def test_resolve_and_advance_identical_to_stock(factory, seed):
                     if r and not req.finished():
                         req.is_retracted = True
             ra, rb = make_result(tokens, accept, block, cap, stride), make_result(tokens, accept, block, cap, stride)
-            STOCK_COPY(sched_a, ra, a.batch)
-            HARDENED_COPY(sched_b, rb, b.batch)
+            copy_in_forward(STOCK_COPY, sched_a, ra, a.batch)
+            copy_in_forward(HARDENED_COPY, sched_b, rb, b.batch)
             assert getattr(rb, "_dspark_harden_result_seq", None) == mat.seq
             if barrier:  # the grammar barrier inside the next verify advances first
                 CLS.advance_grammar_fsm(stock_proc, ra, a.batch)
@@ -257,7 +271,7 @@ def test_runs_cover_termination_abort_and_retraction(factory):
                 if r and not req.finished():
                     req.is_retracted = True
             ra = make_result(tokens, accept, block, cap, stride)
-            STOCK_COPY(sched, ra, a.batch)
+            copy_in_forward(STOCK_COPY, sched, ra, a.batch)
             pa = CLS._resolve_spec_v2_tokens(proc, ra, a.batch)
             for i, ret in enumerate(ra.grammar_retained_tokens or []):
                 if ret is not None:
@@ -290,7 +304,7 @@ def test_logprob_lists_identical_to_stock(factory):
                 next_token_top_logprobs_idx=[torch.arange(2) for _ in range(bs * stride)],
                 next_token_token_ids_logprobs_val=[torch.rand(1, generator=g) for _ in range(bs * stride)],
             )
-            copy(scheduler(mat), res, w.batch)
+            copy_in_forward(copy, scheduler(mat), res, w.batch)
             proc = processor(cls)
             ids, lps = cls._normalize_decode_outputs(
                 proc, batch=w.batch, result=res, logits_output=res.logits_output, next_token_ids=res.next_token_ids
@@ -311,8 +325,9 @@ def test_logprob_lists_identical_to_stock(factory):
 
 
 def test_non_dspark_and_extend_results_run_stock(factory):
-    """Only DSpark decode results are materialized: an EAGLE decode result and a DSpark extend result go
-    through the stock methods untouched (no record, no step number, copy_done stays the event)."""
+    """Only DSpark decode results are materialized: an EAGLE decode result and a DSpark extend result (no
+    accept lengths, as DSparkWorkerV2's prefill returns it) go through the stock methods untouched (no
+    record, no step number, copy_done stays the event)."""
     for spec, mode in (
         (SpeculativeAlgorithm.EAGLE, ForwardMode.DECODE),
         (SpeculativeAlgorithm.DSPARK, ForwardMode.EXTEND),
@@ -321,8 +336,10 @@ def test_non_dspark_and_extend_results_run_stock(factory):
         w.batch.spec_algorithm, w.batch.forward_mode = spec, mode
         mat = Materializer(queue_size=2, timeout_s=10.0, done_cls=I._done_cls())
         res = make_result([7] * 4, [1, 2], [0, 0], [0, 0], 2)
+        if mode == ForwardMode.EXTEND:
+            res.accept_lens = res.block_accept_lens = res.cap_lens = None
         event = res.copy_done
-        HARDENED_COPY(scheduler(mat), res, w.batch)
+        copy_in_forward(HARDENED_COPY, scheduler(mat), res, w.batch)
         assert res.copy_done is event and mat.seq == 0 and not hasattr(res, RECORD_ATTR)
         assert mat.shutdown(2.0)
 
@@ -346,8 +363,8 @@ def test_record_of_another_step_raises_naming_both_steps(factory):
     sched = scheduler(mat)
     r1 = make_result([7] * 6, [1, 2, 1], [0] * 3, [0] * 3, 2)
     r2 = make_result([8] * 6, [2, 2, 1], [0] * 3, [0] * 3, 2)
-    HARDENED_COPY(sched, r1, w.batch)
-    HARDENED_COPY(sched, r2, w.batch)
+    copy_in_forward(HARDENED_COPY, sched, r1, w.batch)
+    copy_in_forward(HARDENED_COPY, sched, r2, w.batch)
     r1.copy_done.synchronize()
     r2.copy_done.synchronize()
     setattr(r2, RECORD_ATTR, getattr(r1, RECORD_ATTR))  # step 1's record on step 2's result

@@ -31,7 +31,9 @@ DSPARK_DP2_CONFIG = ServerConfig(
         dspark_draft_dir(),
         "--enable-dp-lm-head",
     ),
-    env=(("DSPARK_HARDEN_DSPARK_MASKS", "1"),),
+    # with the DSpark result materializer (DSpark + overlap scheduling, which stock keeps on for DSpark on
+    # CPU): its consumers read every decode step's record on this server (tests/dspark_masks/test_dspark_server.py)
+    env=(("DSPARK_HARDEN_DSPARK_MASKS", "1"), ("DSPARK_HARDEN_DSPARK_RESULTS", "1")),
 )
 
 #: fixture name -> configuration. Later issues may add entries (e.g. a stock server to compare).
@@ -40,7 +42,7 @@ SHARED_CONFIGS: dict[str, ServerConfig] = {
     "dp2_server": DP2_CONFIG,
     # Qwen3 tiny + tiny DSpark draft, --speculative-algorithm DSPARK, the same DP2 geometry (stock
     # requires --enable-dp-lm-head for DSpark under DP attention), plugin active with
-    # DSPARK_HARDEN_DSPARK_MASKS=1. The draft is built by ensure_dspark_draft() (tests using this
+    # DSPARK_HARDEN_DSPARK_MASKS=1 and DSPARK_HARDEN_DSPARK_RESULTS=1. The draft is built by ensure_dspark_draft() (tests using this
     # server request it first: tests/dspark_masks/test_dspark_server.py).
     "dspark_dp2_server": DSPARK_DP2_CONFIG,
 }

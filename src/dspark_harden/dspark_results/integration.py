@@ -65,10 +65,22 @@ def probe_mirrored_sources(allow: tuple = ()) -> Optional[str]:
 
 
 def materializes(batch: Any) -> bool:
-    """Results the materializer owns: DSpark decode (verify) steps."""
+    """Results the consumers read from a record: DSpark decode (verify) steps, as the result processor
+    sees the batch (its forward mode restored to DECODE after the forward)."""
     spec = getattr(batch, "spec_algorithm", None)
     mode = getattr(batch, "forward_mode", None)
     return bool(spec is not None and spec.is_dspark() and mode is not None and mode.is_decode())
+
+
+def submits(batch: Any, batch_result: Any) -> bool:
+    """Results the copy wrapper hands to the materializer: every DSpark result with accept lengths (the
+    decode/verify step and an idle rank's empty one; a prefill result has none). Decided from the result,
+    not the batch's forward mode: stock copies inside ``Scheduler._forward_isolation``, where DSpark's
+    verify has left the batch in TARGET_VERIFY (restored to DECODE only after the copy), and the result
+    processor later sees another batch object. A record nobody reads (an idle rank's) costs one empty
+    conversion; a DSpark decode result without one fails its consumer (:func:`record_of`)."""
+    spec = getattr(batch, "spec_algorithm", None)
+    return bool(spec is not None and spec.is_dspark() and getattr(batch_result, "accept_lens", None) is not None)
 
 
 _DONE_CLS: dict = {}
@@ -123,7 +135,7 @@ def build_copy(stock):
     @functools.wraps(stock)
     def _copy_result_to_cpu(self, batch_result, batch):
         stock(self, batch_result, batch)
-        if materializes(batch):
+        if submits(batch, batch_result):
             # stock recorded copy_done on copy_stream right behind this forward's copies
             materializer_of(self).submit(batch_result, batch_result.copy_done, bool(batch.return_logprob))
 
