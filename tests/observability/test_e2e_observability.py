@@ -46,8 +46,7 @@ UNPROVABLE_ON_CPU = {
     "dspark-masks": "needs a DSpark server (Qwen3 tiny + a DSpark draft); its mask metrics are checked on the "
     "shared dspark_dp2_server by tests/dspark_masks/test_dspark_server.py, not on this server",
     "dspark-result-materializer": "needs a DSpark server with overlap scheduling (this server is not speculative); "
-    "not yet run end to end on any server: its metrics are checked on real stock "
-    "objects by tests/dspark_results/",
+    "its outcome counters are checked on the shared dspark_dp2_server by tests/dspark_masks/test_dspark_server.py",
     "prefill-graph-dp": "prefill CUDA graphs are disabled on CPU (stock resolves the prefill graph backend to disabled)",
     "dsv4-sparse-prefill-pool": "DeepSeek V4 attention and FlashMLA need CUDA",
     "dsv4-inplace-q-norm-rope": "DeepSeek V4's JIT kernels need CUDA",
