@@ -5,10 +5,12 @@ The pool and in-place kernels need CUDA: tests/gpu/test_dsv4_memory_gpu.py runs 
 
 from __future__ import annotations
 
+import os
 import pathlib
 import random
 import shutil
 import subprocess
+import sys
 
 import pytest
 import torch
@@ -470,7 +472,9 @@ def test_guarded_planner_compiles_against_the_installed_stock_header(tmp_path):
     """What SGLang's JIT would build on a GPU host, compiled here without one: the translation unit made by
     SGLang's own ``_wrapper_source`` for ``planner_device._module()``'s two wrappers, against the installed
     ``c_plan.cuh`` and tvm-ffi headers, for sm_90a (the H200). Catches a copy that no longer matches the
-    stock structs it includes. It does not run the kernels (tests/gpu does, on the H200)."""
+    stock structs it includes. Then linked as SGLang's JIT links it (tvm-ffi + cudart) and loaded by tvm-ffi
+    in a child: the three exports exist and the mirror's tensor check refuses a wrong shape (mutation: the
+    check widened to any length -> red). It does not run the kernels (tests/gpu does, on the H200)."""
     import tvm_ffi
     from sglang.kernels.jit.utils.compile.paths import KERNEL_PATH
     from sglang.kernels.jit.utils.compile.spec import _wrapper_source
@@ -508,3 +512,28 @@ def test_guarded_planner_compiles_against_the_installed_stock_header(tmp_path):
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert (tmp_path / "cuda.o").stat().st_size > 0
+    # linked as SGLang's JIT links (toolchain.base_link_flags: tvm-ffi + cudart) and loaded by tvm-ffi:
+    # the three exports are there and the tensor checks run (the CUDA calls need a GPU: tests/gpu)
+    from sglang.kernels.jit.utils.compile.toolchain import cuda_home
+
+    libs = [pathlib.Path(cuda_home()) / "lib64", pathlib.Path("/usr/local/cuda/lib64")]
+    cuda_lib = next((d for d in libs if (d / "libcudart.so").exists()), None)
+    if cuda_lib is None:
+        pytest.skip(f"compiled; no libcudart.so to link against in {libs}")
+    ffi_lib = pathlib.Path(tvm_ffi.__file__).parent / "lib"
+    so = tmp_path / "guarded.so"
+    link = ["g++", str(tmp_path / "cuda.o"), "-shared", f"-L{ffi_lib}", "-ltvm_ffi", f"-L{cuda_lib}", "-lcudart"]
+    proc = subprocess.run(link + ["-o", str(so)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    probe = (
+        "import tvm_ffi, torch\n"
+        f"m = tvm_ffi.load_module({str(so)!r})\n"
+        "fs = [m.plan_decode_guarded, m.plan_prefill_guarded, m.mirror_device_pointer]\n"
+        "try:\n"
+        "    m.mirror_device_pointer(torch.zeros(3, dtype=torch.int32))\n"
+        "except RuntimeError as exc:\n"
+        "    print('REFUSED', 'Tensor match failed' in str(exc) and 'expected 4' in str(exc))\n"
+    )
+    env = dict(os.environ, LD_LIBRARY_PATH=f"{cuda_lib}:{os.environ.get('LD_LIBRARY_PATH', '')}")
+    proc = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, env=env)
+    assert proc.returncode == 0 and "REFUSED True" in proc.stdout, (proc.stdout, proc.stderr[-4000:])
