@@ -57,9 +57,9 @@ typedef struct {
     uint32_t reserved0;
     uint64_t config_digest;
     int64_t timeout_ms;
-    _Atomic uint32_t error_code; /* 0 = healthy; first published error wins */
+    _Atomic uint32_t error_code;  /* 0 = healthy; stored last, after error_rank and error_msg */
     _Atomic int32_t error_rank;
-    _Atomic uint32_t error_msg_ready;
+    _Atomic uint32_t error_claim; /* first publisher wins this, then writes rank + message + code */
     _Atomic uint32_t unlinked; /* one-shot */
     char error_msg[DP2_MSG_LEN];
 } dp2_header;
@@ -220,10 +220,14 @@ static int publish(dspark_dp2_channel *ch, int code, char *err, size_t errlen, c
     va_end(ap);
     dp2_header *h = &ch->shm->header;
     uint32_t zero = 0;
-    if (atomic_compare_exchange_strong(&h->error_code, &zero, (uint32_t)code)) {
-        atomic_store(&h->error_rank, ch->rank);
+    /* The claim orders the winner's writes: a rank that sees error_code != 0 (acquire) always sees the
+     * winner's rank and message. (Publishing the code first let a peer read it between the two stores and
+     * report "(message pending)": a CI failure under load.) A loser returns its own error; the winner's
+     * code follows within a few stores, and a winner killed in between is caught as a dead peer. */
+    if (atomic_compare_exchange_strong(&h->error_claim, &zero, 1u)) {
+        atomic_store_explicit(&h->error_rank, ch->rank, memory_order_relaxed);
         memcpy(h->error_msg, msg, sizeof msg);
-        atomic_store_explicit(&h->error_msg_ready, 1, memory_order_release);
+        atomic_store_explicit(&h->error_code, (uint32_t)code, memory_order_release);
     }
     for (int r = 0; r < DSPARK_DP2_WORLD_SIZE; ++r) {
         atomic_fetch_add(&ch->shm->ranks[r].epoch, 1);
@@ -235,8 +239,8 @@ static int publish(dspark_dp2_channel *ch, int code, char *err, size_t errlen, c
 
 static int report_poisoned(dspark_dp2_channel *ch, uint32_t code, char *err, size_t errlen) {
     dp2_header *h = &ch->shm->header;
-    const char *msg =
-        atomic_load_explicit(&h->error_msg_ready, memory_order_acquire) ? h->error_msg : "(message pending)";
+    atomic_thread_fence(memory_order_acquire); /* pairs with the release store of error_code */
+    const char *msg = h->error_msg;
     set_err(err, errlen, "dp2 channel %s rank %d: channel poisoned: rank %d published error %u (%s): %.*s", ch->name,
             ch->rank, (int)atomic_load(&h->error_rank), code, code_name((int)code), DP2_MSG_LEN, msg);
     return DSPARK_DP2_E_POISONED;
