@@ -45,7 +45,7 @@ mutate lens_not_counted "$CUH" 'if (s_bad) atomicAdd(counts + kGuardLens, 1);' '
     "device_guarded_prefill"
 mutate mirror_never_written "$CUH" 'if (threadIdx.x < kGuardReasons) mirror[threadIdx.x] = counts[threadIdx.x];' \
     '(void)counts; (void)mirror;' "do_not_synchronize or metadata_report"
-mutate report_not_read_per_step "$PLANNER" '            planner_device.check_pending()
-' '' "metadata_report"
+mutate report_not_read_per_step "$PLANNER" 'planner_device.report(planner_device.ensure_state())' \
+    'planner_device.ensure_state()' "metadata_report"
 echo "mutations surviving or not applied: $survivors"
 [ $survivors -eq 0 ]

@@ -44,6 +44,13 @@ def register(bench_subparsers: Any) -> None:
         default=0.5,
         help="scheduler-thread Python work per step after the result processing (default 0.5)",
     )
+    p.add_argument(
+        "--switch-interval-us",
+        type=float,
+        default=None,
+        help="sys.setswitchinterval for the run, in µs (default: the interpreter's, 5000): how soon a thread "
+        "waiting for the GIL makes the running one drop it",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=main)
 
@@ -180,7 +187,18 @@ def main(args: Any) -> int:
     if not torch.cuda.is_available():
         print("dspark-harden bench dspark-results needs CUDA (no CUDA device here)", file=sys.stderr)
         return 2
-    res = run(args.steps, args.blocks, args.requests, args.stride, args.busy_ms, args.cpu_ms, args.busy_kind)
+    before = sys.getswitchinterval()
+    if args.switch_interval_us is not None:
+        if not args.switch_interval_us > 0:
+            print(f"--switch-interval-us must be > 0, got {args.switch_interval_us}", file=sys.stderr)
+            return 2
+        sys.setswitchinterval(args.switch_interval_us / 1e6)
+    try:
+        res = run(args.steps, args.blocks, args.requests, args.stride, args.busy_ms, args.cpu_ms, args.busy_kind)
+    finally:
+        res_interval = sys.getswitchinterval()
+        sys.setswitchinterval(before)
+    res["switch_interval_us"] = round(res_interval * 1e6, 1)
     if args.json:
         print(json.dumps(res))
     else:

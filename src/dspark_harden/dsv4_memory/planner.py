@@ -139,7 +139,7 @@ def prefill_problems(
         [bad_len.to(dev), (total > n).to(dev), (total != n).to(dev)] + [f.to(torch.bool) for f in r2t_flags]
     ).tolist()  # the one device sync
     if flags[0]:
-        out.append(_BAD_LEN)
+        out.append(_BAD_LEN_GPU if gpu_input else _BAD_LEN)
     if flags[1] or (flags[2] and not gpu_input):
         out += _sum_problems(int(total), n)
     if out:  # the window check assumed valid lengths: report the lengths alone
@@ -148,6 +148,8 @@ def prefill_problems(
 
 
 _BAD_LEN = "an extend length is <= 0 or larger than its sequence length"
+# GPU-resident lengths may carry 0 (padding entries, zero-length sentinels): only < 0 is bad there
+_BAD_LEN_GPU = "an extend length is < 0 or larger than its sequence length (GPU-input lengths may be 0)"
 
 
 def _host_length_problems(seq_lens, extend_lens, n: int) -> list[str]:
@@ -378,8 +380,7 @@ def build_metadata_report(stock: Callable) -> Callable:
         if not _capturing():
             from . import planner_device
 
-            planner_device.ensure_state()
-            planner_device.check_pending()
+            planner_device.report(planner_device.ensure_state())
         return stock(self, forward_batch, *args, **kwargs)
 
     return wrapper

@@ -116,8 +116,12 @@ def check_pending(device: Any = None) -> None:
     """No sync: raise when the published counters grew since the last report (what the GPU has
     finished publishing so far; a plan still in flight is reported at a later call)."""
     st = _STATES.get(_index(device)) if _STATES else None
-    if st is None:
-        return
+    if st is not None:
+        report(st)
+
+
+def report(st: GuardState) -> None:
+    """:func:`check_pending` for a state already looked up (the per-step metadata wrapper's one lookup)."""
     now = [int(v) for v in st.view]
     if now == st.reported:
         return
