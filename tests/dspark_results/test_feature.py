@@ -5,6 +5,7 @@ metric families counting it."""
 
 from __future__ import annotations
 
+import sys
 import types
 
 import pluggy
@@ -15,7 +16,7 @@ from dspark_harden.core.patch import Role
 from dspark_harden.core.roles import ProcessContext
 from dspark_harden.dspark_results import feature as F
 from dspark_harden.dspark_results import integration as I
-from dspark_harden.dspark_results.settings import SWITCH
+from dspark_harden.dspark_results.settings import SWITCH, SWITCH_INTERVAL, SWITCH_INTERVAL_DEFAULT_US
 
 ON = {SWITCH: "1"}
 TARGETS = {I.COPY_TARGET, I.RESOLVE_TARGET, I.ADVANCE_TARGET, I.NORMALIZE_TARGET}
@@ -128,8 +129,11 @@ def test_bound_patches_round_trip_and_materialize_through_the_live_classes(monke
     )
     res.copy_done = torch.cpu.Event()
     sched = scheduler()
+    assert sys.getswitchinterval() == pytest.approx(0.005)  # the interpreter's, until a materializer exists
     Scheduler._copy_result_to_cpu(sched, res, batch)
     assert sched.__dict__[I.ATTR].seq == 1
+    # the first materializer set this (scheduler) process's GIL switch interval to the setting's default
+    assert sys.getswitchinterval() == pytest.approx(SWITCH_INTERVAL_DEFAULT_US / 1e6)
     res.copy_done.synchronize()
     assert P._resolve_spec_v2_tokens(processor(P), res, batch) == [[5, 6], [8, 9, 10]]
     assert [r.kv.kv_committed_len for r in reqs] == [2, 3]
@@ -153,9 +157,38 @@ def test_bound_patches_round_trip_and_materialize_through_the_live_classes(monke
     assert Scheduler._copy_result_to_cpu is stock[0]
 
 
+@pytest.mark.forked
+def test_switch_interval_zero_leaves_the_interpreters_and_a_bad_value_fails_naming_it(monkeypatch):
+    monkeypatch.setattr(
+        roles,
+        "CONTEXT",
+        ProcessContext(
+            Role.SCHEDULER, types.SimpleNamespace(speculative_algorithm="DSPARK", disable_overlap_schedule=False), 0, 1
+        ),
+    )
+    report = bind({**ON, SWITCH_INTERVAL: "nope"})
+    assert not report.ok and any(SWITCH_INTERVAL in f for f in report.failures()), report.failures()
+    binder.revert_all()
+    report = bind({**ON, SWITCH_INTERVAL: "0"})
+    assert report.ok, report.failures()
+    mat = I.new_materializer(dp_label="0")
+    assert sys.getswitchinterval() == pytest.approx(0.005)
+    assert mat.shutdown(2.0)
+    binder.revert_all()
+
+
+def test_apply_switch_interval_sets_and_reports_the_previous_value():
+    before = sys.getswitchinterval()
+    try:
+        assert I.apply_switch_interval(0) is None and sys.getswitchinterval() == before
+        assert I.apply_switch_interval(150) == before
+        assert sys.getswitchinterval() == pytest.approx(150e-6)
+    finally:
+        sys.setswitchinterval(before)
+
+
 def test_bench_needs_cuda_and_exits_2_without_it():
     import subprocess
-    import sys
 
     import torch
 

@@ -20,6 +20,8 @@ import sys
 import time
 from typing import Any
 
+from .settings import SWITCH_INTERVAL_DEFAULT_US
+
 BARRIER_FIELDS = ("next_token_ids", "accept_lens")  # what advance_grammar_fsm converts
 
 
@@ -46,10 +48,11 @@ def register(bench_subparsers: Any) -> None:
     )
     p.add_argument(
         "--switch-interval-us",
-        type=float,
-        default=None,
-        help="sys.setswitchinterval for the run, in µs (default: the interpreter's, 5000): how soon a thread "
-        "waiting for the GIL makes the running one drop it",
+        type=int,
+        default=SWITCH_INTERVAL_DEFAULT_US,
+        help="GIL switch interval of the materializer's blocks, in µs, as the feature sets it in the scheduler "
+        f"process (DSPARK_HARDEN_DSPARK_RESULTS_SWITCH_INTERVAL_US, default {SWITCH_INTERVAL_DEFAULT_US}; 0: "
+        "the interpreter's); stock's blocks always run at the interpreter's",
     )
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=main)
@@ -76,6 +79,7 @@ def run(
     busy_ms: float = 2.0,
     cpu_ms: float = 0.5,
     busy_kind: str = "sleep",
+    switch_interval_us: int = 0,
 ) -> dict:
     """The measurement (CUDA); returns the JSON object the command prints."""
     from . import gpu_loop
@@ -91,7 +95,18 @@ def run(
         for p in ("stock", "harden")
     }
 
+    interpreter_interval = sys.getswitchinterval()
+
     def block(path: str, n: int, record: bool) -> None:
+        harden = path == "harden"
+        if harden and switch_interval_us > 0:
+            sys.setswitchinterval(switch_interval_us / 1e6)  # as apply_switch_interval in the scheduler
+        try:
+            run_block(path, n, record)
+        finally:
+            sys.setswitchinterval(interpreter_interval)
+
+    def run_block(path: str, n: int, record: bool) -> None:
         acc = out[path]
         prev = None
         harden = path == "harden"
@@ -157,6 +172,10 @@ def run(
         "busy_kind": busy_kind,
         "busy_units_per_step": loop.busy_units,
         "cpu_ms": cpu_ms,
+        "switch_interval_us": {
+            "stock": round(interpreter_interval * 1e6, 1),
+            "harden": switch_interval_us if switch_interval_us > 0 else round(interpreter_interval * 1e6, 1),
+        },
         "blocks": blocks,
         "steps_per_path": len(out["stock"]["blocked"]),
     }
@@ -187,18 +206,19 @@ def main(args: Any) -> int:
     if not torch.cuda.is_available():
         print("dspark-harden bench dspark-results needs CUDA (no CUDA device here)", file=sys.stderr)
         return 2
-    before = sys.getswitchinterval()
-    if args.switch_interval_us is not None:
-        if not args.switch_interval_us > 0:
-            print(f"--switch-interval-us must be > 0, got {args.switch_interval_us}", file=sys.stderr)
-            return 2
-        sys.setswitchinterval(args.switch_interval_us / 1e6)
-    try:
-        res = run(args.steps, args.blocks, args.requests, args.stride, args.busy_ms, args.cpu_ms, args.busy_kind)
-    finally:
-        res_interval = sys.getswitchinterval()
-        sys.setswitchinterval(before)
-    res["switch_interval_us"] = round(res_interval * 1e6, 1)
+    if args.switch_interval_us < 0:
+        print(f"--switch-interval-us must be >= 0, got {args.switch_interval_us}", file=sys.stderr)
+        return 2
+    res = run(
+        args.steps,
+        args.blocks,
+        args.requests,
+        args.stride,
+        args.busy_ms,
+        args.cpu_ms,
+        args.busy_kind,
+        switch_interval_us=args.switch_interval_us,
+    )
     if args.json:
         print(json.dumps(res))
     else:

@@ -46,13 +46,34 @@ MIRRORED = {
 }
 
 ATTR = "_dspark_harden_materializer"
-_CONFIG = {"queue_size": 4, "timeout_s": 60.0}
+_CONFIG = {"queue_size": 4, "timeout_s": 60.0, "switch_interval_us": 0}
 _LOCK = threading.Lock()
+_SWITCH_LOCK = threading.Lock()
 _LIVE: "weakref.WeakSet" = weakref.WeakSet()
 
 
-def configure(queue_size: int, timeout_s: float) -> None:
-    _CONFIG.update(queue_size=int(queue_size), timeout_s=float(timeout_s))
+def configure(queue_size: int, timeout_s: float, switch_interval_us: int = 0) -> None:
+    _CONFIG.update(queue_size=int(queue_size), timeout_s=float(timeout_s), switch_interval_us=int(switch_interval_us))
+
+
+def apply_switch_interval(us: int) -> Optional[float]:
+    """Set this process's GIL switch interval to ``us`` µs (0: leave it); returns the previous value in
+    seconds when it changed it. Process-wide, so the scheduler process does it once, with its first
+    materializer (DSPARK_HARDEN_DSPARK_RESULTS_SWITCH_INTERVAL_US)."""
+    import logging
+    import sys
+
+    if us <= 0:
+        return None
+    before = sys.getswitchinterval()
+    sys.setswitchinterval(us / 1e6)
+    logging.getLogger(__name__).info(
+        "dspark-harden: GIL switch interval %.0f µs -> %.0f µs for the DSpark result materializer "
+        "(DSPARK_HARDEN_DSPARK_RESULTS_SWITCH_INTERVAL_US; 0 leaves it)",
+        before * 1e6,
+        sys.getswitchinterval() * 1e6,
+    )
+    return before
 
 
 def probe_mirrored_sources(allow: tuple = ()) -> Optional[str]:
@@ -99,6 +120,10 @@ def new_materializer(dp_label: Optional[str] = None) -> Materializer:
     from . import metrics
 
     label = dp_label if dp_label is not None else metrics.dp_label()
+    with _SWITCH_LOCK:  # not _LOCK: materializer_of holds it around this call
+        if not _CONFIG.get("switch_interval_applied"):
+            _CONFIG["switch_interval_applied"] = True
+            apply_switch_interval(_CONFIG["switch_interval_us"])
     mat = Materializer(
         queue_size=_CONFIG["queue_size"],
         timeout_s=_CONFIG["timeout_s"],

@@ -8,6 +8,8 @@ FEATURE = "dspark-result-materializer"
 SWITCH = "DSPARK_HARDEN_DSPARK_RESULTS"
 QUEUE = "DSPARK_HARDEN_DSPARK_RESULTS_QUEUE"
 TIMEOUT = "DSPARK_HARDEN_DSPARK_RESULTS_TIMEOUT_S"
+SWITCH_INTERVAL = "DSPARK_HARDEN_DSPARK_RESULTS_SWITCH_INTERVAL_US"
+SWITCH_INTERVAL_DEFAULT_US = 200
 
 SETTINGS = [
     Setting(
@@ -37,5 +39,17 @@ SETTINGS = [
         "shutdown join. A dead materializer thread is detected at once, not after this timeout.",
         feature=FEATURE,
         accepts="a positive number of seconds",
+    ),
+    Setting(
+        SWITCH_INTERVAL,
+        int_range(0, 100000),
+        SWITCH_INTERVAL_DEFAULT_US,
+        "The scheduler process's GIL switch interval (sys.setswitchinterval, µs) while the materializer "
+        "runs: how long the materializer thread, its copy done, waits for the GIL before the scheduler "
+        "thread must hand it over. At the interpreter's 5,000 µs the thread converts only once the scheduler "
+        "thread blocks -- usually in the consumer itself, which then waits for the conversion. 0: leave the "
+        "interpreter's value. Process-wide: every thread of the scheduler process switches this often when "
+        "two want the GIL.",
+        feature=FEATURE,
     ),
 ]
