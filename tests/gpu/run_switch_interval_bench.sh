@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # `bench dspark-results` under three GIL switch intervals (0 = the interpreter's 5 ms, 200 µs = the default, 50 µs) in the
-# three regimes of run_dspark_results_on_device.sh, 2 runs each (torch + CUDA only; RUN.md). A wrong list
+# regimes of run_dspark_results_on_device.sh (the third, 0.2 ms GPU / 1 ms Python, with THIRD=1), 2 runs each (torch + CUDA only; RUN.md). A wrong list
 # makes the bench exit 1 and this script fail.
 export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1
 rc=0
 for si in 0 200 50; do
-  for regime in "--busy-kind gemm --busy-ms 2.0 --cpu-ms 0.5" "--busy-ms 2.0 --cpu-ms 0.5" "--busy-ms 0.2 --cpu-ms 1.0"; do
+  for regime in "--busy-kind gemm --busy-ms 2.0 --cpu-ms 0.5" "--busy-ms 2.0 --cpu-ms 0.5" ${THIRD:+"--busy-ms 0.2 --cpu-ms 1.0"}; do
     for i in 1 2; do
       python3 -m dspark_harden.dspark_results.bench --json --steps 2000 --switch-interval-us $si $regime \
         >>"$OUT/bench_switch_interval.jsonl" || rc=1
