@@ -30,7 +30,7 @@ PY
     local rc=$?
     cp /tmp/mutation.orig "$file"
     if [ $rc -eq 1 ] || [ $rc -ge 128 ]; then  # a failed test, or a crash (illegal address)
-        echo "MUTATION $name: red ($(grep -m1 -oE '(Failed|Error|assert).{0,160}' "$OUT/mutation_$name.log"))"
+        echo "MUTATION $name: red ($(grep -m1 -E '^E ' "$OUT/mutation_$name.log" | sed 's/^E *//' | cut -c1-160))"
     else
         echo "MUTATION $name: SURVIVED (pytest rc $rc)"
         survivors=$((survivors + 1))
