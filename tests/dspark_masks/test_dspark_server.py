@@ -117,3 +117,7 @@ def test_every_decode_step_is_read_from_a_materialized_record(dspark_dp2_server,
     assert verify_steps > 0 and done >= verify_steps, (done, verify_steps, after)
     bad = {(k, o): v for (k, o), v in after.items() if o not in ("materialized", "converted_by_consumer") and v}
     assert not bad, bad
+    # the scheduler processes' GIL switch interval, set once per process with its first materializer
+    # (DSPARK_HARDEN_DSPARK_RESULTS_SWITCH_INTERVAL_US, default 200)
+    switched = dspark_dp2_server.log_text().count("GIL switch interval 5000 µs -> 200 µs")
+    assert 1 <= switched <= 2, switched
