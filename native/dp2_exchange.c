@@ -57,10 +57,10 @@ typedef struct {
     uint32_t reserved0;
     uint64_t config_digest;
     int64_t timeout_ms;
-    _Atomic uint32_t error_code;  /* 0 = healthy; stored last, after error_rank and error_msg */
+    _Atomic uint32_t error_code; /* 0 = healthy; stored last, after error_rank and error_msg */
     _Atomic int32_t error_rank;
     _Atomic uint32_t error_claim; /* first publisher wins this, then writes rank + message + code */
-    _Atomic uint32_t unlinked; /* one-shot */
+    _Atomic uint32_t unlinked;    /* one-shot */
     char error_msg[DP2_MSG_LEN];
 } dp2_header;
 
