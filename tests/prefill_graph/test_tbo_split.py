@@ -1,0 +1,261 @@
+"""The fixed flat-token TBO split (prefill_graph/tbo_split.py) against SGLang 0.5.23's own splitter.
+
+Real stock objects: ``ForwardBatch`` (CPU tensors), ``compute_split_seq_index``,
+``compute_split_token_index`` and ``TboForwardBatchPreparer.prepare_raw`` (with its
+``filter_batch`` and two-chunk derivation). Three module globals of stock's TBO module that a live
+model runner provides -- the forward context's attention backend (``prepare_raw`` only asserts its
+type), the configured attention-backend pair (``compute_position`` picks torch or triton from it)
+and the device -- are set to CPU stand-ins (no GPU exists here). Forked: ``get_parallel()`` is
+given ``attn_tp_size=1`` process-wide and the module globals are patched.
+"""
+
+from __future__ import annotations
+
+import random
+import types
+
+import pytest
+
+from dspark_harden.prefill_graph import tbo_split as S
+
+pytestmark = pytest.mark.forked
+
+
+def _parallel():
+    from sglang.srt.runtime_context import get_parallel
+
+    p = get_parallel()
+    p.override_permanently(attn_tp_size=1, moe_dense_tp_size=1)
+
+
+@pytest.fixture
+def stock_cpu(monkeypatch):
+    """Stock's TBO module reading a TboAttnBackend-typed forward-context backend, a CPU attention
+    backend pair and the CPU device (module globals set for this forked test only)."""
+    from sglang.srt.batch_overlap import two_batch_overlap as T
+    from sglang.srt.layers.attention.tbo_backend import TboAttnBackend
+
+    _parallel()
+    backend = TboAttnBackend.__new__(TboAttnBackend)
+    monkeypatch.setattr(T, "get_attn_backend", lambda: backend)
+    monkeypatch.setattr(T, "attention_backends", lambda: ("torch_native", "torch_native"))
+    monkeypatch.setattr(T, "get_device", lambda: types.SimpleNamespace(device="cpu"))
+    return T
+
+
+def _batch(lens, prefix, *, pad_to=None, slots=None):
+    """A real EXTEND ForwardBatch: live requests in slot order, optionally padded to a bucket with
+    zero-length sentinel slots (the full backend's replay layout)."""
+    import torch
+    from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
+
+    n = sum(lens)
+    rows = n if pad_to is None else pad_to
+    r = len(lens) if slots is None else slots
+    sl = [a + b for a, b in zip(lens, prefix)] + [0] * (r - len(lens))
+    el = list(lens) + [0] * (r - len(lens))
+    pl = list(prefix) + [0] * (r - len(lens))
+    starts = [sum(el[:i]) for i in range(r)]
+    return ForwardBatch(
+        forward_mode=ForwardMode.EXTEND,
+        batch_size=r,
+        input_ids=torch.arange(1000, 1000 + rows),
+        req_pool_indices=torch.tensor([7 + 3 * i if i < len(lens) else 0 for i in range(r)]),
+        seq_lens=torch.tensor(sl),
+        seq_lens_cpu=torch.tensor(sl),
+        out_cache_loc=torch.arange(5000, 5000 + rows),
+        seq_lens_sum=sum(sl),
+        positions=torch.arange(rows),
+        extend_num_tokens=rows,
+        extend_seq_lens=torch.tensor(el),
+        extend_prefix_lens=torch.tensor(pl),
+        extend_start_loc=torch.tensor(starts),
+        extend_prefix_lens_cpu=pl,
+        extend_seq_lens_cpu=el,
+        extend_logprob_start_lens_cpu=el,
+        return_logprob=False,
+    )
+
+
+def _random_lens(rng, max_reqs=9, max_len=300):
+    k = rng.randint(1, max_reqs)
+    lens = [rng.choice([1, 2, 3, rng.randint(1, max_len)]) for _ in range(k)]
+    prefix = [rng.choice([0, 0, rng.randint(0, 500)]) for _ in range(k)]
+    return lens, prefix
+
+
+def _stock_eager(lens, prefix):
+    """Stock eager TBO of the live batch: its split and its two children."""
+    from sglang.srt.batch_overlap import two_batch_overlap as T
+    from sglang.srt.model_executor.forward_batch_info import ForwardMode
+
+    fb = _batch(lens, prefix)
+    fb.tbo_split_seq_index = T.compute_split_seq_index(ForwardMode.EXTEND, sum(lens), lens, None)
+    token = T.compute_split_token_index(fb.tbo_split_seq_index, ForwardMode.EXTEND, lens, None)
+    import torch
+
+    T.TboForwardBatchPreparer.prepare_raw(fb, tbo_children_num_token_non_padded=torch.zeros(2, dtype=torch.int32))
+    return token, fb.tbo_children
+
+
+def _live(child, name):
+    return [child.field(name)[i] for i in child.live_slots]
+
+
+def _tokens_of(child_ids, starts, lens):
+    return [child_ids[s : s + n].tolist() for s, n in zip(starts, lens)]
+
+
+def test_geometry_matches_stock_eager_split_token_for_token(stock_cpu):
+    """For randomized batches, the flat split at stock's own split token reproduces stock's eager
+    children: per request the extend / prefix / seq lengths and request-pool index, and the tokens
+    each request reads (``input_ids`` / ``out_cache_loc`` rows), token for token -- over both of
+    stock's split kinds (sequence boundary and two-chunk)."""
+    T = stock_cpu
+    rng = random.Random(20261205)
+    kinds = {"boundary": 0, "two_chunk": 0}
+    for _ in range(400):
+        lens, prefix = _random_lens(rng)
+        if sum(lens) < 2:
+            continue
+        token, stock_children = _stock_eager(lens, prefix)
+        kinds["two_chunk" if T._is_two_chunk_split_enabled(lens) else "boundary"] += 1
+        bucket = sum(lens) + rng.choice([0, 0, rng.randint(0, 300)])
+        slots = len(lens) + rng.choice([0, rng.randint(0, 6)])
+        padded = _batch(lens, prefix, pad_to=bucket, slots=slots)
+        mine = S.split(lens, prefix, padded.req_pool_indices.tolist(), bucket=bucket, slots=slots, split_token=token)
+        for ours, stock in zip(mine, stock_children):
+            # stock drops the requests with no tokens in a child (it slices the request axis); ours keeps
+            # them as sentinels: compare the live slots in order
+            assert _live(ours, "extend_seq_lens") == [int(x) for x in stock.extend_seq_lens_cpu if x > 0] or (
+                not ours.live_slots and sum(stock.extend_seq_lens_cpu) == 0
+            ), (lens, prefix, token)
+            keep = [i for i, n in enumerate(stock.extend_seq_lens_cpu) if n > 0]
+            assert _live(ours, "extend_prefix_lens") == [int(stock.extend_prefix_lens_cpu[i]) for i in keep]
+            assert _live(ours, "seq_lens") == [int(stock.seq_lens_cpu[i]) for i in keep]
+            assert _live(ours, "req_pool_indices") == [int(stock.req_pool_indices[i]) for i in keep]
+            assert ours.live_tokens == sum(int(x) for x in stock.extend_seq_lens_cpu)
+            # the rows each live request reads, token for token: ours index the padded bucket's rows
+            # at the child's offset; stock's child holds exactly its rows
+            ids = padded.input_ids[ours.token_start : ours.token_end]
+            mine_tokens = _tokens_of(ids, _live(ours, "extend_start_loc"), _live(ours, "extend_seq_lens"))
+            stock_starts = [sum(int(x) for x in stock.extend_seq_lens_cpu[:i]) for i in keep]
+            stock_tokens = _tokens_of(stock.input_ids, stock_starts, [stock.extend_seq_lens_cpu[i] for i in keep])
+            assert mine_tokens == stock_tokens, (lens, prefix, token, ours.index)
+            assert padded.out_cache_loc[ours.token_start : ours.token_start + ours.live_tokens].tolist() == (
+                stock.out_cache_loc.tolist()
+            )
+    assert kinds["boundary"] > 50 and kinds["two_chunk"] > 50, kinds
+
+
+def test_stock_child_b_start_loc_is_parent_absolute_at_a_sequence_boundary(stock_cpu):
+    """Where stock is inconsistent: at a sequence-boundary split, stock's eager child B keeps the
+    parent's ``extend_start_loc`` (``filter_batch`` slices it without rebasing) while its rows start
+    at 0; the two-chunk path rebases (``compute_position``). The graph's children are rebased in both
+    cases (exclusive cumulative sum of the child's lengths)."""
+    lens, prefix = [10, 20, 30], [0, 5, 0]
+    token, (a, b) = _stock_eager(lens, prefix)
+    assert token == 30  # boundary split after the second request
+    assert b.extend_start_loc.tolist() == [30]  # parent-absolute, but child B's input_ids start at row 0
+    assert len(b.input_ids) == 30
+    ours = S.split(lens, prefix, [0, 1, 2], bucket=60, split_token=token)[1]
+    assert ours.extend_start_loc == (0, 0, 0) and ours.extend_seq_lens == (0, 0, 30)
+
+
+def test_fixed_split_invariants_randomized():
+    """At the fixed split (``bucket // 2``): the request axis is kept; sentinels are true zero-length
+    slots (index 0) at the exclusive cumulative start; the two children rebuild the parent token for
+    token; a child past the live tokens is all sentinels with 0 live tokens; capture and replay of a
+    bucket give the same child row ranges."""
+    rng = random.Random(7)
+    for _ in range(500):
+        lens, prefix = _random_lens(rng)
+        n = sum(lens)
+        bucket = n + rng.choice([0, rng.randint(0, 2 * n + 2)])
+        if bucket < 2:
+            continue
+        slots = len(lens) + rng.randint(0, 5)
+        rpi = [11 + i for i in range(len(lens))]
+        a, b = S.split(lens, prefix, rpi, bucket=bucket, slots=slots)
+        t = bucket // 2
+        assert (a.token_start, a.token_end, b.token_start, b.token_end) == (0, t, t, bucket)
+        for c in (a, b):
+            assert len(c.seq_lens) == slots
+            assert list(c.extend_start_loc) == [sum(c.extend_seq_lens[:i]) for i in range(slots)]
+            assert sum(c.extend_seq_lens) == c.live_tokens <= c.num_tokens
+            for i in range(slots):
+                if c.extend_seq_lens[i] == 0:
+                    assert (c.seq_lens[i], c.extend_prefix_lens[i], c.req_pool_indices[i]) == (0, 0, 0)
+                else:
+                    assert c.seq_lens[i] == c.extend_prefix_lens[i] + c.extend_seq_lens[i]
+        assert a.live_tokens == min(t, n) and b.live_tokens == max(0, n - t)
+        for i, n_i in enumerate(lens):
+            assert a.extend_seq_lens[i] + b.extend_seq_lens[i] == n_i
+            if a.extend_seq_lens[i] and b.extend_seq_lens[i]:  # cut request: two-chunk semantics
+                assert b.extend_prefix_lens[i] == prefix[i] + a.extend_seq_lens[i]
+                assert b.seq_lens[i] == prefix[i] + n_i
+        # token-for-token rebuild: A's live rows then B's live rows are the parent's live rows
+        rows = []
+        for c in (a, b):
+            for i in c.live_slots:
+                s = c.token_start + c.extend_start_loc[i]
+                rows += list(range(s, s + c.extend_seq_lens[i]))
+        assert rows == list(range(n))
+        if n <= t:
+            assert b.live_slots == () and b.live_tokens == 0
+        # capture (slot 0 holds the whole bucket) and replay split the bucket's rows identically
+        cap_a, cap_b = S.split([bucket], [0], [0], bucket=bucket, slots=slots)
+        assert (cap_a.token_end, cap_b.token_start) == (a.token_end, b.token_start)
+
+
+def test_bad_geometry_is_refused_with_the_geometry():
+    with pytest.raises(S.TboSplitError, match="exceed the bucket"):
+        S.split([10, 10], [0, 0], [0, 1], bucket=16)
+    with pytest.raises(S.TboSplitError, match="request slots"):
+        S.split([1, 1, 1], [0, 0, 0], [0, 1, 2], bucket=8, slots=2)
+    with pytest.raises(S.TboSplitError, match="at least 2"):
+        S.split([1], [0], [0], bucket=1)
+    with pytest.raises(S.TboSplitError, match="negative"):
+        S.split([3, -1], [0, 0], [0, 1], bucket=8)
+
+
+def test_capture_children_are_stock_forward_batches_on_stable_buffers():
+    """``capture_children`` over a real capture-shaped batch (slot 0 holds the bucket, sentinel tail):
+    stock ``filter_batch`` builds both children (the request axis kept), their per-slot fields are
+    views of the ChildBuffers, and a replay ``refresh`` rewrites those same tensors in place."""
+    _parallel()
+    import torch
+
+    bucket, slots = 64, 4
+    fb = _batch([bucket], [0], slots=slots)
+    counts = torch.zeros(2, dtype=torch.int32)
+    bufs = S.ChildBuffers(slots, "cpu")
+    geo = S.capture_children(fb, counts, bufs)
+    a, b = fb.tbo_children
+    assert counts.tolist() == [32, 32]
+    assert a.batch_size == b.batch_size == slots
+    assert a.input_ids.tolist() == fb.input_ids[:32].tolist() and b.input_ids.tolist() == fb.input_ids[32:].tolist()
+    assert a.extend_seq_lens.tolist() == [32, 0, 0, 0] and b.extend_prefix_lens.tolist() == [32, 0, 0, 0]
+    assert a.extend_seq_lens.data_ptr() == bufs.tensors[0]["extend_seq_lens"].data_ptr()
+    assert fb.tbo_split_seq_index == 0 and geo[0].live_tokens == 32
+    # replay: 3 live requests, 40 tokens in the 64-token bucket
+    replay = S.split([5, 30, 5], [0, 100, 0], [3, 4, 5], bucket=bucket, slots=slots)
+    S.refresh(bufs, counts, replay)
+    assert counts.tolist() == [32, 8]
+    assert a.extend_seq_lens.tolist() == [5, 27, 0, 0] and b.extend_seq_lens.tolist() == [0, 3, 5, 0]
+    assert b.extend_prefix_lens.tolist() == [0, 127, 0, 0] and b.extend_start_loc.tolist() == [0, 0, 3, 8]
+    assert b.req_pool_indices.tolist() == [0, 4, 5, 0]
+
+
+def test_child_view_keeps_the_request_axis():
+    import torch
+
+    fb = _batch([5, 30, 5], [0, 100, 0], pad_to=64, slots=4)
+    a, b = S.split_of_view(fb, slots=4)
+    va, vb = S.child_view(fb, a), S.child_view(fb, b)
+    assert va.batch_size == vb.batch_size == 4
+    assert va.input_ids.tolist() == list(range(1000, 1032)) and len(vb.input_ids) == 32
+    assert vb.seq_lens.tolist() == [0, 130, 5, 0] and vb.seq_lens_cpu.tolist() == [0, 130, 5, 0]
+    assert vb.out_cache_loc.tolist() == list(range(5032, 5064))
+    assert vb.num_token_non_padded_cpu == 8 and va.num_token_non_padded_cpu == 32
+    assert isinstance(va.extend_start_loc, torch.Tensor)
