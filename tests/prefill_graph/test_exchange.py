@@ -23,7 +23,33 @@ pytestmark = pytest.mark.timeout(900)
 STEPS = 1500
 
 
-def _worker(rank, port, session, steps):
+def _tbo_vote(rank):
+    """Stock ``TboDPAttentionPreparer.prepare_all_gather`` with TBO on (no a2a MoE), run on the real
+    batch, then vetoed on a seeded ~1/6 of the steps per rank -- the vote a DeepEP low-latency extend
+    casts (stock: ``local_can_run_tbo`` False for an extend under low-latency DeepEP)."""
+    import random
+
+    from sglang.srt.batch_overlap import two_batch_overlap as tbo
+    from sglang.srt.layers.moe.utils import DeepEPMode, MoeA2ABackend
+
+    from dspark_harden.prefill_graph.tbo import _with_globals
+
+    prepare = _with_globals(
+        tbo.TboDPAttentionPreparer.prepare_all_gather,
+        is_tbo_enabled=lambda: True,
+        get_deepep_mode=lambda: DeepEPMode.AUTO,
+        get_moe_a2a_backend=lambda: MoeA2ABackend.NONE,
+    )
+    rng = random.Random(1000 + rank)
+
+    def vote(batch):
+        can_run, _mode = prepare(tbo.TboDPAttentionPreparer(), batch)
+        return bool(can_run) and rng.random() > 1 / 6
+
+    return vote
+
+
+def _worker(rank, port, session, steps, tbo_graphs=False):
     from dspark_harden.dp2 import harness
     from dspark_harden.prefill_graph import admission as A
     from dspark_harden.prefill_graph import runner as R
@@ -45,13 +71,17 @@ def _worker(rank, port, session, steps):
         server_mode=CaptureHiddenMode.NULL,
         attn_tp_size=1,
         tolerates_sum_len=lambda: False,
+        tbo_graphs=tbo_graphs,
     )
+    tbo_vote = _tbo_vote(rank) if tbo_graphs else (lambda batch: False)
     vote = A.build_vote(R.stock(dp_attn._local_prefill_cuda_graph_vote), rt)
     update = A.build_update_gather(R.stock(dp_attn._update_gather_batch), rt)
     stock_all_gather = R.stock(dp_attn.MLPSyncBatchInfo.all_gather)
     trace = T.generate(T.TraceShape(steps=steps, seed=99, p_hidden=0.05, p_pool=0.05, p_peer_decode=0.15))
     none = SpeculativeAlgorithm.NONE
-    out, mismatches = [], []
+    out, mismatches, gates = [], [], []
+    from dspark_harden.prefill_graph.tbo_graph import tbo_synchronized
+
     try:
         for step in trace:
             mine = step.ranks[rank]
@@ -82,7 +112,7 @@ def _worker(rank, port, session, steps):
                 can_run_draft_cuda_graph=True,
                 can_run_prefill_cuda_graph=ok,
                 is_extend_in_batch=mode.is_extend(),
-                local_can_run_tbo=False,
+                local_can_run_tbo=tbo_vote(batch),
                 local_forward_mode=mode.value,
                 prefill_cuda_graph_max_prefix_len=max(batch.prefix_lens or [0]) if mode.is_extend() else 0,
             )
@@ -92,6 +122,8 @@ def _worker(rank, port, session, steps):
             diff = harness.differences(info, native)
             if diff:
                 mismatches.append(diff)
+            if tbo_graphs:  # the TBO gate read from each exchange's table
+                gates.append((tbo_synchronized(info.tp0_info_cpu), tbo_synchronized(native.tp0_info_cpu)))
             target = batch if batch is not None else _idle_batch(eng, model_config)
             update(target, info, True, None, skip_global_metadata=False)
             dec = rt.last if info.is_extend_in_batch else None
@@ -105,7 +137,7 @@ def _worker(rank, port, session, steps):
             eng.release()
     finally:
         w.sync.channel.close()
-    return {"decisions": out, "mismatches": mismatches[:5], "n_mismatch": len(mismatches)}
+    return {"decisions": out, "mismatches": mismatches[:5], "n_mismatch": len(mismatches), "gates": gates}
 
 
 def _idle_batch(eng, model_config):
@@ -130,3 +162,27 @@ def test_both_ranks_decide_the_same_over_gloo_and_native_exchange():
     assert graph > STEPS // 3
     eager_forward_checks = {d[2] for _, d in r0["decisions"] if d is not None and not d[0]}
     assert "peer_vote" in eager_forward_checks  # some steps were vetoed by one rank's forward-time check
+
+
+TBO_STEPS = 500
+
+
+def test_tbo_prefill_graph_gate_is_the_same_on_both_ranks_over_gloo_and_native_exchange():
+    """DSPARK_HARDEN_PREFILL_GRAPH_TBO=1: each rank's ``local_can_run_tbo`` comes from stock's
+    ``prepare_all_gather`` on its real batch (plus seeded vetoes, as a DeepEP low-latency extend
+    casts); the TBO gate read from the gloo-gathered and the natively gathered tables agrees on every
+    step and on both ranks, and the shared decision sends exactly the unsynchronized admissions eager
+    (``tbo_unsynchronized``) on both ranks alike."""
+    from dspark_harden.dp2 import harness
+
+    r0, r1 = harness.run_pair(_worker, (TBO_STEPS, True))
+    assert r0["n_mismatch"] == 0 and r1["n_mismatch"] == 0, (r0["mismatches"], r1["mismatches"])
+    assert r0["gates"] == r1["gates"]
+    assert all(g == n for g, n in r0["gates"]), "gloo and native tables disagree on the TBO gate"
+    assert r0["decisions"] == r1["decisions"]
+    reasons = [d[2] for _, d in r0["decisions"] if d is not None]
+    assert reasons.count("tbo_unsynchronized") >= 10, reasons
+    assert reasons.count("admitted") >= 10
+    for (verdict, _dec), (gate, _) in zip(r0["decisions"], r0["gates"]):
+        if verdict:
+            assert gate, "a graph was admitted on a step where a rank does not run TBO"

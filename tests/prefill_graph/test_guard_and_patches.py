@@ -125,6 +125,20 @@ def test_shared_eager_runs_eager_on_both_ranks(runner, check):
     assert guard(runner, rank0) is False and guard(runner, rank1) is False
 
 
+def test_tbo_graph_guard_requires_the_batch_tbo_split(runner):
+    """DSPARK_HARDEN_PREFILL_GRAPH_TBO=1: graphs were captured with TBO children, so an admitted batch
+    without a TBO split (tbo_split_seq_index None) raises instead of replaying; with a split it replays."""
+    rt = A.Runtime(dp_rank=0, tbo_graphs=True)
+    guard = A.build_guard(_stock_can_run(), rt)
+    with pytest.raises(D.PrefillGraphDivergence) as info:
+        guard(runner, _fb())
+    assert info.value.check == "tbo_split"
+    fb = _fb()
+    fb.tbo_split_seq_index = 1
+    assert guard(runner, fb) is True
+    assert A.build_guard(_stock_can_run(), A.Runtime(dp_rank=0))(runner, _fb()) is True  # switch off
+
+
 def test_guard_leaves_non_dp_batches_to_stock(runner):
     guard = A.build_guard(_stock_can_run(), A.Runtime())
     fb = _fb(global_num_tokens_cpu=None, **_forced("capture_hidden_mode"))

@@ -79,7 +79,13 @@ def _args(backend, tbo_on=True):
 @pytest.mark.parametrize("backend", ["full", "breakable"])
 def test_tbo_with_prefill_graph_is_refused_with_the_reason(backend):
     msg = tbo.refusal(_args(backend))
-    assert msg and "compute_split_seq_index asserts" in msg and "cannot be proven without a GPU" in msg
+    assert msg and "compute_split_seq_index asserts" in msg and "DSPARK_HARDEN_PREFILL_GRAPH_TBO=1" in msg
+
+
+def test_tbo_opt_in_serves_full_and_still_refuses_breakable():
+    assert tbo.refusal(_args("full"), allow_full=True) is None
+    msg = tbo.refusal(_args("breakable"), allow_full=True)
+    assert msg and "full prefill backend only" in msg
 
 
 @pytest.mark.parametrize("args", [_args("disabled"), _args("full", tbo_on=False)])
@@ -105,6 +111,67 @@ def test_scheduler_startup_refuses_tbo_with_full_prefill_graph():
     with pytest.raises(binder.BindError) as info:
         feature.dspark_process_bound(role=Role.SCHEDULER, settings=binder.STATE.settings, report=report)
     assert "two-batch overlap" in str(info.value) and feature.FEATURE in str(info.value)
+
+
+TBO_TARGETS = ("TBO_CAPTURE_TARGET", "TBO_OUT_GRAPH_TARGET", "LOAD_BATCH_TARGET")
+
+
+@pytest.mark.forked
+def test_tbo_opt_in_binds_the_tbo_hooks_on_the_real_classes_and_starts():
+    """DSPARK_HARDEN_PREFILL_GRAPH_TBO=1 with the full backend: the three TBO hooks bind on the real
+    stock classes (fingerprints checked by the binder), startup passes, the runtime gate is on, and the
+    decode path of the capture hook is stock's (Bugbot #2: it must not return early for decode)."""
+    from dspark_harden.core import binder, roles
+    from dspark_harden.core.patch import Role
+    from dspark_harden.prefill_graph import admission, feature, tbo_graph
+
+    sa = types.SimpleNamespace(
+        enable_dp_attention=True,
+        enable_two_batch_overlap=True,
+        cuda_graph_config=types.SimpleNamespace(prefill=types.SimpleNamespace(backend="full")),
+    )
+    roles.CONTEXT = roles.ProcessContext(role=Role.SCHEDULER, server_args=sa, tp_rank=0, dp_rank=0)
+    report = binder.bind(Role.SCHEDULER, environ={"DSPARK_HARDEN_PREFILL_GRAPH_TBO": "1"})
+    st = next(f for f in report.features if f.name == feature.FEATURE)
+    assert st.status == "bound", st
+    feature.dspark_process_bound(role=Role.SCHEDULER, settings=binder.STATE.settings, report=report)
+    assert tbo_graph.ACTIVE and admission.RUNTIME.tbo_graphs
+    assert "fixed flat split" in st.detail
+    from sglang.srt.batch_overlap.two_batch_overlap import TboCudaGraphRunnerPlugin
+    from sglang.srt.layers.attention.tbo_backend import TboAttnBackend
+    from sglang.srt.model_executor.runner.prefill_cuda_graph_runner import PrefillCudaGraphRunner
+
+    for fn in (
+        TboCudaGraphRunnerPlugin.capture_one_batch_size,
+        TboAttnBackend.init_forward_metadata_out_graph,
+        PrefillCudaGraphRunner.load_batch,
+    ):
+        assert getattr(fn, "__wrapped__", None) is not None, fn
+    # decode capture goes to stock unchanged (which, with TBO off in this process, returns at once)
+    calls = []
+    wrapped = tbo_graph.build_capture_one_batch_size(lambda *a: calls.append(a), active=lambda: True)
+    from sglang.srt.model_executor.forward_batch_info import ForwardMode
+
+    batch = types.SimpleNamespace(forward_mode=ForwardMode.DECODE)
+    wrapped("plugin", batch, 8)
+    assert calls == [("plugin", batch, 8)]
+
+
+@pytest.mark.forked
+def test_tbo_hooks_are_not_bound_by_default():
+    from sglang.srt.layers.attention.tbo_backend import TboAttnBackend
+
+    from dspark_harden.core import binder, roles
+    from dspark_harden.core.patch import Role
+
+    sa = types.SimpleNamespace(
+        enable_dp_attention=True,
+        enable_two_batch_overlap=False,
+        cuda_graph_config=types.SimpleNamespace(prefill=types.SimpleNamespace(backend="full")),
+    )
+    roles.CONTEXT = roles.ProcessContext(role=Role.SCHEDULER, server_args=sa, tp_rank=0, dp_rank=0)
+    binder.bind(Role.SCHEDULER, environ={})
+    assert getattr(TboAttnBackend.init_forward_metadata_out_graph, "__wrapped__", None) is None
 
 
 @pytest.mark.forked

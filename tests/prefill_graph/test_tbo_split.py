@@ -259,3 +259,96 @@ def test_child_view_keeps_the_request_axis():
     assert vb.out_cache_loc.tolist() == list(range(5032, 5064))
     assert vb.num_token_non_padded_cpu == 8 and va.num_token_non_padded_cpu == 32
     assert isinstance(va.extend_start_loc, torch.Tensor)
+
+
+def test_buckets_too_small_for_the_request_axis_are_refused():
+    """Each child keeps every request slot; DSV4's compressor planner requires batch_size <=
+    num_q_tokens (c_plan.cuh), so a bucket below twice the slots cannot be captured with TBO."""
+    S.check_bucket(32, 16)
+    with pytest.raises(S.TboSplitError, match=r"bucket 31 cannot hold 16 request slots.*>= 32"):
+        S.check_bucket(31, 16)
+    with pytest.raises(S.TboSplitError, match=r"buckets \[8, 16\]"):
+        S.check_buckets([8, 16, 32, 64], 16)
+    from dspark_harden.prefill_graph import tbo_graph
+
+    args = types.SimpleNamespace(
+        cuda_graph_config=types.SimpleNamespace(prefill=types.SimpleNamespace(bs=[16, 64], full_prefill_max_req=16))
+    )
+    assert "buckets [16]" in tbo_graph.bucket_problem(args)
+    args.cuda_graph_config.prefill.full_prefill_max_req = None  # resolved later: the capture hook checks
+    assert tbo_graph.bucket_problem(args) == ""
+
+
+def test_gpu_fixture_is_current():
+    """tests/gpu/data/tbo_stock_children.json (the stock side of the H200 planner test) is what the
+    real stock splitter produces today: regenerate with ``python -m tests.prefill_graph.tbo_stock_cases``."""
+    from pathlib import Path
+
+    from tests.prefill_graph import tbo_stock_cases as C
+
+    committed = (Path(__file__).resolve().parents[2] / C.FIXTURE).read_text().strip()
+    assert committed == C.render().strip(), "stale: python -m tests.prefill_graph.tbo_stock_cases > " + C.FIXTURE
+
+
+def test_load_batch_hook_refreshes_the_children_buffers_and_counts_from_the_live_batch():
+    """``tbo_graph.build_load_batch``: after stock's load, the children's per-slot buffers and the two
+    ``num_token_non_padded`` counts the captured graph reads hold this replay's split of the bucket."""
+    import torch
+
+    from dspark_harden.prefill_graph import tbo_graph
+
+    bucket, slots = 64, 4
+    live = _batch([5, 30, 5], [0, 100, 0])
+    static = types.SimpleNamespace(input_ids=torch.zeros(bucket, dtype=torch.int64))
+    plugin = types.SimpleNamespace(
+        _tbo_children_num_token_non_padded=torch.zeros(2, dtype=torch.int32),
+        _dspark_child_buffers=S.ChildBuffers(slots, "cpu"),
+    )
+    runner = types.SimpleNamespace(tbo_plugin=plugin)
+    load = tbo_graph.build_load_batch(lambda self, fb, **kw: (static, "read-ends"), active=lambda: True)
+    assert load(runner, live) == (static, "read-ends")
+    bufs = plugin._dspark_child_buffers.tensors
+    assert plugin._tbo_children_num_token_non_padded.tolist() == [32, 8]
+    assert bufs[0]["extend_seq_lens"].tolist() == [5, 27, 0, 0] and bufs[1]["extend_seq_lens"].tolist() == [0, 3, 5, 0]
+    assert bufs[1]["extend_prefix_lens"].tolist() == [0, 127, 0, 0]
+    assert bufs[1]["req_pool_indices"].tolist() == [0, 10, 13, 0]  # _batch's request-pool indices 7, 10, 13
+    # switch off: stock only, nothing refreshed
+    plugin._tbo_children_num_token_non_padded.zero_()
+    tbo_graph.build_load_batch(lambda self, fb, **kw: (static, None), active=lambda: False)(runner, live)
+    assert plugin._tbo_children_num_token_non_padded.tolist() == [0, 0]
+
+
+def test_out_graph_hook_plans_both_children_from_the_fixed_split_even_an_empty_one():
+    """``tbo_graph.build_out_graph`` on the real ``TboAttnBackend`` class: an EXTEND replay view plans
+    the primary on the parent view and *both* children on request-axis views of the fixed split --
+    also child B when it holds no live token (stock skips a zero-size child, which would leave the
+    plan of an earlier, larger replay in its captured buffers)."""
+    from sglang.srt.layers.attention.tbo_backend import TboAttnBackend
+
+    from dspark_harden.prefill_graph import tbo_graph
+
+    calls = []
+
+    class Rec:
+        token_to_kv_pool = req_to_token_pool = kv_index_translator = None
+
+        def __init__(self, name):
+            self.name = name
+
+        def init_forward_metadata_out_graph(self, forward_batch, in_capture=False):
+            calls.append((self.name, forward_batch))
+
+    backend = TboAttnBackend(Rec("primary"), [Rec("a"), Rec("b")])
+    hook = tbo_graph.build_out_graph(
+        lambda self, fb, in_capture=False: calls.append(("stock", fb)), active=lambda: True
+    )
+    view = _batch([10, 6], [0, 3], pad_to=64, slots=4)  # 16 live tokens <= 32: child B empty
+    hook(backend, view)
+    assert [c[0] for c in calls] == ["primary", "a", "b"]
+    a, b = calls[1][1], calls[2][1]
+    assert a.batch_size == b.batch_size == 4
+    assert a.extend_seq_lens.tolist() == [10, 6, 0, 0] and b.extend_seq_lens.tolist() == [0, 0, 0, 0]
+    assert b.num_token_non_padded_cpu == 0 and b.seq_lens.tolist() == [0, 0, 0, 0]
+    calls.clear()
+    hook(backend, view, in_capture=True)  # capture: the batch's own children, as stock
+    assert [c[0] for c in calls] == ["stock"]

@@ -76,6 +76,9 @@ class Runtime:
     idle_relabel: Optional[bool] = None
     #: ``config_check(runner)``: run once on the first vote (config_digest.check in the server)
     config_check: Optional[Callable] = None
+    #: DSPARK_HARDEN_PREFILL_GRAPH_TBO=1: graphs were captured with TBO children; admit only steps on
+    #: which every rank runs TBO (tbo_graph.tbo_synchronized), and the guard requires the split
+    tbo_graphs: bool = False
 
     def get_bs(self) -> list:
         if self.bs is not None:
@@ -232,6 +235,11 @@ def build_update_gather(stock: Callable, runtime: Optional[Runtime] = None) -> C
             worker_mode=step.worker_mode,
             idle_relabel=step.idle_relabel,
         )
+        if dec.graph and rt.tbo_graphs:
+            from .tbo_graph import tbo_synchronized
+
+            if not tbo_synchronized(getattr(mlp_sync_info, "tp0_info_cpu", None)):
+                dec = D.SharedDecision(False, None, "tbo_unsynchronized", dec.max_tokens, "a rank does not run TBO")
         batch.can_run_dp_prefill_cuda_graph = dec.graph
         rt.last = dec
         rt.last_local_reason = step.local_reason
@@ -272,6 +280,8 @@ def build_guard(stock: Callable, runtime: Optional[Runtime] = None) -> Callable:
             rt.last_guard = "eager"
             return False  # shared eager: eager on every rank
         fails = []
+        if rt.tbo_graphs and getattr(forward_batch, "tbo_split_seq_index", None) is None:
+            fails.append("tbo_split")
         if self._has_inactive_dp_rank(forward_batch):
             fails.append("inactive_dp_rank")
         fails.extend(

@@ -46,6 +46,7 @@ FORWARD_CHECKS = (
     "token_indices_to_pool",  # _forward_raw: multi-position pooling readout
     "context_parallel",  # _forward_raw: _prefill_cuda_graph_allows_context_parallel
     "can_run_graph",  # stock can_run_graph rejects although every named check passes
+    "tbo_split",  # TBO prefill graphs: an admitted batch carries no TBO split (tbo_split_seq_index None)
 )
 
 #: outcomes decided after the exchange (identical on every rank)
@@ -59,6 +60,7 @@ SHARED_REASONS = (
     "idle_participant",  # an idle rank's materialised dummy extend cannot replay this bucket
     "forward_mode",  # this rank runs no extend (decode, ...): its stock vote is eager
     "stock_vote",  # this rank's stock vote said eager for a reason no named check reproduces
+    "tbo_unsynchronized",  # TBO prefill graphs: not every rank runs TBO this step (gathered TBO columns)
 )
 
 REASONS = tuple(dict.fromkeys(SHARED_REASONS + FORWARD_CHECKS))

@@ -27,6 +27,14 @@ GATHER_TARGET = "sglang.srt.managers.scheduler_components.dp_attn:_update_gather
 GATHER_FINGERPRINT = "5037741d20e87480"
 GUARD_TARGET = "sglang.srt.model_executor.runner.prefill_cuda_graph_runner:PrefillCudaGraphRunner.can_run_graph"
 GUARD_FINGERPRINT = "17b6d0a2d992c430"
+EXECUTE_TARGET = "sglang.srt.model_executor.runner.prefill_cuda_graph_runner:PrefillCudaGraphRunner.execute"
+EXECUTE_FINGERPRINT = "789565427f919f88"
+LOAD_BATCH_TARGET = "sglang.srt.model_executor.runner.prefill_cuda_graph_runner:PrefillCudaGraphRunner.load_batch"
+LOAD_BATCH_FINGERPRINT = "f587ddb3656b1b0f"
+TBO_CAPTURE_TARGET = "sglang.srt.batch_overlap.two_batch_overlap:TboCudaGraphRunnerPlugin.capture_one_batch_size"
+TBO_CAPTURE_FINGERPRINT = "d85b8103b94a70ff"
+TBO_OUT_GRAPH_TARGET = "sglang.srt.layers.attention.tbo_backend:TboAttnBackend.init_forward_metadata_out_graph"
+TBO_OUT_GRAPH_FINGERPRINT = "b280af1179e37533"
 # read-only: the guard and the schedule-time views reproduce logic of these stock sources; a change to
 # any of them is drift (probe below). Each entry says what the decision mirrors from it.
 MIRRORED = {
@@ -193,6 +201,21 @@ def _guard_builder(stock):
     return build_guard(stock)
 
 
+def _execute_builder(stock):
+    from .validate import build_execute
+
+    return build_execute(stock)
+
+
+def _tbo_builder(name):
+    def build(stock):
+        from . import tbo_graph
+
+        return getattr(tbo_graph, name)(stock)
+
+    return build
+
+
 @hookimpl
 def dspark_features():
     return FEATURES
@@ -221,9 +244,52 @@ def dspark_metrics():
     return [GROUP]
 
 
-def patches() -> list:
+def patches(*, tbo: bool = False, validate: bool = False) -> list:
     common = dict(feature=FEATURE, kind=Kind.WRAP, roles={Role.SCHEDULER})
-    return [
+    extra = []
+    if validate:
+        extra.append(
+            Patch(
+                target=EXECUTE_TARGET,
+                build=_execute_builder,
+                fingerprint=EXECUTE_FINGERPRINT,
+                **common,
+                why=f"{S.VALIDATE}: validated replays run stock's eager forward on the same batch (touched "
+                "rows saved and restored) and compare outputs and side state",
+                retire_when="stock ships an eager-reference validation of prefill-graph replays at serving time",
+            )
+        )
+    if tbo:
+        extra += [
+            Patch(
+                target=TBO_CAPTURE_TARGET,
+                build=_tbo_builder("build_capture_one_batch_size"),
+                fingerprint=TBO_CAPTURE_FINGERPRINT,
+                **common,
+                why="stock splits a prefill capture batch with extend_lens=None (asserts); EXTEND captures get the "
+                "fixed flat-token split with children on the captured request axis (decode graphs: stock)",
+                retire_when="stock captures prefill graphs with TBO",
+            ),
+            Patch(
+                target=TBO_OUT_GRAPH_TARGET,
+                build=_tbo_builder("build_out_graph"),
+                fingerprint=TBO_OUT_GRAPH_FINGERPRINT,
+                **common,
+                why="stock plans TBO children of a replay view with the uniform per-sequence split (asserts for "
+                "EXTEND) or from the live batch's eager children; the replayed graph holds the fixed split",
+                retire_when="stock captures prefill graphs with TBO",
+            ),
+            Patch(
+                target=LOAD_BATCH_TARGET,
+                build=_tbo_builder("build_load_batch"),
+                fingerprint=LOAD_BATCH_FINGERPRINT,
+                **common,
+                why="no prefill replay_prepare exists: the children's per-slot buffers and num_token_non_padded "
+                "counts the captured graph reads must be refreshed on every replay",
+                retire_when="stock captures prefill graphs with TBO",
+            ),
+        ]
+    return extra + [
         Patch(
             target=VOTE_TARGET,
             build=_vote_builder,
@@ -259,7 +325,7 @@ def patches() -> list:
 def dspark_patches(role, settings):
     if role is not Role.SCHEDULER or not settings[S.SWITCH]:
         return []
-    return patches()
+    return patches(tbo=settings[S.TBO], validate=settings[S.VALIDATE] > 0)
 
 
 def _status(report):
@@ -300,24 +366,41 @@ def dspark_process_bound(role, settings, report):
     from .tbo import probe_prefill_tbo_unsupported
 
     unsupported, tbo_detail = probe_prefill_tbo_unsupported()
+    tbo_on = settings[S.TBO]
     st.detail = (
-        f"padding factor {factor:g} ({S.PADDING}); {detail}; prefill graphs with TBO: refused at startup "
-        f"(stock {'cannot capture them' if unsupported else 'may now support them: revisit the refusal'}: {tbo_detail})"
+        f"padding factor {factor:g} ({S.PADDING}); {detail}; prefill graphs with TBO: "
+        f"{'fixed flat split (' + S.TBO + '=1)' if tbo_on else 'refused at startup'} "
+        f"(stock {'cannot capture them' if unsupported else 'may now support them: revisit'}: {tbo_detail})"
+        + (f"; eager validation every {settings[S.VALIDATE]} replays" if settings[S.VALIDATE] else "")
     )
     if ctx is None or ctx.server_args is None:
         return
     from . import tbo
 
     view = _resolved(ctx.server_args) or ctx.server_args
-    message = tbo.refusal(view) or speculative_refusal(view)
+    message = tbo.refusal(view, allow_full=tbo_on) or speculative_refusal(view)
     if message:
         raise BindError(f"dspark-harden refuses to start ({role.value}): [{FEATURE}] {message}", report)
-    from . import config_digest, metrics
+    from . import config_digest, metrics, tbo_graph, validate
     from .admission import RUNTIME
 
+    tbo_graph.ACTIVE = RUNTIME.tbo_graphs = bool(tbo_on and getattr(view, "enable_two_batch_overlap", False))
+    if RUNTIME.tbo_graphs:
+        problem = tbo_graph.bucket_problem(view)
+        if problem:
+            raise BindError(f"dspark-harden refuses to start ({role.value}): [{FEATURE}] {problem}", report)
+    if settings[S.VALIDATE]:
+        validate.VALIDATOR = validate.Validator(
+            schedule=validate.Schedule(settings[S.VALIDATE], settings[S.VALIDATE_FIRST]),
+            tolerance=settings[S.VALIDATE_TOLERANCE],
+            action=settings[S.VALIDATE_ACTION],
+            dp_rank=ctx.dp_rank,
+        )
     RUNTIME.factor = factor
     RUNTIME.dp_rank = ctx.dp_rank
-    metrics.attach(RUNTIME, dp_label=ctx.dp_label)
+    rec = metrics.attach(RUNTIME, dp_label=ctx.dp_label)
+    if validate.VALIDATOR is not None:
+        validate.VALIDATOR.on_outcome = rec.validation
     RUNTIME.config_check = lambda runner: config_digest.check(runner, factor)
 
 

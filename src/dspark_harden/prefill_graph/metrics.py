@@ -8,6 +8,7 @@ from typing import Any
 from ..core.metrics import DP_RANK, Family, MetricGroup
 from .decision import FORWARD_CHECKS, REASONS
 from .settings import FEATURE
+from .validate import OUTCOMES as VALIDATION_OUTCOMES
 
 OUTCOMES = ("graph", "eager", "eager_uniform")
 #: checks that can fail identically on every rank after an admission (decision.uniform_failures)
@@ -103,6 +104,19 @@ GROUP = MetricGroup(
             precreate=tuple((DP_RANK, c) for c in FORWARD_CHECKS),
             aggregation="`sum(increase(x[1h]))` over ranks: anything above 0 is a bug to report (docs/prefill_graph.md).",
         ),
+        Family(
+            "dspark_harden_prefill_graph_validations_total",
+            "counter",
+            "Prefill-graph replays validated against stock's eager forward of the same batch "
+            "(DSPARK_HARDEN_PREFILL_GRAPH_VALIDATE=N), by outcome: `match` or `mismatch` (outputs or touched "
+            "KV / request-state rows differ beyond DSPARK_HARDEN_PREFILL_GRAPH_VALIDATE_TOLERANCE).",
+            labels=("dp_rank", "outcome"),
+            feature=FEATURE,
+            roles=("scheduler",),
+            precreate=tuple((DP_RANK, o) for o in VALIDATION_OUTCOMES),
+            aggregation='`sum(increase(x{outcome="mismatch"}[1h]))`: anything above 0 means a captured prefill '
+            "differs from eager on this traffic (the log names bucket and geometry).",
+        ),
     ),
     intro="From the two DP scheduler processes (`dp_rank` 0 / 1). Every step with an extend on any rank "
     "records one decision per rank; the outcome is the same on both ranks by construction. See "
@@ -148,6 +162,9 @@ class Recorder:
 
     def replay(self, request_slots: int) -> None:
         self._c("dspark_harden_prefill_graph_request_slots").observe(request_slots)
+
+    def validation(self, outcome: str) -> None:
+        self._c("dspark_harden_prefill_graph_validations_total", outcome).inc()
 
     def divergence(self, exc) -> None:
         self._c("dspark_harden_prefill_graph_divergence_total", exc.check).inc()

@@ -15,9 +15,10 @@ Prefill graphs with TBO: stock 0.5.23 cannot capture them. ``PrefillCudaGraphRun
 calls ``tbo_plugin.capture_one_batch_size`` on an EXTEND batch, which calls
 ``compute_split_seq_index(EXTEND, extend_lens=None)`` and asserts; no prefill ``replay_prepare``
 exists, and ``disable_breakable_cudagraph_if_incompatible`` already turns breakable prefill graphs
-off under TBO. A fixed flat-token split with zero-length sentinel children would have to change
-capture *and* replay of the DSV4 metadata, which cannot be proven correct without a GPU, so this
-feature refuses the combination at startup (:func:`refusal`) instead of letting capture assert.
+off under TBO. The fixed flat-token split with zero-length sentinel children (tbo_split.py,
+tbo_graph.py) changes capture *and* replay of the DSV4 metadata and has not run on two GPUs, so it
+is opt-in (``DSPARK_HARDEN_PREFILL_GRAPH_TBO=1``, full backend only); by default this feature
+refuses the combination at startup (:func:`refusal`) instead of letting capture assert.
 """
 
 from __future__ import annotations
@@ -132,19 +133,30 @@ REFUSAL = (
     "under DP attention is refused: stock SGLang 0.5.23 cannot capture prefill graphs with TBO "
     "(PrefillCudaGraphRunner.capture_prepare hands an EXTEND batch to the TBO plugin, whose "
     "compute_split_seq_index asserts on extend_lens=None, and there is no prefill replay_prepare), "
-    "and the fixed flat-token split with zero-length sentinel children that would make it safe "
-    "cannot be proven without a GPU. Use --cuda-graph-backend-prefill disabled with TBO, drop TBO, "
-    "or set DSPARK_HARDEN_PREFILL_GRAPH=0 to get stock behaviour (which fails at capture)."
+    "and the fixed flat-token split with zero-length sentinel children that makes it safe has not "
+    "run on two GPUs yet: it is opt-in (DSPARK_HARDEN_PREFILL_GRAPH_TBO=1, full backend only; "
+    "docs/prefill_graph.md lists what stays unproven). Use --cuda-graph-backend-prefill disabled "
+    "with TBO, drop TBO, opt in, or set DSPARK_HARDEN_PREFILL_GRAPH=0 to get stock behaviour "
+    "(which fails at capture)."
+)
+REFUSAL_BREAKABLE = (
+    "DSPARK_HARDEN_PREFILL_GRAPH_TBO=1 covers the full prefill backend only: two-batch overlap with a "
+    "breakable prefill CUDA graph stays refused (stock's disable_breakable_cudagraph_if_incompatible "
+    "turns breakable prefill graphs off under TBO, and the TBO children's breakable capture/replay "
+    "metadata hooks are not fanned out). Use --cuda-graph-backend-prefill full."
 )
 
 
-def refusal(server_args: Any) -> Optional[str]:
-    """The startup refusal message when ``server_args`` combines TBO with a prefill graph."""
+def refusal(server_args: Any, *, allow_full: bool = False) -> Optional[str]:
+    """The startup refusal message when ``server_args`` combines TBO with a prefill graph
+    (``allow_full``: DSPARK_HARDEN_PREFILL_GRAPH_TBO=1, the full backend is served)."""
     if not getattr(server_args, "enable_two_batch_overlap", False):
         return None
     backend = prefill_backend(server_args)
     if backend not in ("full", "breakable"):
         return None
+    if allow_full:
+        return None if backend == "full" else REFUSAL_BREAKABLE
     return REFUSAL.format(backend=backend)
 
 

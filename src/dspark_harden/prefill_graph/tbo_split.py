@@ -68,6 +68,37 @@ def split_token_index(bucket: int) -> int:
     return bucket // 2
 
 
+def check_bucket(bucket: int, slots: int) -> None:
+    """A bucket can be captured with TBO only if each child's query rows hold its request axis:
+    DSV4's compressor planner requires ``batch_size <= num_q_tokens`` (c_plan.cuh ``RuntimeCheck``),
+    and both children keep all ``slots`` request slots."""
+    t = split_token_index(bucket)
+    if slots > min(t, bucket - t):
+        raise TboSplitError(
+            f"a TBO prefill graph of bucket {bucket} cannot hold {slots} request slots: each child keeps every "
+            f"slot but has only {t} / {bucket - t} query rows, and DSV4's compressor planner requires "
+            f"batch_size <= num_q_tokens (c_plan.cuh). Capture only buckets >= {2 * slots} "
+            f"(cuda_graph_config prefill bs) or lower full_prefill_max_req"
+        )
+
+
+def check_buckets(buckets: Sequence[int], slots: int) -> None:
+    """:func:`check_bucket` over a capture list, naming every bucket that fails."""
+    bad = []
+    for b in buckets:
+        try:
+            check_bucket(int(b), slots)
+        except TboSplitError:
+            bad.append(int(b))
+    if bad:
+        raise TboSplitError(
+            f"TBO prefill graphs keep all {slots} request slots (full_prefill_max_req) in each child, and DSV4's "
+            f"compressor planner requires batch_size <= num_q_tokens (c_plan.cuh): buckets {bad} give children "
+            f"with fewer query rows than slots. Capture only buckets >= {2 * slots} (cuda_graph_config prefill "
+            f"bs) or lower full_prefill_max_req"
+        )
+
+
 def _exclusive_cumsum(xs: Sequence[int]) -> tuple:
     out, acc = [], 0
     for x in xs:
@@ -238,6 +269,7 @@ def capture_children(batch: Any, counts: Any, buffers: ChildBuffers, *, preparer
         from sglang.srt.batch_overlap.two_batch_overlap import TboForwardBatchPreparer as preparer
 
     slots = len(batch.seq_lens)
+    check_bucket(len(batch.input_ids), slots)
     children = split_of_view(batch, slots=slots)
     a, b = children
     counts.copy_(torch.tensor([a.live_tokens, b.live_tokens], dtype=counts.dtype))
