@@ -3,14 +3,10 @@ test runs (it must fail), the file is restored. Not collected by pytest. Usage:
 python tests/dspark_results/mutations.py [M1 M2 ...]"""
 
 import os
-import shutil
-import subprocess
 import sys
-import tempfile
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 ROOT = os.path.join(REPO, "src", "dspark_harden", "dspark_results") + os.sep
-PY = sys.executable
 MUTS = [
     (
         "M1 wait() ignores a dead thread",
@@ -139,25 +135,7 @@ MUTS = [
         "tests/dspark_results/test_fail_closed.py::test_copy_event_that_never_completes_raises_after_the_timeout",
     ),
 ]
-sel = sys.argv[1:]
-for name, f, old, new, test in MUTS:
-    if sel and name.split()[0] not in sel:
-        continue
-    path = ROOT + f
-    src = open(path).read()
-    assert src.count(old) == 1, (name, src.count(old))
-    backup = tempfile.mktemp()
-    shutil.copy(path, backup)
-    try:
-        open(path, "w").write(src.replace(old, new))
-        r = subprocess.run(
-            ["timeout", "120", PY, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-W", "ignore", test],
-            capture_output=True,
-            text=True,
-            cwd=REPO,
-        )
-        last = [ln for ln in r.stdout.splitlines() if "passed" in ln or "failed" in ln or "error" in ln][-1:]
-        print(f"{name}: rc={r.returncode} {'RED' if r.returncode else 'GREEN(!)'} {last}", flush=True)
-    finally:
-        shutil.copy(backup, path)
-        os.unlink(backup)
+sys.path.insert(0, REPO)
+from tests._mutations import run  # noqa: E402
+
+survivors = run(ROOT, MUTS, timeout=120, summary=False)

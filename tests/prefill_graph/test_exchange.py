@@ -49,6 +49,16 @@ def _tbo_vote(rank):
     return vote
 
 
+def _stock_can_run_tbo(tp0_info_cpu) -> bool:
+    """Stock ``TboDPAttentionPreparer.compute_output`` on the gathered TBO columns (TBO enabled): the
+    step runs TBO iff it returns a split index."""
+    from sglang.srt.batch_overlap.two_batch_overlap import TboDPAttentionPreparer
+
+    p = TboDPAttentionPreparer()
+    p.enable_two_batch_overlap, p.local_tbo_split_seq_index = True, 0
+    return p.compute_output(tp0_info_cpu[:, 4:6])[0] is not None
+
+
 def _worker(rank, port, session, steps, tbo_graphs=False):
     from dspark_harden.dp2 import harness
     from dspark_harden.prefill_graph import admission as A
@@ -122,8 +132,14 @@ def _worker(rank, port, session, steps, tbo_graphs=False):
             diff = harness.differences(info, native)
             if diff:
                 mismatches.append(diff)
-            if tbo_graphs:  # the TBO gate read from each exchange's table
-                gates.append((tbo_synchronized(info.tp0_info_cpu), tbo_synchronized(native.tp0_info_cpu)))
+            if tbo_graphs:  # the TBO gate read from each exchange's table, and stock's own verdict on it
+                gates.append(
+                    (
+                        tbo_synchronized(info.tp0_info_cpu),
+                        tbo_synchronized(native.tp0_info_cpu),
+                        _stock_can_run_tbo(info.tp0_info_cpu),
+                    )
+                )
             target = batch if batch is not None else _idle_batch(eng, model_config)
             update(target, info, True, None, skip_global_metadata=False)
             dec = rt.last if info.is_extend_in_batch else None
@@ -171,18 +187,20 @@ def test_tbo_prefill_graph_gate_is_the_same_on_both_ranks_over_gloo_and_native_e
     """DSPARK_HARDEN_PREFILL_GRAPH_TBO=1: each rank's ``local_can_run_tbo`` comes from stock's
     ``prepare_all_gather`` on its real batch (plus seeded vetoes, as a DeepEP low-latency extend
     casts); the TBO gate read from the gloo-gathered and the natively gathered tables agrees on every
-    step and on both ranks, and the shared decision sends exactly the unsynchronized admissions eager
-    (``tbo_unsynchronized``) on both ranks alike."""
+    step and on both ranks and equals stock's own ``compute_output`` verdict on that table, and the
+    shared decision sends exactly the unsynchronized admissions eager (``tbo_unsynchronized``) on both
+    ranks alike."""
     from dspark_harden.dp2 import harness
 
     r0, r1 = harness.run_pair(_worker, (TBO_STEPS, True))
     assert r0["n_mismatch"] == 0 and r1["n_mismatch"] == 0, (r0["mismatches"], r1["mismatches"])
     assert r0["gates"] == r1["gates"]
-    assert all(g == n for g, n in r0["gates"]), "gloo and native tables disagree on the TBO gate"
+    assert all(g == n for g, n, _ in r0["gates"]), "gloo and native tables disagree on the TBO gate"
+    assert all(g == stock for g, _, stock in r0["gates"]), "the gate differs from stock's compute_output"
     assert r0["decisions"] == r1["decisions"]
     reasons = [d[2] for _, d in r0["decisions"] if d is not None]
     assert reasons.count("tbo_unsynchronized") >= 10, reasons
     assert reasons.count("admitted") >= 10
-    for (verdict, _dec), (gate, _) in zip(r0["decisions"], r0["gates"]):
+    for (verdict, _dec), (gate, _, _) in zip(r0["decisions"], r0["gates"]):
         if verdict:
             assert gate, "a graph was admitted on a step where a rank does not run TBO"

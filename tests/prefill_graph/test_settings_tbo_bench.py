@@ -69,6 +69,16 @@ def test_decode_capture_probe_detects_a_model_condition(monkeypatch):
     assert not ok and "model_type" in detail
 
 
+def _scheduler(*, backend="full", tbo=False, dp=True, dp_rank=0):
+    """This process as a DP scheduler with these server args (``roles.CONTEXT``; forked tests only)."""
+    from dspark_harden.core import roles
+    from dspark_harden.core.patch import Role
+
+    sa = _args(backend, tbo_on=tbo)
+    sa.enable_dp_attention = dp
+    roles.CONTEXT = roles.ProcessContext(role=Role.SCHEDULER, server_args=sa, tp_rank=0, dp_rank=dp_rank)
+
+
 def _args(backend, tbo_on=True):
     prefill = types.SimpleNamespace(backend=backend)
     return types.SimpleNamespace(
@@ -95,16 +105,11 @@ def test_no_refusal_without_the_combination(args):
 
 @pytest.mark.forked
 def test_scheduler_startup_refuses_tbo_with_full_prefill_graph():
-    from dspark_harden.core import binder, roles
+    from dspark_harden.core import binder
     from dspark_harden.core.patch import Role
     from dspark_harden.prefill_graph import feature
 
-    sa = types.SimpleNamespace(
-        enable_dp_attention=True,
-        enable_two_batch_overlap=True,
-        cuda_graph_config=types.SimpleNamespace(prefill=types.SimpleNamespace(backend="full")),
-    )
-    roles.CONTEXT = roles.ProcessContext(role=Role.SCHEDULER, server_args=sa, tp_rank=0, dp_rank=0)
+    _scheduler(backend="full", tbo=True, dp=True, dp_rank=0)
     report = binder.bind(Role.SCHEDULER, environ={})
     st = next(f for f in report.features if f.name == feature.FEATURE)
     assert st.status == "bound", st
@@ -121,16 +126,11 @@ def test_tbo_opt_in_binds_the_tbo_hooks_on_the_real_classes_and_starts():
     """DSPARK_HARDEN_PREFILL_GRAPH_TBO=1 with the full backend: the three TBO hooks bind on the real
     stock classes (fingerprints checked by the binder), startup passes, the runtime gate is on, and the
     decode path of the capture hook is stock's (Bugbot #2: it must not return early for decode)."""
-    from dspark_harden.core import binder, roles
+    from dspark_harden.core import binder
     from dspark_harden.core.patch import Role
     from dspark_harden.prefill_graph import admission, feature, tbo_graph
 
-    sa = types.SimpleNamespace(
-        enable_dp_attention=True,
-        enable_two_batch_overlap=True,
-        cuda_graph_config=types.SimpleNamespace(prefill=types.SimpleNamespace(backend="full")),
-    )
-    roles.CONTEXT = roles.ProcessContext(role=Role.SCHEDULER, server_args=sa, tp_rank=0, dp_rank=0)
+    _scheduler(backend="full", tbo=True, dp=True, dp_rank=0)
     report = binder.bind(Role.SCHEDULER, environ={"DSPARK_HARDEN_PREFILL_GRAPH_TBO": "1"})
     st = next(f for f in report.features if f.name == feature.FEATURE)
     assert st.status == "bound", st
@@ -161,15 +161,10 @@ def test_tbo_opt_in_binds_the_tbo_hooks_on_the_real_classes_and_starts():
 def test_tbo_hooks_are_not_bound_by_default():
     from sglang.srt.layers.attention.tbo_backend import TboAttnBackend
 
-    from dspark_harden.core import binder, roles
+    from dspark_harden.core import binder
     from dspark_harden.core.patch import Role
 
-    sa = types.SimpleNamespace(
-        enable_dp_attention=True,
-        enable_two_batch_overlap=False,
-        cuda_graph_config=types.SimpleNamespace(prefill=types.SimpleNamespace(backend="full")),
-    )
-    roles.CONTEXT = roles.ProcessContext(role=Role.SCHEDULER, server_args=sa, tp_rank=0, dp_rank=0)
+    _scheduler(backend="full", tbo=False, dp=True, dp_rank=0)
     binder.bind(Role.SCHEDULER, environ={})
     assert getattr(TboAttnBackend.init_forward_metadata_out_graph, "__wrapped__", None) is None
 
@@ -183,16 +178,11 @@ def test_tbo_hooks_are_not_bound_by_default():
     ],
 )
 def test_feature_unavailable_where_preconditions_are_absent(backend, dp, expect):
-    from dspark_harden.core import binder, roles
+    from dspark_harden.core import binder
     from dspark_harden.core.patch import Role
     from dspark_harden.prefill_graph import feature
 
-    sa = types.SimpleNamespace(
-        enable_dp_attention=dp,
-        enable_two_batch_overlap=False,
-        cuda_graph_config=types.SimpleNamespace(prefill=types.SimpleNamespace(backend=backend)),
-    )
-    roles.CONTEXT = roles.ProcessContext(role=Role.SCHEDULER, server_args=sa, tp_rank=0, dp_rank=0)
+    _scheduler(backend=backend, tbo=False, dp=dp, dp_rank=0)
     report = binder.bind(Role.SCHEDULER, environ={})
     st = next(f for f in report.features if f.name == feature.FEATURE)
     assert st.status == "unavailable" and expect in st.detail, st
@@ -349,3 +339,39 @@ def test_check_fails_on_a_bad_padding_factor():
 
     rep = run_child("scheduler", env={**os.environ, S.PADDING: "1"})
     assert not rep.get("ok", False) and any(S.PADDING in e and "1 < f <= 8" in e for e in rep["errors"]), rep
+
+
+@pytest.mark.forked
+def test_validation_binds_the_execute_wrapper_and_configures_the_schedule():
+    """DSPARK_HARDEN_PREFILL_GRAPH_VALIDATE=N binds the WRAP of PrefillCudaGraphRunner.execute on the
+    real class and configures the validator from the four settings; a bad value fails naming it."""
+    from sglang.srt.model_executor.runner.prefill_cuda_graph_runner import PrefillCudaGraphRunner
+
+    from dspark_harden.core import binder
+    from dspark_harden.core.patch import Role
+    from dspark_harden.core.settings import SettingsError
+    from dspark_harden.prefill_graph import feature, validate
+
+    _scheduler(backend="full", tbo=False, dp=True, dp_rank=1)
+    env = {
+        "DSPARK_HARDEN_PREFILL_GRAPH_VALIDATE": "50",
+        "DSPARK_HARDEN_PREFILL_GRAPH_VALIDATE_FIRST": "3",
+        "DSPARK_HARDEN_PREFILL_GRAPH_VALIDATE_TOLERANCE": "0",
+        "DSPARK_HARDEN_PREFILL_GRAPH_VALIDATE_ACTION": "count",
+    }
+    report = binder.bind(Role.SCHEDULER, environ=env)
+    feature.dspark_process_bound(role=Role.SCHEDULER, settings=binder.STATE.settings, report=report)
+    assert getattr(PrefillCudaGraphRunner.execute, "__wrapped__", None) is not None
+    v = validate.VALIDATOR
+    assert (v.schedule.every, v.schedule.first, v.tolerance, v.action, v.dp_rank) == (50, 3, 0.0, "count", 1)
+    assert v.on_outcome is not None  # the metric recorder
+    from dspark_harden.prefill_graph import settings as S
+
+    for name, bad in (
+        ("DSPARK_HARDEN_PREFILL_GRAPH_VALIDATE_ACTION", "ignore"),
+        ("DSPARK_HARDEN_PREFILL_GRAPH_VALIDATE_TOLERANCE", "1.5"),
+        ("DSPARK_HARDEN_PREFILL_GRAPH_VALIDATE", "-1"),
+        ("DSPARK_HARDEN_PREFILL_GRAPH_TBO", "yes"),
+    ):
+        with pytest.raises(SettingsError, match=name):
+            load_settings(S.SETTINGS, {name: bad})

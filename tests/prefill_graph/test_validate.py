@@ -106,7 +106,8 @@ def test_schedule_first_k_then_every_nth_per_bucket():
     s = V.Schedule(every=3, first=2)
     got = [s.due(64) for _ in range(10)]
     assert got == [True, True, False, False, True, False, False, True, False, False]
-    assert s.due(128) is True  # another bucket starts its own count
+    assert [s.due(128) for _ in range(3)] == [True, True, False]  # another bucket starts its own count
+    assert s.due(64) is True  # and 64's count went on: its 11th replay (2 + 3 x 3)
     with pytest.raises(ValueError):
         V.Schedule(every=0, first=1)
 

@@ -35,6 +35,30 @@ TBO_CAPTURE_TARGET = "sglang.srt.batch_overlap.two_batch_overlap:TboCudaGraphRun
 TBO_CAPTURE_FINGERPRINT = "d85b8103b94a70ff"
 TBO_OUT_GRAPH_TARGET = "sglang.srt.layers.attention.tbo_backend:TboAttnBackend.init_forward_metadata_out_graph"
 TBO_OUT_GRAPH_FINGERPRINT = "b280af1179e37533"
+#: DSPARK_HARDEN_PREFILL_GRAPH_TBO=1: (target, fingerprint, tbo_graph builder, why)
+TBO_PATCHES = (
+    (
+        TBO_CAPTURE_TARGET,
+        TBO_CAPTURE_FINGERPRINT,
+        "build_capture_one_batch_size",
+        "stock splits a prefill capture batch with extend_lens=None (asserts); EXTEND captures get the fixed "
+        "flat-token split with children on the captured request axis (decode graphs: stock)",
+    ),
+    (
+        TBO_OUT_GRAPH_TARGET,
+        TBO_OUT_GRAPH_FINGERPRINT,
+        "build_out_graph",
+        "stock plans TBO children of a replay view with the uniform per-sequence split (asserts for EXTEND) or "
+        "from the live batch's eager children; the replayed graph holds the fixed split",
+    ),
+    (
+        LOAD_BATCH_TARGET,
+        LOAD_BATCH_FINGERPRINT,
+        "build_load_batch",
+        "no prefill replay_prepare exists: the children's per-slot buffers and num_token_non_padded counts "
+        "the captured graph reads must be refreshed on every replay",
+    ),
+)
 # read-only: the guard and the schedule-time views reproduce logic of these stock sources; a change to
 # any of them is drift (probe below). Each entry says what the decision mirrors from it.
 MIRRORED = {
@@ -262,32 +286,14 @@ def patches(*, tbo: bool = False, validate: bool = False) -> list:
     if tbo:
         extra += [
             Patch(
-                target=TBO_CAPTURE_TARGET,
-                build=_tbo_builder("build_capture_one_batch_size"),
-                fingerprint=TBO_CAPTURE_FINGERPRINT,
+                target=target,
+                build=_tbo_builder(builder),
+                fingerprint=fp,
                 **common,
-                why="stock splits a prefill capture batch with extend_lens=None (asserts); EXTEND captures get the "
-                "fixed flat-token split with children on the captured request axis (decode graphs: stock)",
+                why=why,
                 retire_when="stock captures prefill graphs with TBO",
-            ),
-            Patch(
-                target=TBO_OUT_GRAPH_TARGET,
-                build=_tbo_builder("build_out_graph"),
-                fingerprint=TBO_OUT_GRAPH_FINGERPRINT,
-                **common,
-                why="stock plans TBO children of a replay view with the uniform per-sequence split (asserts for "
-                "EXTEND) or from the live batch's eager children; the replayed graph holds the fixed split",
-                retire_when="stock captures prefill graphs with TBO",
-            ),
-            Patch(
-                target=LOAD_BATCH_TARGET,
-                build=_tbo_builder("build_load_batch"),
-                fingerprint=LOAD_BATCH_FINGERPRINT,
-                **common,
-                why="no prefill replay_prepare exists: the children's per-slot buffers and num_token_non_padded "
-                "counts the captured graph reads must be refreshed on every replay",
-                retire_when="stock captures prefill graphs with TBO",
-            ),
+            )
+            for target, fp, builder, why in TBO_PATCHES
         ]
     return extra + [
         Patch(

@@ -134,7 +134,7 @@ def build_load_batch(stock: Callable, active: Callable[[], bool] = lambda: ACTIV
         children = tbo_split.split(
             lens,
             list(forward_batch.extend_prefix_lens_cpu or [0] * len(lens)),
-            [int(x) for x in forward_batch.req_pool_indices.tolist()],
+            tbo_split.request_pool_indices(forward_batch, len(lens)),
             bucket=len(static.input_ids),
             slots=bufs.slots,
         )

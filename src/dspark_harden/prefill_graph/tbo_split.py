@@ -162,11 +162,21 @@ def split(
 
 def split_of_view(fb: Any, *, slots: Optional[int] = None) -> tuple:
     """The split of a parent batch or replay view: live lengths from its CPU lists, request-pool
-    indices from its (slot-padded) tensor, the bucket from its ``input_ids`` rows."""
+    indices from :func:`request_pool_indices`, the bucket from its ``input_ids`` rows."""
     lens = list(fb.extend_seq_lens_cpu)
     pre = list(fb.extend_prefix_lens_cpu or [0] * len(lens))
-    rpi = [int(x) for x in fb.req_pool_indices.tolist()][: len(lens)]
-    return split(lens, pre, rpi, bucket=len(fb.input_ids), slots=slots or max(len(lens), 1))
+    return split(
+        lens, pre, request_pool_indices(fb, len(lens)), bucket=len(fb.input_ids), slots=slots or max(len(lens), 1)
+    )
+
+
+def request_pool_indices(fb: Any, n: int) -> list:
+    """The first ``n`` request-pool indices, from the CPU copy when the batch carries one (no device
+    sync on the replay path)."""
+    src = getattr(fb, "req_pool_indices_cpu", None)
+    if src is None:
+        src = fb.req_pool_indices
+    return [int(x) for x in src[:n].tolist()]
 
 
 def child_view(fb_view: Any, child: Child) -> SimpleNamespace:
