@@ -352,3 +352,79 @@ def test_out_graph_hook_plans_both_children_from_the_fixed_split_even_an_empty_o
     calls.clear()
     hook(backend, view, in_capture=True)  # capture: the batch's own children, as stock
     assert [c[0] for c in calls] == ["stock"]
+
+
+def test_capture_hook_on_a_capture_prepare_shaped_batch_where_stock_asserts(stock_cpu, monkeypatch):
+    """The capture hook on a batch with the fields ``PrefillCudaGraphRunner.capture_prepare`` sets
+    (0.5.23 L1600-1676: full backend, bucket 256 in slot 0, 16 zero-length request slots, DP gather
+    tensors, ``max_seq_len_override``, ``full_prefill_cuda_graph_capture``), on the real
+    ``TboCudaGraphRunnerPlugin`` with TBO enabled: stock's own ``capture_one_batch_size`` asserts
+    (``compute_split_seq_index(EXTEND, extend_lens=None)``); the hook builds both children through
+    stock's ``filter_batch`` (which refuses unknown fields) and keeps ``max_seq_len_override`` on the
+    parent and both children."""
+    import torch
+    from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode, ForwardBatch, ForwardMode
+
+    from dspark_harden.prefill_graph import tbo_graph
+
+    T = stock_cpu
+    monkeypatch.setattr(T, "is_tbo_enabled", lambda: True)
+    bucket, slots = 256, 16
+    lens = [bucket] + [0] * (slots - 1)
+    tokens = torch.tensor([bucket, bucket], dtype=torch.int32)
+    batch = ForwardBatch(
+        forward_mode=ForwardMode.EXTEND,
+        batch_size=slots,
+        input_ids=torch.zeros(bucket, dtype=torch.int64),
+        req_pool_indices=torch.arange(slots),
+        seq_lens=torch.tensor(lens),
+        next_token_logits_buffer=torch.zeros(slots, 8),
+        orig_seq_lens=torch.tensor(lens),
+        seq_lens_cpu=torch.tensor(lens),
+        out_cache_loc=torch.zeros(bucket, dtype=torch.int64),
+        seq_lens_sum=bucket,
+        return_logprob=False,
+        extend_num_tokens=bucket,
+        extend_seq_lens=torch.tensor(lens),
+        extend_prefix_lens=torch.zeros(slots, dtype=torch.int64),
+        extend_start_loc=torch.tensor([0] + [bucket] * (slots - 1)),
+        extend_prefix_lens_cpu=[0] * slots,
+        extend_seq_lens_cpu=list(lens),
+        extend_logprob_start_lens_cpu=list(lens),
+        positions=torch.zeros(bucket, dtype=torch.int64),
+        global_num_tokens_gpu=tokens,
+        global_num_tokens_for_logprob_gpu=tokens,
+        global_num_tokens_cpu=[bucket, bucket],
+        global_dp_buffer_len=2 * bucket,
+        capture_hidden_mode=CaptureHiddenMode.NULL,
+        num_token_non_padded=torch.tensor(bucket, dtype=torch.int32),
+        global_num_token_non_padded_cpu=bucket,
+        attn_tp_sequence_sharded=False,
+        global_forward_mode=ForwardMode.EXTEND,
+        max_seq_len_override=4096,
+        full_prefill_cuda_graph_capture=True,
+    )
+    plugin = T.TboCudaGraphRunnerPlugin()
+    with pytest.raises(AssertionError):
+        T.TboCudaGraphRunnerPlugin.capture_one_batch_size(plugin, batch, num_tokens=bucket)  # stock
+    batch.tbo_split_seq_index = None
+    hook = tbo_graph.build_capture_one_batch_size(
+        T.TboCudaGraphRunnerPlugin.capture_one_batch_size, active=lambda: True
+    )
+    hook(plugin, batch, bucket)
+    a, b = batch.tbo_children
+    assert a.batch_size == b.batch_size == slots and len(a.input_ids) == len(b.input_ids) == 128
+    assert plugin._tbo_children_num_token_non_padded.tolist() == [128, 128]
+    assert int(a.num_token_non_padded) == int(b.num_token_non_padded) == 128
+    counts = plugin._tbo_children_num_token_non_padded  # the children read the buffer every replay refreshes
+    assert a.num_token_non_padded.data_ptr() == counts.data_ptr()
+    assert b.num_token_non_padded.data_ptr() == counts.data_ptr() + counts.element_size()
+    assert batch.max_seq_len_override == a.max_seq_len_override == b.max_seq_len_override == 4096
+    assert a.global_dp_buffer_len == 128 and b.full_prefill_cuda_graph_capture
+    assert b.extend_prefix_lens.tolist()[:2] == [128, 0] and b.seq_lens.tolist()[:2] == [256, 0]
+    # a bucket too small for the request axis is refused before stock's planner would be
+    small = types.SimpleNamespace(
+        forward_mode=ForwardMode.EXTEND, input_ids=torch.zeros(16, dtype=torch.int64), seq_lens=torch.zeros(slots)
+    )
+    with pytest.raises(S.TboSplitError, match="cannot hold 16 request slots"):
+        hook(plugin, small, 16)
