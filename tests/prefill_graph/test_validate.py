@@ -87,6 +87,9 @@ def test_touched_rows_save_restore_is_exact_and_touches_nothing_else():
     _Model(kv, req)(torch.randn(6), fb.out_cache_loc, fb.req_pool_indices)
     assert not torch.equal(kv.k_buffer[0], before[0]) and not torch.equal(req.state, before[6])
     rows.restore()
+    assert rows.saved is None  # the copy is dropped at once (not held while eager runs)
+    with pytest.raises(RuntimeError, match="before save"):
+        rows.restore()
     after = kv.k_buffer + kv.v_buffer + [req.state, req.req_to_token]
     for a, b in zip(after, before):
         assert torch.equal(a, b)  # bit-exact, every row (untouched rows never written)

@@ -20,7 +20,9 @@ shared by the DP group, so every rank validates the same steps (both run graph t
 collectives pair up). A mismatch raises :class:`PrefillGraphValidationError` naming the bucket and
 geometry (``..._VALIDATE_ACTION=raise``, default) or is counted and logged (``count``); outcomes are
 counted in ``dspark_harden_prefill_graph_validations_total{outcome}``. Cost: a validated step runs
-the forward twice plus two copies of the touched rows.
+the forward twice; device memory holds two copies of the touched rows while the graph's result is
+compared (the saved rows until the restore, the graph's rows until the comparison), read back one
+tensor at a time.
 """
 
 from __future__ import annotations
@@ -117,10 +119,20 @@ class TouchedRows:
         self.saved = self.read()
 
     def restore(self) -> None:
+        """Write the saved rows back and drop the copy (one copy less held while eager runs)."""
         if self.saved is None:
             raise RuntimeError("TouchedRows.restore before save")
         for (_, t, idx), rows in zip(self.entries, self.saved, strict=True):
             t.index_copy_(0, idx, rows)
+        self.saved = None
+
+    def compare_to(self, rows: list, tolerance: float) -> list:
+        """Differences between ``rows`` (an earlier :meth:`read`) and the current rows, read one tensor
+        at a time (no second full copy)."""
+        out = []
+        for (name, t, idx), before in zip(self.entries, rows, strict=True):
+            out += compare([(name, before)], [(name, t.index_select(0, idx))], tolerance)
+        return out
 
     @property
     def labels(self) -> list:
@@ -218,14 +230,8 @@ class Validator:
         graph_rows = touched.read()
         touched.restore()
         eager_result = eager()
-        eager_out = clone_outputs(eager_result)
-        eager_rows = touched.read()
-        diffs = compare(graph_out, eager_out, self.tolerance)
-        diffs += compare(
-            list(zip(touched.labels, graph_rows, strict=True)),
-            list(zip(touched.labels, eager_rows, strict=True)),
-            self.tolerance,
-        )
+        diffs = compare(graph_out, clone_outputs(eager_result), self.tolerance)
+        diffs += touched.compare_to(graph_rows, self.tolerance)
         outcome = "mismatch" if diffs else "match"
         self.record(outcome)
         if diffs:
