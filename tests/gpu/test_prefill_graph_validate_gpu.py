@@ -100,7 +100,7 @@ def _run(V, pools, graph, static_out, eager, fb, *, tol=0.02, action="raise"):
         return holder["out"]
 
     try:
-        v.run(bucket=T, forward_batch=fb, graph=replay, eager=run_eager, touched=touched, geometry=dict)
+        v.run(bucket=T, graph=replay, eager=run_eager, touched=touched, geometry=dict)
     except V.PrefillGraphValidationError as exc:
         return seen, str(exc)
     torch.cuda.synchronize()

@@ -17,6 +17,7 @@ import types
 import pytest
 
 from dspark_harden.prefill_graph import tbo_split as S
+from tests.prefill_graph import tbo_stock_cases as C
 
 pytestmark = pytest.mark.forked
 
@@ -24,56 +25,21 @@ pytestmark = pytest.mark.forked
 def _parallel():
     from sglang.srt.runtime_context import get_parallel
 
-    p = get_parallel()
-    p.override_permanently(attn_tp_size=1, moe_dense_tp_size=1)
+    get_parallel().override_permanently(attn_tp_size=1, moe_dense_tp_size=1)
 
 
 @pytest.fixture
-def stock_cpu(monkeypatch):
-    """Stock's TBO module reading a TboAttnBackend-typed forward-context backend, a CPU attention
-    backend pair and the CPU device (module globals set for this forked test only)."""
-    from sglang.srt.batch_overlap import two_batch_overlap as T
-    from sglang.srt.layers.attention.tbo_backend import TboAttnBackend
-
-    _parallel()
-    backend = TboAttnBackend.__new__(TboAttnBackend)
-    monkeypatch.setattr(T, "get_attn_backend", lambda: backend)
-    monkeypatch.setattr(T, "attention_backends", lambda: ("torch_native", "torch_native"))
-    monkeypatch.setattr(T, "get_device", lambda: types.SimpleNamespace(device="cpu"))
-    return T
+def stock_cpu():
+    """Stock's TBO module on CPU stand-ins for a live runner's globals (tbo_stock_cases.stock_tbo_on_cpu)."""
+    with C.stock_tbo_on_cpu() as T:
+        yield T
 
 
 def _batch(lens, prefix, *, pad_to=None, slots=None):
-    """A real EXTEND ForwardBatch: live requests in slot order, optionally padded to a bucket with
-    zero-length sentinel slots (the full backend's replay layout)."""
-    import torch
-    from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
-
-    n = sum(lens)
-    rows = n if pad_to is None else pad_to
-    r = len(lens) if slots is None else slots
-    sl = [a + b for a, b in zip(lens, prefix)] + [0] * (r - len(lens))
-    el = list(lens) + [0] * (r - len(lens))
-    pl = list(prefix) + [0] * (r - len(lens))
-    starts = [sum(el[:i]) for i in range(r)]
-    return ForwardBatch(
-        forward_mode=ForwardMode.EXTEND,
-        batch_size=r,
-        input_ids=torch.arange(1000, 1000 + rows),
-        req_pool_indices=torch.tensor([7 + 3 * i if i < len(lens) else 0 for i in range(r)]),
-        seq_lens=torch.tensor(sl),
-        seq_lens_cpu=torch.tensor(sl),
-        out_cache_loc=torch.arange(5000, 5000 + rows),
-        seq_lens_sum=sum(sl),
-        positions=torch.arange(rows),
-        extend_num_tokens=rows,
-        extend_seq_lens=torch.tensor(el),
-        extend_prefix_lens=torch.tensor(pl),
-        extend_start_loc=torch.tensor(starts),
-        extend_prefix_lens_cpu=pl,
-        extend_seq_lens_cpu=el,
-        extend_logprob_start_lens_cpu=el,
-        return_logprob=False,
+    """A real EXTEND ForwardBatch (tbo_stock_cases.extend_batch): request-pool indices 7, 10, 13, ...,
+    token ids from 1000, KV locations from 5000."""
+    return C.extend_batch(
+        lens, prefix, [7 + 3 * i for i in range(len(lens))], rows=pad_to, slots=slots, ids_base=1000, loc_base=5000
     )
 
 
@@ -283,8 +249,6 @@ def test_gpu_fixture_is_current():
     """tests/gpu/data/tbo_stock_children.json (the stock side of the H200 planner test) is what the
     real stock splitter produces today: regenerate with ``python -m tests.prefill_graph.tbo_stock_cases``."""
     from pathlib import Path
-
-    from tests.prefill_graph import tbo_stock_cases as C
 
     committed = (Path(__file__).resolve().parents[2] / C.FIXTURE).read_text().strip()
     assert committed == C.render().strip(), "stale: python -m tests.prefill_graph.tbo_stock_cases > " + C.FIXTURE

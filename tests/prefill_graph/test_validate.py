@@ -138,7 +138,6 @@ def _validator(action="raise", tol=0.0):
 def _run(v, kv, req, fb, *, graph_model, eager_model, x):
     return v.run(
         bucket=8,
-        forward_batch=fb,
         graph=lambda: graph_model(x, fb.out_cache_loc, fb.req_pool_indices),
         eager=lambda: eager_model(x, fb.out_cache_loc, fb.req_pool_indices),
         touched=_touched(kv, req, fb),
@@ -208,7 +207,7 @@ def test_graph_output_aliasing_the_eager_buffer_is_copied_before_eager_runs():
         return _out(shared)
 
     v, seen = _validator("count")
-    v.run(bucket=8, forward_batch=fb, graph=graph, eager=eager, touched=_touched(kv, req, fb), geometry=dict)
+    v.run(bucket=8, graph=graph, eager=eager, touched=_touched(kv, req, fb), geometry=dict)
     assert seen == ["mismatch"]
 
 

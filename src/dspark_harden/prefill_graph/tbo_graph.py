@@ -129,15 +129,7 @@ def build_load_batch(stock: Callable, active: Callable[[], bool] = lambda: ACTIV
             return out
         from . import tbo_split
 
-        static = out[0]
-        lens = list(forward_batch.extend_seq_lens_cpu)
-        children = tbo_split.split(
-            lens,
-            list(forward_batch.extend_prefix_lens_cpu or [0] * len(lens)),
-            tbo_split.request_pool_indices(forward_batch, len(lens)),
-            bucket=len(static.input_ids),
-            slots=bufs.slots,
-        )
+        children = tbo_split.split_of_view(forward_batch, slots=bufs.slots, bucket=len(out[0].input_ids))
         tbo_split.refresh(bufs, plugin._tbo_children_num_token_non_padded, children)
         return out
 

@@ -68,12 +68,17 @@ def split_token_index(bucket: int) -> int:
     return bucket // 2
 
 
-def check_bucket(bucket: int, slots: int) -> None:
-    """A bucket can be captured with TBO only if each child's query rows hold its request axis:
-    DSV4's compressor planner requires ``batch_size <= num_q_tokens`` (c_plan.cuh ``RuntimeCheck``),
-    and both children keep all ``slots`` request slots."""
+def _holds(bucket: int, slots: int) -> bool:
+    """Each child's query rows hold the whole request axis: DSV4's compressor planner requires
+    ``batch_size <= num_q_tokens`` (c_plan.cuh ``RuntimeCheck``), and both children keep all slots."""
     t = split_token_index(bucket)
-    if slots > min(t, bucket - t):
+    return slots <= min(t, bucket - t)
+
+
+def check_bucket(bucket: int, slots: int) -> None:
+    """A bucket can be captured with TBO only if :func:`_holds`."""
+    if not _holds(bucket, slots):
+        t = split_token_index(bucket)
         raise TboSplitError(
             f"a TBO prefill graph of bucket {bucket} cannot hold {slots} request slots: each child keeps every "
             f"slot but has only {t} / {bucket - t} query rows, and DSV4's compressor planner requires "
@@ -84,12 +89,7 @@ def check_bucket(bucket: int, slots: int) -> None:
 
 def check_buckets(buckets: Sequence[int], slots: int) -> None:
     """:func:`check_bucket` over a capture list, naming every bucket that fails."""
-    bad = []
-    for b in buckets:
-        try:
-            check_bucket(int(b), slots)
-        except TboSplitError:
-            bad.append(int(b))
+    bad = [int(b) for b in buckets if not _holds(int(b), slots)]
     if bad:
         raise TboSplitError(
             f"TBO prefill graphs keep all {slots} request slots (full_prefill_max_req) in each child, and DSV4's "
@@ -122,7 +122,8 @@ def split(
     lens = [int(x) for x in extend_lens]
     pre = [int(x) for x in prefix_lens]
     rpi = [int(x) for x in req_pool_indices]
-    r = len(lens) if slots is None else int(slots)
+    k = len(lens)
+    r = k if slots is None else int(slots)
     geometry = f"extend_lens={lens[:8]}{'...' if len(lens) > 8 else ''} bucket={bucket} slots={r}"
     if len(pre) != len(lens) or len(rpi) < len(lens):
         raise TboSplitError(
@@ -138,9 +139,9 @@ def split(
     t = split_token_index(bucket) if split_token is None else int(split_token)
     if not 0 <= t <= bucket:
         raise TboSplitError(f"split token {t} outside the bucket ({geometry})")
-    lens += [0] * (r - len(lens))
-    pre += [0] * (r - len(pre))
-    rpi = rpi[: len(lens)] + [0] * (r - len(rpi[: len(lens)]))
+    lens += [0] * (r - k)
+    pre += [0] * (r - k)
+    rpi = rpi[:k] + [0] * (r - k)
     starts = _exclusive_cumsum(lens)
     a_f: dict = {k: [] for k in SLOT_FIELDS}
     b_f: dict = {k: [] for k in SLOT_FIELDS}
@@ -160,13 +161,18 @@ def split(
     return tuple(children)
 
 
-def split_of_view(fb: Any, *, slots: Optional[int] = None) -> tuple:
+def split_of_view(fb: Any, *, slots: Optional[int] = None, bucket: Optional[int] = None) -> tuple:
     """The split of a parent batch or replay view: live lengths from its CPU lists, request-pool
-    indices from :func:`request_pool_indices`, the bucket from its ``input_ids`` rows."""
+    indices from :func:`request_pool_indices`, the bucket from its ``input_ids`` rows unless given
+    (a live batch's rows are not padded to the bucket)."""
     lens = list(fb.extend_seq_lens_cpu)
     pre = list(fb.extend_prefix_lens_cpu or [0] * len(lens))
     return split(
-        lens, pre, request_pool_indices(fb, len(lens)), bucket=len(fb.input_ids), slots=slots or max(len(lens), 1)
+        lens,
+        pre,
+        request_pool_indices(fb, len(lens)),
+        bucket=len(fb.input_ids) if bucket is None else bucket,
+        slots=slots or max(len(lens), 1),
     )
 
 
@@ -185,7 +191,6 @@ def child_view(fb_view: Any, child: Child) -> SimpleNamespace:
     import torch
 
     dev = fb_view.seq_lens.device
-    tok = slice(child.token_start, child.token_end)
 
     def t(name):
         return torch.tensor(child.field(name), dtype=torch.int64, device=dev)
@@ -194,7 +199,7 @@ def child_view(fb_view: Any, child: Child) -> SimpleNamespace:
         x = getattr(fb_view, name, None)
         if x is None:
             return None
-        return x[child.token_start : min(child.token_end, len(x))] if clip else x[tok]
+        return x[_clipped(child, len(x))] if clip else x[child.token_start : child.token_end]
 
     plan = getattr(fb_view, "kv_loc_plan", None)
     return SimpleNamespace(
@@ -218,17 +223,21 @@ def child_view(fb_view: Any, child: Child) -> SimpleNamespace:
         out_cache_loc=rows("out_cache_loc", clip=True),
         kv_loc_plan=plan,
         kv_loc_cols=(
-            None if plan is None else plan.cols_slice(getattr(fb_view, "kv_loc_cols", None), rows_slice(child, fb_view))
+            None if plan is None else plan.cols_slice(getattr(fb_view, "kv_loc_cols", None), _loc_rows(child, fb_view))
         ),
         spec_info=None,
         max_seq_len_override=getattr(fb_view, "max_seq_len_override", None),
     )
 
 
-def rows_slice(child: Child, fb_view: Any) -> slice:
+def _clipped(child: Child, n: int) -> slice:
+    """The child's rows of a per-token tensor that holds only ``n`` (live) rows."""
+    return slice(child.token_start, max(child.token_start, min(child.token_end, n)))
+
+
+def _loc_rows(child: Child, fb_view: Any) -> slice:
     loc = getattr(fb_view, "out_cache_loc", None)
-    end = child.token_end if loc is None else min(child.token_end, len(loc))
-    return slice(child.token_start, max(child.token_start, end))
+    return _clipped(child, child.token_end if loc is None else len(loc))
 
 
 class ChildBuffers:
@@ -281,9 +290,8 @@ def capture_children(batch: Any, counts: Any, buffers: ChildBuffers, *, preparer
     slots = len(batch.seq_lens)
     check_bucket(len(batch.input_ids), slots)
     children = split_of_view(batch, slots=slots)
-    a, b = children
-    counts.copy_(torch.tensor([a.live_tokens, b.live_tokens], dtype=counts.dtype))
-    buffers.fill(children)
+    refresh(buffers, counts, children)
+    a = children[0]
     built = []
     for child, bufs, out_count in zip(children, buffers.tensors, counts, strict=True):
         fb = preparer.filter_batch(

@@ -218,7 +218,6 @@ class Validator:
         self,
         *,
         bucket: int,
-        forward_batch: Any,
         graph: Callable[[], Any],
         eager: Callable[[], Any],
         touched: TouchedRows,
@@ -272,7 +271,6 @@ def build_execute(stock: Callable, validator: Optional[Validator] = None) -> Cal
         mr = self.model_runner
         return v.run(
             bucket=bucket,
-            forward_batch=forward_batch,
             graph=lambda: stock(self, forward_batch, **kwargs),
             eager=lambda: mr.eager_runner.execute(forward_batch, pp_proxy_tensors=kwargs.get("pp_proxy_tensors")),
             touched=touched_rows(mr, forward_batch),
