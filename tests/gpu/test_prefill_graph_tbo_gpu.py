@@ -139,3 +139,184 @@ def test_stock_planner_refuses_more_request_slots_than_child_rows():
         _plan(4, 128, [0] * 16, [0] * 16, [0] * 16, 8, tables)
     with pytest.raises(S.TboSplitError, match="batch_size <= num_q_tokens"):
         S.check_bucket(16, 16)
+
+
+# --- the child attention forward: eager stock children vs one captured graph of both children ---------
+#
+# ``DeepseekV4AttnBackend`` does not import on the GPU machine (module docstring), so its metadata
+# builder is stood in for by two independent constructions of the same sparse-prefill inputs: the
+# captured body derives every row's request, position, KV write location and top-k key indices on the
+# device from the :class:`tbo_split.ChildBuffers` and the two ``num_token_non_padded`` counts (the only
+# per-replay inputs a captured child reads); the eager reference builds them per request on the host
+# from stock's eager children (the real splitter, ``tests/gpu/data/tbo_stock_children.json``: stock's
+# own split token, live requests only). The attention itself is SGLang's ``flash_mla_sparse_fwd``
+# (sgl-flash-mla 1.0.0), fed a KV cache the body writes first at the rows' cache locations (the
+# ``set_kv_buffer`` side effect of a prefill step).
+HEADS, D_QK, TOPK = 64, 512, 256
+SLOTS = 16
+
+
+def _attn_tables():
+    g = torch.Generator(device=DEV).manual_seed(5)
+    # injective: no two (request, position) share a cache row; row 0 is the padding rows' dummy slot
+    r2t = (torch.randperm(ROWS * COLS, device=DEV, generator=g) + 1).to(torch.int32).view(ROWS, COLS)
+    kv0 = torch.randn((ROWS * COLS + 1, 1, D_QK), dtype=torch.bfloat16, device=DEV, generator=g)
+    return r2t, kv0
+
+
+def _sparse(q, kv, idx, lens):
+    from sglang.kernels.ops.attention.flash_mla_interface import flash_mla_sparse_fwd
+
+    return flash_mla_sparse_fwd(q, kv, idx[:, None, :], D_QK**-0.5, d_v=512, topk_length=lens)[0]
+
+
+def _graph_child(q, k, bufs, count, r2t, kv):
+    """One child's captured attention: every per-row quantity from the address-stable slot buffers."""
+    rows = q.shape[0]
+    r = torch.arange(rows, device=DEV)
+    ext, start = bufs["extend_seq_lens"], bufs["extend_start_loc"]
+    slot = torch.searchsorted(start + ext, r, right=True).clamp_(max=ext.numel() - 1)
+    live = r < count
+    pos = (bufs["extend_prefix_lens"][slot] + r - start[slot]).clamp_(0, COLS - 1)
+    req = r2t[bufs["req_pool_indices"][slot]]  # [rows, COLS]
+    loc = torch.where(live, req.gather(1, pos[:, None])[:, 0].long(), 0)
+    kv.index_copy_(0, loc, k[:, None, :])
+    keys = pos[:, None] - torch.arange(TOPK, device=DEV)[None, :]
+    ok = live[:, None] & (keys >= 0)
+    idx = torch.where(ok, req.gather(1, keys.clamp(min=0)), -1).to(torch.int32)
+    return _sparse(q, kv, idx, ok.sum(1).to(torch.int32))
+
+
+def _eager_stock_children(case, q, k, r2t, kv):
+    """Stock's eager TBO children, one after the other, live requests only: per request its tokens'
+    positions, cache rows and causal top-k keys (latest first), built on the host. Returns the output
+    rows in parent row order."""
+    out, row = [], 0
+    for child in case["stock_children"]:
+        n = child["tokens"]
+        if n == 0:
+            continue
+        loc, idx = [], []
+        for rpi, pre, ext in zip(child["req_pool_indices"], child["prefix_lens"], child["extend_lens"]):
+            pos = torch.arange(pre, pre + ext, device=DEV)
+            keys = pos[:, None] - torch.arange(TOPK, device=DEV)[None, :]
+            loc.append(r2t[rpi, pos].long())
+            idx.append(torch.where(keys >= 0, r2t[rpi][keys.clamp(min=0)], -1).to(torch.int32))
+        loc, idx = torch.cat(loc), torch.cat(idx)
+        kv.index_copy_(0, loc, k[row : row + n, None, :])
+        out.append(_sparse(q[row : row + n], kv, idx, (idx >= 0).sum(1).to(torch.int32)))
+        row += n
+    return torch.cat(out)
+
+
+class _ChildGraph:
+    """Both children of one bucket captured once (fixed split at ``bucket // 2``); a replay refreshes
+    the static inputs the way the runner does (q / k rows, :func:`tbo_split.refresh`)."""
+
+    def __init__(self, bucket, r2t, kv):
+        from dspark_harden.prefill_graph import tbo_split as S
+
+        self.bucket, self.r2t, self.kv = bucket, r2t, kv
+        self.q = torch.zeros((bucket, HEADS, D_QK), dtype=torch.bfloat16, device=DEV)
+        self.k = torch.zeros((bucket, D_QK), dtype=torch.bfloat16, device=DEV)
+        self.buffers = S.ChildBuffers(SLOTS, torch.device(DEV))
+        self.counts = torch.zeros((2,), dtype=torch.int32, device=DEV)
+        capture = S.split([bucket], [0], [1], bucket=bucket, slots=SLOTS)  # the capture batch: one full request
+        S.refresh(self.buffers, self.counts, capture)
+        t = S.split_token_index(bucket)
+        body = (
+            lambda: [  # noqa: E731
+                _graph_child(self.q[lo:hi], self.k[lo:hi], bufs, self.counts[i], r2t, kv)
+                for i, (lo, hi, bufs) in enumerate(
+                    ((0, t, self.buffers.tensors[0]), (t, bucket, self.buffers.tensors[1]))
+                )
+            ]
+        )
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            body()  # warm-up (JIT, workspace) outside the graph
+        torch.cuda.current_stream().wait_stream(side)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.out = body()
+        self.split_token = t
+
+    def replay(self, case, q, k, *, refresh=True, counts=None):
+        from dspark_harden.prefill_graph import tbo_split as S
+
+        n = q.shape[0]
+        self.q[:n].copy_(q)
+        self.k[:n].copy_(k)
+        children = S.split(case["lens"], case["prefix"], case["req_pool_indices"], bucket=self.bucket, slots=SLOTS)
+        if refresh:
+            S.refresh(self.buffers, self.counts, children)
+        if counts is not None:
+            self.counts.copy_(torch.tensor(counts, dtype=torch.int32))
+        self.graph.replay()
+        torch.cuda.synchronize()
+        return children, torch.cat([o[: c.live_tokens] for o, c in zip(self.out, children)])
+
+
+def _bucket_of(n):
+    b = 512
+    while b < n:
+        b *= 2
+    return b
+
+
+def test_child_attention_replay_is_bit_identical_to_stock_eager_children():
+    """Per bucket, cases replayed largest first (so a smaller batch, and a child B with no live token,
+    replays over a larger one's buffers): every live row's attention output and the whole KV cache
+    (less the padding rows' dummy row 0) are bit-identical to stock's eager children on the same
+    inputs. Two negative controls in the same run show the comparison can fail: a replay without
+    :func:`tbo_split.refresh` and a replay whose counts stay at the previous larger batch's."""
+    r2t, kv0 = _attn_tables()
+    cases = [c for c in _cases() if len(c["lens"]) <= SLOTS]
+    by_bucket = {}
+    for c in cases:
+        by_bucket.setdefault(_bucket_of(sum(c["lens"])), []).append(c)
+    g = torch.Generator(device=DEV).manual_seed(7)
+    compared = rows = empty_b = 0
+    stats = {}
+    for bucket, group in sorted(by_bucket.items()):
+        group.sort(key=lambda c: -sum(c["lens"]))
+        kv_graph = kv0.clone()
+        graph = _ChildGraph(bucket, r2t, kv_graph)
+        prev = None
+        for case in group:
+            n = sum(case["lens"])
+            q = torch.randn((n, HEADS, D_QK), dtype=torch.bfloat16, device=DEV, generator=g)
+            k = torch.randn((n, D_QK), dtype=torch.bfloat16, device=DEV, generator=g)
+            kv_eager = kv0.clone()
+            ref = _eager_stock_children(case, q, k, r2t, kv_eager)
+            kv_graph.copy_(kv0)
+            children, got = graph.replay(case, q, k)
+            assert torch.equal(got, ref), (bucket, case["lens"], (got.float() - ref.float()).abs().max().item())
+            assert torch.equal(kv_graph[1:], kv_eager[1:]), (bucket, case["lens"])
+            empty_b += children[1].live_tokens == 0
+            compared += 1
+            rows += n
+            # negative controls (once per bucket, on a case of another geometry than the previous one)
+            if prev is not None and "stale_buffers" not in stats.get(bucket, {}):
+                kv_graph.copy_(kv0)
+                graph.replay(prev, *_rand_qk(sum(prev["lens"]), g))  # the larger batch's buffers and counts
+                kv_graph.copy_(kv0)
+                _, stale = graph.replay(case, q, k, refresh=False)
+                stale_kv = not torch.equal(kv_graph[1:], kv_eager[1:])
+                stats.setdefault(bucket, {})["stale_buffers"] = (not torch.equal(stale, ref)) or stale_kv
+                prev_children = graph.replay(prev, *_rand_qk(sum(prev["lens"]), g))[0]
+                kv_graph.copy_(kv0)
+                graph.replay(case, q, k, counts=[c.live_tokens for c in prev_children])
+                stats[bucket]["stale_counts"] = not torch.equal(kv_graph[1:], kv_eager[1:])
+            prev = case
+    print(json.dumps({"child_attention_cases": compared, "rows": rows, "empty_child_b": empty_b, "controls": stats}))
+    assert compared >= 30 and empty_b >= 1
+    assert stats and all(s["stale_buffers"] and s["stale_counts"] for s in stats.values()), stats
+
+
+def _rand_qk(n, g):
+    return (
+        torch.randn((n, HEADS, D_QK), dtype=torch.bfloat16, device=DEV, generator=g),
+        torch.randn((n, D_QK), dtype=torch.bfloat16, device=DEV, generator=g),
+    )
