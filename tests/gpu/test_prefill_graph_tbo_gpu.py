@@ -2,7 +2,7 @@
 
 The GPU machine runs SGLang's DSV4 JIT kernels (``sglang.kernels``, carried as in run_dsv4_on_device.sh)
 but not its scheduler stack, and no DSV4 weights or ``DeepseekV4AttnBackend`` (its import closure --
-transformers, torchvision, tokenizers and ~30 small packages, 43 MB of wheels -- does not fit one
+transformers, torchvision, ~30 small packages and, under CUDA, sgl_kernel -- does not fit one
 call's carry beside the SGLang wheel; docs/prefill_graph.md). So the backend itself is not run here;
 what runs is (1) the part of the child attention metadata the sentinels and the fixed split reach:
 ``CompressorPrefillPlan.generate`` (c_plan.cuh, the GPU-input path the
