@@ -1,11 +1,10 @@
-"""TBO prefill-graph children against SGLang 0.5.23's DSV4 compressor planner on a real GPU (H200).
+"""TBO prefill-graph children against SGLang 0.5.23's DSV4 kernels on a real GPU (H100 / H200).
 
 The GPU machine runs SGLang's DSV4 JIT kernels (``sglang.kernels``, carried as in run_dsv4_on_device.sh)
-but not its scheduler stack, and no DSV4 weights or ``DeepseekV4AttnBackend`` (its import closure --
-transformers, torchvision, ~30 small packages and, under CUDA, sgl_kernel -- does not fit one
-call's carry beside the SGLang wheel; docs/prefill_graph.md). So the backend itself is not run here;
-what runs is (1) the part of the child attention metadata the sentinels and the fixed split reach:
-``CompressorPrefillPlan.generate`` (c_plan.cuh, the GPU-input path the
+but not its scheduler stack, and no DSV4 weights or ``DeepseekV4AttnBackend`` (under CUDA its import
+closure needs sgl_kernel, which cannot be carried, and a synthetic model runner; docs/prefill_graph.md).
+So the backend itself is not run here; what runs is (1) the part of the child attention metadata the
+sentinels and the fixed split reach: ``CompressorPrefillPlan.generate`` (c_plan.cuh, the GPU-input path the
 captured graphs use, int64 device lengths, ``req_to_token [64, 4096] int32``, ``full_to_state`` a
 permutation of 2**16, c4 / ring 128 and c128 / ring 256, SWA page 256).
 
