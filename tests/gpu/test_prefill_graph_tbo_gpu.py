@@ -163,7 +163,7 @@ def test_stock_planner_refuses_more_request_slots_than_child_rows():
         S.check_bucket(16, 16)
 
 
-# --- the child attention forward: eager stock children vs one captured graph of both children ---------
+# --- the child attention forward: eager stock children vs one capture of both children (two kinds) -----
 #
 # ``DeepseekV4AttnBackend`` does not import on the GPU machine (module docstring), so its metadata
 # builder is stood in for by two independent constructions of the same sparse-prefill inputs: the
@@ -232,11 +232,14 @@ def _eager_stock_children(case, q, k, r2t, kv):
 
 
 class _ChildGraph:
-    """Both children of one bucket captured once (fixed split at ``bucket // 2``); a replay refreshes
-    the static inputs the way the runner does (q / k rows, :func:`tbo_split.refresh`)."""
+    """Both children of one bucket captured once (fixed split at ``bucket // 2``), under ``kind``
+    (tests/gpu/graphs.py: one CUDA graph, or SGLang's breakable graph with an eager break between the
+    children); a replay refreshes the static inputs the way the runner does (q / k rows,
+    :func:`tbo_split.refresh`)."""
 
-    def __init__(self, bucket, r2t, kv):
+    def __init__(self, bucket, r2t, kv, kind):
         from dspark_harden.prefill_graph import tbo_split as S
+        from tests.gpu import graphs
 
         self.bucket, self.r2t, self.kv = bucket, r2t, kv
         self.q = torch.zeros((bucket, HEADS, D_QK), dtype=torch.bfloat16, device=DEV)
@@ -245,24 +248,18 @@ class _ChildGraph:
         self.counts = torch.zeros((2,), dtype=torch.int32, device=DEV)
         capture = S.split([bucket], [0], [1], bucket=bucket, slots=SLOTS)  # the capture batch: one full request
         S.refresh(self.buffers, self.counts, capture)
-        t = S.split_token_index(bucket)
-        halves = ((0, t, self.buffers.tensors[0]), (t, bucket, self.buffers.tensors[1]))
+        t = self.split_token = S.split_token_index(bucket)
+        a, b = self.buffers.tensors
+
+        def between_children():
+            return None
 
         def body():
-            return [
-                _graph_child(self.q[lo:hi], self.k[lo:hi], bufs, self.counts[i], r2t, kv)
-                for i, (lo, hi, bufs) in enumerate(halves)
-            ]
+            out_a = _graph_child(self.q[:t], self.k[:t], a, self.counts[0], r2t, kv)
+            graphs.eager_break(kind, between_children)()
+            return [out_a, _graph_child(self.q[t:], self.k[t:], b, self.counts[1], r2t, kv)]
 
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            body()  # warm-up (JIT, workspace) outside the graph
-        torch.cuda.current_stream().wait_stream(side)
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
-            self.out = body()
-        self.split_token = t
+        self.graph, self.out = graphs.capture(kind, body)
 
     def replay(self, case, q, k, *, refresh=True, counts=None):
         from dspark_harden.prefill_graph import tbo_split as S
@@ -287,7 +284,8 @@ def _bucket_of(n):
     return b
 
 
-def test_child_attention_replay_is_bit_identical_to_stock_eager_children():
+@pytest.mark.parametrize("kind", ["cuda_graph", "breakable"])
+def test_child_attention_replay_is_bit_identical_to_stock_eager_children(kind):
     """Per bucket, cases replayed largest first (so a smaller batch, and a child B with no live token,
     replays over a larger one's buffers): every live row's attention output and the whole KV cache
     (less the padding rows' dummy row 0) are bit-identical to stock's eager children on the same
@@ -304,7 +302,7 @@ def test_child_attention_replay_is_bit_identical_to_stock_eager_children():
     for bucket, group in sorted(by_bucket.items()):
         group.sort(key=lambda c: -sum(c["lens"]))
         kv_graph = kv0.clone()
-        graph = _ChildGraph(bucket, r2t, kv_graph)
+        graph = _ChildGraph(bucket, r2t, kv_graph, kind)
         prev = None
         for case in group:
             n = sum(case["lens"])
@@ -332,7 +330,11 @@ def test_child_attention_replay_is_bit_identical_to_stock_eager_children():
                 graph.replay(case, q, k, counts=[c.live_tokens for c in prev_children])
                 stats[bucket]["stale_counts"] = not torch.equal(kv_graph[1:], kv_eager[1:])
             prev = case
-    print(json.dumps({"child_attention_cases": compared, "rows": rows, "empty_child_b": empty_b, "controls": stats}))
+    print(
+        json.dumps(
+            {"kind": kind, "child_attention_cases": compared, "rows": rows, "empty_child_b": empty_b, "controls": stats}
+        )
+    )
     assert compared >= 30 and empty_b >= 1
     assert stats and all(s["stale_buffers"] and s["stale_counts"] for s in stats.values()), stats
 

@@ -4,8 +4,10 @@ Stand-in (no SGLang server, model or DSV4 weights run on the GPU machine): a tor
 prefill body with side effects -- bf16 hidden ``[T=256, 512]`` through two GEMMs, KV rows written at
 ``out_cache_loc`` into per-layer bf16 K/V buffers ``[4097, 8, 64]`` x 4 layers, and a read-modify-write
 fp32 per-request state ``[64, 128]`` (like a compressor / ring state) at ``req_pool_indices`` -- captured
-with ``torch.cuda.CUDAGraph`` (a plain graph, not SGLang's breakable backend). The validator replays the
-graph, restores the touched rows, runs the same module eagerly, and compares.
+two ways (tests/gpu/graphs.py): one ``torch.cuda.CUDAGraph``, and SGLang 0.5.23's own breakable CUDA
+graph with the state's read-modify-write as an eager break (re-run eagerly at every replay, between two
+captured segments). The validator replays the graph, restores the touched rows, runs the same module
+eagerly, and compares.
 
 * graph vs eager of the same module: ``match`` at tolerance 0.02, and the side state after the validated
   step equals one eager application on a copy of the pools, bit for bit (not two: the restore works);
@@ -34,8 +36,9 @@ class _Pools:
 
 
 class _Body(torch.nn.Module):
-    def __init__(self, pools, dev, scale=1.0):
+    def __init__(self, pools, dev, scale=1.0, brk=lambda fn: fn):
         super().__init__()
+        self.brk = brk  # how the state update runs: inline, or as a breakable graph's eager break
         g = torch.Generator(device=dev).manual_seed(9)
         self.w1 = (torch.randn(D, D, device=dev, generator=g) / D**0.5 * scale).bfloat16()
         self.w2 = (torch.randn(D, H * HD, device=dev, generator=g) / D**0.5).bfloat16()
@@ -48,30 +51,28 @@ class _Body(torch.nn.Module):
             self.pools.k_buffer[layer].index_copy_(0, loc, kv * (layer + 1))
             self.pools.v_buffer[layer].index_copy_(0, loc, -kv)
         per_req = torch.zeros(REQS, 128, device=x.device).index_add_(0, tok_req, h[:, :128].float())
-        self.pools.state.index_add_(0, rpi, per_req.index_select(0, rpi))  # read-modify-write
+
+        def update_state():  # read-modify-write; no tensor arguments (the break keeps them by closure)
+            self.pools.state.index_add_(0, rpi, per_req.index_select(0, rpi))
+
+        self.brk(update_state)()
         return h.float()
 
 
-def _setup():
+def _setup(kind):
     from dspark_harden.prefill_graph import validate as V
+    from tests.gpu import graphs
 
     dev = torch.device("cuda")
     pools = _Pools(dev)
-    body = _Body(pools, dev)
+    body = _Body(pools, dev, brk=lambda fn: graphs.eager_break(kind, fn))
     x = torch.randn(T, D, device=dev).bfloat16()
     loc = torch.randperm(SLOTS - 1, device=dev)[:T] + 1
     rpi = torch.tensor([3, 17, 40, 41], device=dev)
     tok_req = rpi.repeat_interleave(T // 4)
-    # capture (warm up on a side stream first, as stock does); the capture's side effects are undone
+    # capture (after a warm-up on a side stream, as stock does); the side effects of both are undone
     saved = copy.deepcopy(pools.__dict__)
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        body(x, loc, rpi, tok_req)
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        static_out = body(x, loc, rpi, tok_req)
+    graph, static_out = graphs.capture(kind, lambda: body(x, loc, rpi, tok_req))
     for k, v in saved.items():
         cur = getattr(pools, k)
         if isinstance(cur, list):
@@ -120,23 +121,26 @@ def _same(a, b):
     )
 
 
-def test_graph_vs_eager_matches_and_leaves_one_application_of_the_side_state():
-    V, pools, body, graph, static_out, inputs, fb = _setup()
+@pytest.mark.parametrize("kind", ["cuda_graph", "breakable"])
+def test_graph_vs_eager_matches_and_leaves_one_application_of_the_side_state(kind):
+    V, pools, body, graph, static_out, inputs, fb = _setup(kind)
     ref = _one_eager_application(pools, inputs)
     seen, err = _run(V, pools, graph, static_out, lambda: body(*inputs), fb)
     assert seen == ["match"], err
     assert _same(pools, ref), "side state after a validated step is not exactly one application"
 
 
-def test_without_restore_the_state_rows_mismatch(monkeypatch):
-    V, pools, body, graph, static_out, inputs, fb = _setup()
+@pytest.mark.parametrize("kind", ["cuda_graph", "breakable"])
+def test_without_restore_the_state_rows_mismatch(kind, monkeypatch):
+    V, pools, body, graph, static_out, inputs, fb = _setup(kind)
     monkeypatch.setattr(V.TouchedRows, "restore", lambda self: None)
     seen, err = _run(V, pools, graph, static_out, lambda: body(*inputs), fb)
     assert seen == ["mismatch"] and "state" in err, err
 
 
-def test_a_differing_eager_body_is_reported():
-    V, pools, body, graph, static_out, inputs, fb = _setup()
+@pytest.mark.parametrize("kind", ["cuda_graph", "breakable"])
+def test_a_differing_eager_body_is_reported(kind):
+    V, pools, body, graph, static_out, inputs, fb = _setup(kind)
     other = _Body(pools, torch.device("cuda"), scale=1.5)
     seen, err = _run(V, pools, graph, static_out, lambda: other(*inputs), fb)
     assert seen == ["mismatch"] and "next_token_logits" in err, err
