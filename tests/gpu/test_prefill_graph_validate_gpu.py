@@ -1,4 +1,4 @@
-"""Prefill-graph validation (``dspark_harden.prefill_graph.validate``) over a captured CUDA graph (H200).
+"""Prefill-graph validation (``dspark_harden.prefill_graph.validate``) over a captured CUDA graph and a breakable graph (H100 / H200).
 
 Stand-in (no SGLang server, model or DSV4 weights run on the GPU machine): a torch module shaped like a
 prefill body with side effects -- bf16 hidden ``[T=256, 512]`` through two GEMMs, KV rows written at
