@@ -73,14 +73,17 @@ def test_blowup_schema_becomes_a_memory_limit_marker_and_the_scheduler_stays_sma
     """The serializing helper hits its address-space limit (384 MiB here), the grammar is stored as a
     ``memory_limit`` marker, every request is served, and the scheduler's own peak RSS grows by less
     than 256 MiB over the burst (the old in-process serialization grew it by ~2.6 GB for this schema).
-    LOAD_RATIO=5 makes sure the size prediction cannot skip the serialization: the cap must catch it."""
+    LOAD_RATIO=1e9 (as the other persistence tests) makes sure neither the size prediction nor a measured
+    slow load can keep a grammar from being serialized: the cap must catch the blowup. (With 5, a busy host
+    turned 0.7 ms compiles into ``slow_load`` markers -- a correct, timing-dependent decision this test
+    is not about: 11 of 12 serialized in a CI run at load ~3, reproduced 1 in 6 under 2-3 spinning cores.)"""
     blow = blowup_schema()
     requests = (
         [["json", blow]]
         + [["json", s] for s in small_schemas(6)]
         + [["regex", f"id-[a-z]{{{i}}}"] for i in range(1, 7)]
     )
-    out = run_probe(cache_dir, {F.DISK_HELPER_MEMORY: 384 * MiB, F.DISK_LOAD_RATIO: 5, F.WORKERS: 2}, requests)
+    out = run_probe(cache_dir, {F.DISK_HELPER_MEMORY: 384 * MiB, F.DISK_LOAD_RATIO: 1e9, F.WORKERS: 2}, requests)
     assert all(r["invalid"] is None for r in out["results"]), out["results"]
     growth = out["after"] - out["before"]
     print(
