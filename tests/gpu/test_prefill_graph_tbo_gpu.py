@@ -31,6 +31,8 @@ import random
 import pytest
 import torch
 
+from tests.gpu.graphs import KINDS
+
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (run on the GPU machine: RUN.md)")
 
 DEV = "cuda"
@@ -241,14 +243,14 @@ class _ChildGraph:
         from dspark_harden.prefill_graph import tbo_split as S
         from tests.gpu import graphs
 
-        self.bucket, self.r2t, self.kv = bucket, r2t, kv
+        self.bucket = bucket
         self.q = torch.zeros((bucket, HEADS, D_QK), dtype=torch.bfloat16, device=DEV)
         self.k = torch.zeros((bucket, D_QK), dtype=torch.bfloat16, device=DEV)
         self.buffers = S.ChildBuffers(SLOTS, torch.device(DEV))
         self.counts = torch.zeros((2,), dtype=torch.int32, device=DEV)
         capture = S.split([bucket], [0], [1], bucket=bucket, slots=SLOTS)  # the capture batch: one full request
         S.refresh(self.buffers, self.counts, capture)
-        t = self.split_token = S.split_token_index(bucket)
+        t = S.split_token_index(bucket)
         a, b = self.buffers.tensors
 
         def between_children():
@@ -284,7 +286,7 @@ def _bucket_of(n):
     return b
 
 
-@pytest.mark.parametrize("kind", ["cuda_graph", "breakable"])
+@pytest.mark.parametrize("kind", KINDS)
 def test_child_attention_replay_is_bit_identical_to_stock_eager_children(kind):
     """Per bucket, cases replayed largest first (so a smaller batch, and a child B with no live token,
     replays over a larger one's buffers): every live row's attention output and the whole KV cache
@@ -306,8 +308,7 @@ def test_child_attention_replay_is_bit_identical_to_stock_eager_children(kind):
         prev = None
         for case in group:
             n = sum(case["lens"])
-            q = torch.randn((n, HEADS, D_QK), dtype=torch.bfloat16, device=DEV, generator=g)
-            k = torch.randn((n, D_QK), dtype=torch.bfloat16, device=DEV, generator=g)
+            q, k = _rand_qk(n, g)
             kv_eager = kv0.clone()
             ref = _eager_stock_children(case, q, k, r2t, kv_eager)
             kv_graph.copy_(kv0)

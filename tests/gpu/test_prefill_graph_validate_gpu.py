@@ -22,6 +22,8 @@ import copy
 import pytest
 import torch
 
+from tests.gpu.graphs import KINDS
+
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 T, D, H, HD, SLOTS, REQS, LAYERS = 256, 512, 8, 64, 4097, 64, 4
@@ -121,7 +123,7 @@ def _same(a, b):
     )
 
 
-@pytest.mark.parametrize("kind", ["cuda_graph", "breakable"])
+@pytest.mark.parametrize("kind", KINDS)
 def test_graph_vs_eager_matches_and_leaves_one_application_of_the_side_state(kind):
     V, pools, body, graph, static_out, inputs, fb = _setup(kind)
     ref = _one_eager_application(pools, inputs)
@@ -130,7 +132,7 @@ def test_graph_vs_eager_matches_and_leaves_one_application_of_the_side_state(kin
     assert _same(pools, ref), "side state after a validated step is not exactly one application"
 
 
-@pytest.mark.parametrize("kind", ["cuda_graph", "breakable"])
+@pytest.mark.parametrize("kind", KINDS)
 def test_without_restore_the_state_rows_mismatch(kind, monkeypatch):
     V, pools, body, graph, static_out, inputs, fb = _setup(kind)
     monkeypatch.setattr(V.TouchedRows, "restore", lambda self: None)
@@ -138,7 +140,7 @@ def test_without_restore_the_state_rows_mismatch(kind, monkeypatch):
     assert seen == ["mismatch"] and "state" in err, err
 
 
-@pytest.mark.parametrize("kind", ["cuda_graph", "breakable"])
+@pytest.mark.parametrize("kind", KINDS)
 def test_a_differing_eager_body_is_reported(kind):
     V, pools, body, graph, static_out, inputs, fb = _setup(kind)
     other = _Body(pools, torch.device("cuda"), scale=1.5)
