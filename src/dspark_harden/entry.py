@@ -35,12 +35,32 @@ def load(role: Optional[Role] = None) -> binder.BindReport:
         binder.raise_if_failed(report)
         _install_post_apply_verifier()
         _notify_bound(role, report)
-        active = [f.name for f in report.features if f.status == "bound"]
-        _announce(
-            "dspark-harden %s active in %s process (pid %d): bound %s"
-            % (_version(), role.value, os.getpid(), ", ".join(active) or "nothing")
-        )
+        _announce(presence_line(role, report))
         return report
+
+
+def load_reason(environ=None) -> str:
+    """Why SGLang loaded the plugin in this process: its loader loads every installed plugin unless
+    ``SGLANG_PLUGINS`` names a subset (sglang/srt/plugins/__init__.py, load_plugins_by_group)."""
+    env = os.environ if environ is None else environ
+    allowed = [p.strip() for p in (env.get("SGLANG_PLUGINS") or "").split(",") if p.strip()]
+    if PLUGIN_NAME in allowed:
+        return f"SGLANG_PLUGINS names it ({','.join(allowed)})"
+    return "SGLANG_PLUGINS is unset (stock SGLang loads every installed plugin)"
+
+
+def presence_line(role: Role, report: binder.BindReport, environ=None) -> str:
+    """The one INFO line per process: why the plugin is here, what applies, what does not and why."""
+    active = [f.name for f in report.features if f.status == "bound"]
+    skipped = [f"{f.name} ({f.detail})" for f in report.features if f.status == "unavailable" and not f.test_only]
+    return "dspark-harden %s active in %s process (pid %d), loaded because %s: bound %s%s" % (
+        _version(),
+        role.value,
+        os.getpid(),
+        load_reason(environ),
+        ", ".join(active) or "nothing",
+        ("; unavailable here, stock behaviour: " + "; ".join(skipped)) if skipped else "",
+    )
 
 
 def _announce(message: str) -> None:

@@ -61,10 +61,12 @@ PROBE = textwrap.dedent("""
             out = eng.generate("JSON:", sampling_params={"json_schema": json.dumps(schema), "max_new_tokens": 64,
                                                          "temperature": 0})
             during = set(os.listdir("/dev/shm")) - before
+            from dspark_harden.lifecycle.proctree import is_subreaper
+            subreaper = is_subreaper()  # the caller's own process: never made a child subreaper
             eng.shutdown()
             left = sorted(set(os.listdir("/dev/shm")) - before)
             report.append({"text": out["text"], "finish": out["meta_info"]["finish_reason"]["type"],
-                           "created": len(during), "left": left})
+                           "created": len(during), "left": left, "subreaper": subreaper})
         print("PROBE " + json.dumps(report), flush=True)
 
     if __name__ == "__main__":
@@ -104,6 +106,7 @@ def test_two_offline_engines_in_one_process_leave_nothing_in_dev_shm(tmp_path):
             why = [ln[:1500] for ln in r.stderr.splitlines() if "dspark-harden lifecycle" in ln]
             pytest.fail(f"left {engine['left']} of {report}; lifecycle log: " + "\n".join(why or ["(none)"]))
         assert engine["finish"] == "stop", engine  # the schema's grammar ended the answer
+        assert engine["subreaper"] is False, engine  # the user's process adopts no orphans (issue 39)
         value = json.loads(engine["text"])
         assert sorted(value) == ["color", "ok"] and isinstance(value["ok"], bool), engine
     # the plugin bound in every process of both trees: the caller's own process once (it is the main

@@ -38,6 +38,13 @@ def build_parser(pm=None) -> argparse.ArgumentParser:
         help="with --profile, on a host without CUDA: leave the profile's CUDA-only features unchecked "
         "(the verdict says PARTIAL)",
     )
+    p.add_argument(
+        "launch",
+        nargs=argparse.REMAINDER,
+        help="after --: the sglang launch arguments (python -m sglang.launch_server ARGS); each feature is "
+        "judged against them, parsed and resolved with SGLang's own parser: bound (applies), unavailable "
+        "(why), or failed (startup would be refused)",
+    )
     p.set_defaults(func=_check.main)
 
     p = sub.add_parser("env", help="every environment variable the plugin reads")

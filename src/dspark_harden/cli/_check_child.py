@@ -10,7 +10,7 @@ import json
 import os
 import sys
 
-from .check import _MARK, failed_report
+from .check import _MARK, LAUNCH_ENV, failed_report
 
 
 def _report() -> dict:
@@ -52,7 +52,38 @@ def _report() -> dict:
         return base
     rep = binder.STATE.report.to_dict()
     rep["plugin_loaded"] = True
+    if LAUNCH is not None:
+        rep["launch"] = LAUNCH
     return rep
+
+
+LAUNCH = None  # {"argv", "resolution", "loaded_because"} of `check -- <launch arguments>`
+
+
+def parse_launch(argv: list) -> tuple:
+    """``(server_args, resolution)`` for sglang launch arguments, parsed with SGLang's own parser
+    (``prepare_server_args``) and resolved the way a launch resolves them (``resolve_once``). Where
+    resolution cannot run on this host (no accelerator, a hub model path offline) the arguments are
+    judged as given, and ``resolution`` says so."""
+    import contextlib
+    import io
+
+    from sglang.srt.server_args import prepare_server_args
+
+    err = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(err):
+            server_args = prepare_server_args(list(argv))
+    except SystemExit as exc:  # argparse: name what it printed
+        raise ValueError(err.getvalue().strip().splitlines()[-1] if err.getvalue().strip() else exc) from None
+    try:
+        server_args.resolve_once()
+        return server_args, "resolved as a launch on this host resolves them"
+    except Exception as exc:  # noqa: BLE001 - judge the unresolved arguments, and say why
+        return prepare_server_args(list(argv)), (
+            f"not resolvable on this host ({type(exc).__name__}: {str(exc)[:200]}): judged as given, "
+            "before resolution"
+        )
 
 
 # the modules each role's process has imported when it calls load_plugins(): SGLang calls it from
@@ -130,8 +161,29 @@ def _status(status: int) -> str:
     return f"exit code {os.WEXITSTATUS(status)}"
 
 
+def _judge_launch() -> None:
+    """``check -- <launch arguments>``: parse them once, before forking the role children, so every
+    feature's preconditions are judged against them (core.roles.judged_server_args)."""
+    global LAUNCH
+    raw = os.environ.get(LAUNCH_ENV)
+    if not raw:
+        return
+    from ..core import roles
+    from ..entry import load_reason
+
+    argv = json.loads(raw)
+    roles.CHECK_SERVER_ARGS, resolution = parse_launch(argv)
+    LAUNCH = {"argv": argv, "resolution": resolution, "loaded_because": load_reason()}
+
+
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    try:
+        _judge_launch()
+    except BaseException as exc:  # noqa: BLE001 - bad launch arguments: every role reports why
+        for role in (argv[1].split(",") if argv[:1] == ["--roles"] and len(argv) == 2 else ["?"]):
+            _emit(failed_report(role, f"the launch arguments do not parse: {type(exc).__name__}: {exc}"))
+        return 0
     if argv[:1] == ["--roles"] and len(argv) == 2:
         for rep in _fork_roles([r for r in argv[1].split(",") if r]):
             _emit(rep)

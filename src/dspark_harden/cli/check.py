@@ -20,12 +20,18 @@ def failed_report(role: str, error: str) -> dict:
     return {"role": role, "plugin_loaded": False, "ok": False, "features": [], "sglang_version": "?", "errors": [error]}
 
 
-def run_children(roles, env: dict | None = None, timeout: float = 300.0) -> list[dict]:
+LAUNCH_ENV = "DSPARK_HARDEN_CHECK_LAUNCH_ARGS"
+
+
+def run_children(roles, env: dict | None = None, timeout: float = 300.0, launch=None) -> list[dict]:
     """One report per role, in ``roles``' order: a single child process imports SGLang once and forks
     one grandchild per role, which runs SGLang's own ``load_plugins()`` (``_check_child``)."""
     roles = list(roles)
     child_env = dict(os.environ if env is None else env)
     child_env.pop("DSPARK_HARDEN_ROLE", None)
+    child_env.pop(LAUNCH_ENV, None)
+    if launch is not None:
+        child_env[LAUNCH_ENV] = json.dumps(list(launch))
     proc = subprocess.run(
         [sys.executable, "-m", "dspark_harden.cli._check_child", "--roles", ",".join(roles)],
         env=child_env,
@@ -79,7 +85,9 @@ def merge(reports: list[dict]) -> dict:
             )
     ok = loaded and not problems and all(f["status"] != F.FAILED for f in features.values())
     verdict = next((r["verdict"] for r in reports if r.get("verdict")), None)
+    launch = next((r["launch"] for r in reports if r.get("launch")), None)
     return {
+        **({"launch": launch} if launch else {}),
         "ok": ok,
         "sglang_version": version,
         "plugin_loaded": loaded,
@@ -89,10 +97,11 @@ def merge(reports: list[dict]) -> dict:
     }
 
 
-def check(roles=ROLES, env: dict | None = None, profile=None, skip_cuda: bool = False) -> dict:
+def check(roles=ROLES, env: dict | None = None, profile=None, skip_cuda: bool = False, launch=None) -> dict:
     """Every role's report merged; with ``profile`` (a :class:`~.profiles.Profile`), also whether its
-    features reached their statuses in its role (``result["profile"]``; ``ok`` needs both)."""
-    reports = run_children(roles, env)
+    features reached their statuses in its role (``result["profile"]``; ``ok`` needs both); with
+    ``launch`` (sglang launch arguments), every feature judged against those server arguments."""
+    reports = run_children(roles, env, launch=launch)
     result = merge(reports)
     if profile is not None:
         from .profiles import evaluate
@@ -140,7 +149,12 @@ def render_table(result: dict) -> str:
     lines = ["  ".join(c.ljust(w) for c, w in zip(r[:3], widths)) + "  " + r[3] for r in rows]
     lines.insert(1, "-" * min(120, sum(widths) + 20))
     head = f"dspark-harden check against sglang {result['sglang_version']}: {'OK' if result['ok'] else 'FAILED'}"
-    out = ([result["verdict"]] if result.get("verdict") else []) + [head, *lines]
+    out = ([result["verdict"]] if result.get("verdict") else []) + [head]
+    launch = result.get("launch")
+    if launch:
+        out.append(f"judged against: {' '.join(launch['argv'])} ({launch['resolution']})")
+        out.append(f"plugin loaded because {launch['loaded_because']}")
+    out += lines
     for p in result["problems"]:
         out.append(f"PROBLEM: {p}")
     prof = result.get("profile")
@@ -179,7 +193,12 @@ def main(args) -> int:
     elif getattr(args, "skip_cuda_features", False):
         print("dspark-harden check: --skip-cuda-features applies only with --profile", file=sys.stderr)
         return 2
-    result = check(roles, profile=profile, skip_cuda=getattr(args, "skip_cuda_features", False))
+    launch = list(getattr(args, "launch", None) or [])
+    if launch[:1] == ["--"]:
+        launch = launch[1:]
+    result = check(
+        roles, profile=profile, skip_cuda=getattr(args, "skip_cuda_features", False), launch=launch or None
+    )
     shown = operator_view(result, include_test=getattr(args, "include_test_features", False))
     print(json.dumps(shown) if args.json else render_table(shown))
     return 0 if result["ok"] else 1

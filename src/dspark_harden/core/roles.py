@@ -47,6 +47,9 @@ class ProcessContext:
     server_args: Any = None  # sglang ServerArgs where the caller had it (not in the main process)
     tp_rank: Optional[int] = None
     dp_rank: Optional[int] = None  # DP (attention) rank of a scheduler, None elsewhere
+    #: main process only: "engine" when the offline ``sglang.Engine`` API (the user's own process) called
+    #: ``load_plugins()`` first, "server" for launch_server / ``sglang serve`` / our HTTP worker app
+    main_entry: Optional[str] = None
 
     @property
     def dp_label(self) -> str:
@@ -69,9 +72,13 @@ def _dp_rank_of(server_args: Any, tp_rank: Optional[int], dp_rank: Optional[int]
     return tp_rank // attn_tp
 
 
-def _main_caller(frame) -> bool:
+def _main_caller(frame) -> Optional[str]:
+    """"engine" / "server" when ``frame`` is a main-process caller of ``load_plugins()``, else None."""
     path = frame.f_code.co_filename.replace("\\", "/")
-    return any(path.endswith(suffix) and frame.f_code.co_name == fn for suffix, fn in _MAIN_CALLERS)
+    for suffix, fn in _MAIN_CALLERS:
+        if path.endswith(suffix) and frame.f_code.co_name == fn:
+            return "engine" if suffix.endswith("entrypoints/engine.py") else "server"
+    return None
 
 
 def detect_context(forced: Optional[str] = None) -> ProcessContext:
@@ -84,13 +91,14 @@ def detect_context(forced: Optional[str] = None) -> ProcessContext:
     known SGLang process function nor a known main-process entry point stops startup too, instead
     of falling back to ``main`` and silently skipping the scheduler's patches."""
     frame = sys._getframe(1)
-    found_role, found_locals, callers = None, {}, []
+    found_role, found_locals, callers, main_entry = None, {}, [], None
     while frame is not None:
         role = _CALLERS.get(frame.f_code.co_name)
         if role is not None and frame.f_globals.get("__name__", "").startswith("sglang."):
             found_role, found_locals = role, dict(frame.f_locals)
             break
-        if _main_caller(frame):
+        main_entry = _main_caller(frame)
+        if main_entry:
             found_role = Role.MAIN
             break
         callers.append(f"{frame.f_globals.get('__name__', '?')}:{frame.f_code.co_name}")
@@ -124,6 +132,7 @@ def detect_context(forced: Optional[str] = None) -> ProcessContext:
         server_args=server_args,
         tp_rank=tp_rank,
         dp_rank=_dp_rank_of(server_args, tp_rank, found_locals.get("dp_rank")),
+        main_entry=main_entry,
     )
 
 
@@ -132,3 +141,16 @@ def detect_role(forced: Optional[str] = None) -> Role:
 
 
 CONTEXT: Optional[ProcessContext] = None  # set by the entry point once per process
+#: set only in a `dspark-harden check -- <launch arguments>` child: the ServerArgs parsed from them. Kept
+#: out of CONTEXT.server_args, which tells features that they run in a real server (and may start things)
+CHECK_SERVER_ARGS: Any = None
+
+
+def judged_server_args() -> Any:
+    """The server arguments a feature's preconditions are judged against at bind time: the process's
+    own (a real SGLang process), else those `check -- <launch arguments>` parsed, else ``None`` (a plain
+    `check` child binds every target to prove it)."""
+    ctx = CONTEXT
+    if ctx is not None and ctx.server_args is not None:
+        return ctx.server_args
+    return CHECK_SERVER_ARGS

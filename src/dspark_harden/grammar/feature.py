@@ -85,9 +85,35 @@ def dspark_features():
             "persistent checksummed XGrammar cache with adaptive compile-locally markers",
             switch=SWITCH,
             default_on=True,
+            available=_available,
             roles=frozenset({Role.SCHEDULER}),
         )
     ]
+
+
+def grammar_backend(server_args: Any) -> str:
+    """The resolved ``--grammar-backend`` of a server (stock resolves an unset one to xgrammar)."""
+    try:
+        from sglang.srt.arg_groups.model_override_base import resolved_view
+
+        value = resolved_view(server_args).grammar_backend
+    except Exception:  # noqa: BLE001 - unresolved or partial arguments: the raw field
+        value = getattr(server_args, "grammar_backend", None)
+    return "xgrammar" if value is None else str(value)
+
+
+def _available(settings) -> str | None:
+    """The service wraps the xgrammar backend (its compiler, its disk cache, its masks are what the tests
+    prove): a server on another grammar backend keeps stock's grammar cache."""
+    from ..core import roles
+
+    server_args = roles.judged_server_args()
+    if server_args is None:
+        return None  # self-check child: bind every target to prove it
+    backend = grammar_backend(server_args)
+    if backend != "xgrammar":
+        return f"the server's grammar backend is {backend} (--grammar-backend xgrammar is the one the service serves)"
+    return None
 
 
 @hookimpl

@@ -390,6 +390,7 @@ def dspark_process_bound(role, settings, report):
                 drain_s=settings[S.DRAIN_S],
                 death_grace_s=settings[S.DEATH_GRACE_S],
                 barrier_timeout_s=settings[S.BARRIER_TIMEOUT_S],
+                owns_process=ctx.main_entry != "engine",
             )
         elif role is Role.SCHEDULER:
             from .scheduler import write_rank_record

@@ -24,7 +24,9 @@ manager, read by the health feature), every in-flight request is answered with H
 with :data:`EXIT_CODES` (scheduler 3, detokenizer 4, DP controller 5, other 6).
 
 Teardown never wedges the host and never orphans anything (:mod:`.proctree`): the main process is
-the child subreaper of its tree (an orphaned grandchild is reparented to it, not to init); the whole
+the child subreaper of its tree under launch_server / ``sglang serve`` (an orphaned grandchild is
+reparented to it, not to init; an offline ``sglang.Engine`` runs in the user's process, never made a
+subreaper, where an adopted orphan would stay a zombie for the life of that process); the whole
 tree is stopped and killed together through pidfds (never by a pid that may have been reused), the
 schedulers with everything they started; a process that will not die even from SIGKILL is named and
 left behind; every /proc scan is bounded (``D``-state processes are not read, each scan runs on a
@@ -324,8 +326,12 @@ class MainLifecycle:
         self.hard_exit = HardExit()
 
     # -- configuration ---------------------------------------------------------------------
-    def configure(self, *, drain_s: float, death_grace_s: float, barrier_timeout_s: float) -> None:
-        """In the main process, before any child is spawned."""
+    def configure(
+        self, *, drain_s: float, death_grace_s: float, barrier_timeout_s: float, owns_process: bool = True
+    ) -> None:
+        """In the main process, before any child is spawned. ``owns_process``: the server owns this process
+        (launch_server / ``sglang serve``); an offline ``sglang.Engine`` runs in the user's own process,
+        which never becomes a child subreaper (orphans it adopted would stay zombies there)."""
         self.drain_s, self.death_grace_s, self.barrier_timeout_s = drain_s, death_grace_s, barrier_timeout_s
         if not self.owns_run_dir:
             inherited = os.environ.get(records.RUN_DIR_ENV)
@@ -341,7 +347,7 @@ class MainLifecycle:
                     inherited,
                     self.run_dir,
                 )
-        self.subreaper = proctree.become_subreaper()
+        self.subreaper = proctree.become_subreaper() if owns_process else False
 
     def attach(self, tm: Any, port_args: Any) -> None:
         """Called from TokenizerManager.__init__ (the children are starting)."""

@@ -161,15 +161,19 @@ def build_vote(stock: Callable, runtime: Optional[Runtime] = None) -> Callable:
         if 0 < local <= runner.max_num_tokens:
             # lift the local padding bound: padding is judged on the shared bucket after the exchange
             kwargs["num_tokens"] = runner._pad_to_bucket(local, runner.capture_num_tokens)
-        view = D.schedule_view(
-            local_batch,
-            server_mode=rt.get_server_mode(),
-            decode_as_extend=local_batch.forward_mode.is_decode(),
-            worker_mode=worker_mode,
-        )
-        if rt.on_view is not None:
-            rt.on_view(view)
+        # stock first: it votes eager for most decode steps (DSpark, logprob, grammar, no decode graph),
+        # and the O(batch) schedule-time view matters only where it votes graph
         ok = bool(stock(**kwargs))
+        view = None
+        if ok or rt.on_view is not None:
+            view = D.schedule_view(
+                local_batch,
+                server_mode=rt.get_server_mode(),
+                decode_as_extend=local_batch.forward_mode.is_decode(),
+                worker_mode=worker_mode,
+            )
+            if rt.on_view is not None:
+                rt.on_view(view)
         reason = None if ok else _why_stock_said_eager(runner, local_batch, local, rt, worker_mode)
         if ok:
             fails = (

@@ -150,22 +150,60 @@ def dp_attention(server_args: Any) -> bool:
     return bool(view is not None and (getattr(view, "attn_dp_size", 1) or 1) > 1)
 
 
-def preconditions(server_args: Any) -> list:
-    """Why the feature cannot apply to this server (empty: it applies)."""
+def geometry(server_args: Any) -> tuple:
+    """``(tp_size, attn_dp_size, attn_tp_size)`` of the resolved server arguments."""
+    view = _resolved(server_args) or server_args
+    tp = int(getattr(view, "tp_size", 1) or 1)
+    attn_dp = int(getattr(view, "attn_dp_size", 0) or 0)
+    if attn_dp <= 1 and getattr(view, "enable_dp_attention", False):  # unresolved: the deprecated flag
+        attn_dp = int(getattr(view, "dp_size", 1) or 1)
+    attn_dp = max(1, attn_dp)
+    attn_cp = int(getattr(view, "attn_cp_size", 1) or 1)
+    return tp, attn_dp, max(1, tp // attn_dp // attn_cp)
+
+
+def preconditions(server_args: Any, *, tbo_switch: bool = False) -> list:
+    """Why the feature cannot apply to this server (empty: it applies). Each entry names the launch flag
+    (or the switch) to change; decided at bind time from the process's real ``ServerArgs``, so nothing the
+    arguments already tell is left to fail after the weights load."""
     out = []
     if not dp_attention(server_args):
-        out.append("DP attention is off (--enable-dp-attention): no DP prefill-graph decision to share")
+        out.append("DP attention is off (--enable-dp-attention / --attn-dp-size): no DP prefill-graph decision to share")
+        return out
     backend = prefill_backend(server_args)
     if backend not in ("full", "breakable"):
-        out.append(f"prefill CUDA graphs are not enabled (cuda_graph_config[prefill].backend={backend})")
+        out.append(
+            f"prefill CUDA graphs are not enabled (cuda_graph_config[prefill].backend={backend}; "
+            "--cuda-graph-backend-prefill breakable|full)"
+        )
+        return out
+    tp, attn_dp, attn_tp = geometry(server_args)
+    if (attn_dp, attn_tp) != (2, 1):
+        out.append(
+            f"the shared decision is built and checked for two DP attention ranks with attention-TP 1 "
+            f"(--tp 2 --dp 2 --enable-dp-attention); this server has --tp {tp} with {attn_dp} attention-DP "
+            f"rank(s) of attention-TP {attn_tp}: the ranks' configuration check exchanges exactly the two rows "
+            f"of a two-rank TP CPU group"
+        )
+    view = _resolved(server_args) or server_args
+    spec = speculative_refusal(view)
+    if spec:
+        out.append(spec)
+    from . import tbo
+
+    refused = tbo.refusal(view, allow_full=tbo_switch)
+    if refused:
+        out.append(refused)
     return out
 
 
 def _available(settings) -> Optional[str]:
-    ctx = roles.CONTEXT
-    if ctx is None or ctx.server_args is None:
+    server_args = roles.judged_server_args()
+    if server_args is None:
         return None  # self-check child: bind everything to prove the targets
-    problems = preconditions(ctx.server_args)
+    problems = preconditions(server_args, tbo_switch=settings[S.TBO])
+    if problems:
+        return "; ".join(problems)
     try:
         from sglang.srt.environ import envs
 
@@ -343,18 +381,7 @@ def dspark_process_bound(role, settings, report):
     if role is not Role.SCHEDULER:
         return
     st = _status(report)
-    if st is None:
-        return
-    if st.status == "unavailable":
-        ctx = roles.CONTEXT
-        logger.warning(
-            "dspark-harden %s not applied in this scheduler (dp_rank %s): %s",
-            FEATURE,
-            ctx.dp_label if ctx is not None else "?",
-            st.detail,
-        )
-        return
-    if st.status != "bound":
+    if st is None or st.status != "bound":
         return
     from ..core.binder import BindError
 
@@ -381,12 +408,7 @@ def dspark_process_bound(role, settings, report):
     )
     if ctx is None or ctx.server_args is None:
         return
-    from . import tbo
-
     view = _resolved(ctx.server_args) or ctx.server_args
-    message = tbo.refusal(view, allow_full=tbo_on) or speculative_refusal(view)
-    if message:
-        raise BindError(f"dspark-harden refuses to start ({role.value}): [{FEATURE}] {message}", report)
     from . import config_digest, metrics, tbo_graph, validate
     from .admission import RUNTIME
 
