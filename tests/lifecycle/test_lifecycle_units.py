@@ -495,3 +495,20 @@ def test_bench_gc_json_shape_and_effect():
     # the p50 ratio was measured at 2.7-3.5x, so a timed bound here failed CI (docs/lifecycle.md).
     assert out["before"]["gen2_objects"] >= 400000, out
     assert out["after"]["gen2_objects"] <= out["before"]["gen2_objects"] - 400000, out
+
+
+@pytest.mark.forked
+@pytest.mark.parametrize("owns", [True, False])
+def test_only_a_process_the_server_owns_becomes_a_subreaper(owns, tmp_path, monkeypatch):
+    """Issue 39: launch_server / ``sglang serve`` own their main process and adopt the tree's orphans
+    (PR_SET_CHILD_SUBREAPER); an offline ``sglang.Engine`` runs in the caller's own process, which must
+    not become a subreaper (it never reaps adopted orphans). The role detection that feeds ``owns_process``
+    is core.roles (main_entry): tests/plugin/test_roles.py."""
+    from dspark_harden.lifecycle import proctree
+    from dspark_harden.lifecycle.main import MainLifecycle
+
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    assert not proctree.is_subreaper()  # a forked pytest worker starts as none
+    life = MainLifecycle()
+    life.configure(drain_s=1.0, death_grace_s=1.0, barrier_timeout_s=1.0, owns_process=owns)
+    assert life.subreaper is owns and proctree.is_subreaper() is owns

@@ -127,3 +127,28 @@ def test_bad_role_value_is_named():
         env={"DSPARK_HARDEN_ROLE": "worker"},
     )
     assert result and "DSPARK_HARDEN_ROLE='worker' is not a role" in result["exit"], out[-3000:]
+
+
+@pytest.mark.parametrize(
+    "path,fn,entry",
+    [
+        ("/v/site-packages/sglang/srt/entrypoints/engine.py", "__init__", "engine"),
+        ("/v/site-packages/sglang/srt/entrypoints/engine.py", "_launch_subprocesses", "engine"),
+        ("/v/site-packages/sglang/launch_server.py", "<module>", "server"),
+        ("/v/site-packages/sglang/cli/serve.py", "serve", "server"),
+    ],
+)
+def test_main_entry_tells_the_users_engine_process_from_a_server(monkeypatch, path, fn, entry):
+    """Issue 39: only a process the server owns is made a child subreaper (lifecycle.main): the caller of
+    ``load_plugins()`` decides, from code compiled under the stock file name and function."""
+    from dspark_harden.core import roles
+
+    monkeypatch.delenv("DSPARK_HARDEN_ROLE", raising=False)
+    ns = {"detect_context": roles.detect_context}
+    if fn == "<module>":
+        exec(compile("ctx = detect_context()\n", path, "exec"), ns)
+        ctx = ns["ctx"]
+    else:
+        exec(compile(f"def {fn}():\n    return detect_context()\n", path, "exec"), ns)
+        ctx = ns[fn]()
+    assert ctx.role.value == "main" and ctx.main_entry == entry

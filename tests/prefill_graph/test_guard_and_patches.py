@@ -261,6 +261,40 @@ def test_bound_vote_folds_forward_time_checks_into_the_stock_column():
         dp_attn._local_prefill_cuda_graph_vote(**{**kw, "spec_algorithm": SpeculativeAlgorithm.EAGLE})
 
 
+@pytest.mark.forked
+def test_the_vote_asks_stock_before_building_the_schedule_view(monkeypatch):
+    """Issue 39: stock votes eager for most decode steps (here: the full backend, no decode->extend
+    conversion); the O(batch) schedule-time view is built only where stock votes graph."""
+    from sglang.srt.managers.scheduler_components import dp_attn
+    from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode
+    from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
+
+    from dspark_harden.prefill_graph import trace as T
+    from dspark_harden.prefill_graph import world as W
+
+    cfg = R.capture_config()
+    model_config = W.publish_runtime(cfg, backend="full", spec="none")
+    rt = A.Runtime(server_mode=CaptureHiddenMode.NULL, bs=list(cfg.buckets), attn_tp_size=1)
+    vote = A.build_vote(R.stock(dp_attn._local_prefill_cuda_graph_vote), rt)
+    built = []
+    real = D.schedule_view
+    monkeypatch.setattr(D, "schedule_view", lambda *a, **k: built.append(1) or real(*a, **k))
+    eng = W.RankEngine(0, model_config)
+    none = SpeculativeAlgorithm.NONE
+    kw = dict(
+        prefill_graph_runner=R.build_runner(cfg),
+        coordinated_prefill=True,
+        breakable_prefill=False,
+        spec_algorithm=none,
+        model_config=model_config,
+    )
+    decode = W.build_batch(eng, T.RankStep("decode", seq=tuple(range(10, 138))), none)
+    assert vote(local_batch=decode, num_tokens=128, **kw) is False
+    assert built == [] and rt.step.local_reason == "forward_mode"
+    extend = W.build_batch(eng, T.RankStep("extend", (T.TraceReq(extend=500),)), none)
+    assert vote(local_batch=extend, num_tokens=500, **kw) is True and built == [1]
+
+
 # --- metrics, uniform failures and the exchange column --------------------------------------------
 
 

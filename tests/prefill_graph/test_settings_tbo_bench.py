@@ -273,6 +273,38 @@ def test_bench_breakable_backend_converts_decoding_peers(tmp_path):
     assert brk["harden"]["graph_token_coverage"] == round(1200 / 1800, 6)
 
 
+@pytest.mark.parametrize("backend", ["full", "breakable"])
+def test_bench_replays_real_traffic_shapes_the_generator_never_makes(tmp_path, backend):
+    """Issue 39: all-decode steps (stock's SUM_LEN custom all-reduce check reads the TP group's
+    ``ca_comm``), all-idle steps, one rank idle, logprob-heavy prefills and cached prefixes up to a 131k
+    context (the world's pools are sized from the trace). Every prefill token is covered or attributed."""
+    L = T.TraceReq
+    steps = [
+        T.Step((T.RankStep("decode", seq=(100, 200)), T.RankStep("decode", seq=(300,)))),
+        T.Step((T.RankStep("idle"), T.RankStep("idle"))),
+        T.Step((T.RankStep("extend", (L(extend=500, prefix=60000),)), T.RankStep("idle"))),
+        T.Step(
+            (
+                T.RankStep("extend", (L(extend=300, logprob=True), L(extend=200, prefix=100, logprob=True))),
+                T.RankStep("decode", seq=(131000,)),
+            )
+        ),
+        T.Step((T.RankStep("extend", (L(extend=1000, prefix=130000),)), T.RankStep("extend", (L(extend=64),)))),
+        T.Step((T.RankStep("decode", seq=(50,)), T.RankStep("decode", seq=tuple(range(7, 300))))),
+    ]
+    path = tmp_path / "traffic.jsonl"
+    T.write_jsonl(steps, str(path))
+    proc = _cli("--json", "--trace", str(path), "--backend", backend)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["batches"] == 3  # the steps with a prefill
+    total = 500 + 300 + 200 + 1000 + 64
+    for side in ("stock", "harden"):
+        r = out[side]
+        eager = sum(r["eager_tokens_by_reason"].values())
+        assert abs((1 - r["graph_token_coverage"]) * total - eager) <= 1, (side, r)
+
+
 def test_bench_rejects_a_bad_trace_naming_the_line(tmp_path):
     path = tmp_path / "bad.jsonl"
     path.write_text(

@@ -81,8 +81,7 @@ def parse_launch(argv: list) -> tuple:
         return server_args, "resolved as a launch on this host resolves them"
     except Exception as exc:  # noqa: BLE001 - judge the unresolved arguments, and say why
         return prepare_server_args(list(argv)), (
-            f"not resolvable on this host ({type(exc).__name__}: {str(exc)[:200]}): judged as given, "
-            "before resolution"
+            f"not resolvable on this host ({type(exc).__name__}: {str(exc)[:200]}): judged as given, before resolution"
         )
 
 
@@ -181,7 +180,7 @@ def main(argv=None) -> int:
     try:
         _judge_launch()
     except BaseException as exc:  # noqa: BLE001 - bad launch arguments: every role reports why
-        for role in (argv[1].split(",") if argv[:1] == ["--roles"] and len(argv) == 2 else ["?"]):
+        for role in argv[1].split(",") if argv[:1] == ["--roles"] and len(argv) == 2 else ["?"]:
             _emit(failed_report(role, f"the launch arguments do not parse: {type(exc).__name__}: {exc}"))
         return 0
     if argv[:1] == ["--roles"] and len(argv) == 2:

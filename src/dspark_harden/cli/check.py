@@ -196,9 +196,7 @@ def main(args) -> int:
     launch = list(getattr(args, "launch", None) or [])
     if launch[:1] == ["--"]:
         launch = launch[1:]
-    result = check(
-        roles, profile=profile, skip_cuda=getattr(args, "skip_cuda_features", False), launch=launch or None
-    )
+    result = check(roles, profile=profile, skip_cuda=getattr(args, "skip_cuda_features", False), launch=launch or None)
     shown = operator_view(result, include_test=getattr(args, "include_test_features", False))
     print(json.dumps(shown) if args.json else render_table(shown))
     return 0 if result["ok"] else 1

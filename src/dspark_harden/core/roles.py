@@ -73,7 +73,7 @@ def _dp_rank_of(server_args: Any, tp_rank: Optional[int], dp_rank: Optional[int]
 
 
 def _main_caller(frame) -> Optional[str]:
-    """"engine" / "server" when ``frame`` is a main-process caller of ``load_plugins()``, else None."""
+    """ "engine" / "server" when ``frame`` is a main-process caller of ``load_plugins()``, else None."""
     path = frame.f_code.co_filename.replace("\\", "/")
     for suffix, fn in _MAIN_CALLERS:
         if path.endswith(suffix) and frame.f_code.co_name == fn:

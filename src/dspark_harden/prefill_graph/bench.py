@@ -106,7 +106,8 @@ def main(args) -> int:
     except (T.TraceError, ValueError, OSError) as exc:
         print(f"bench prefill-admission: {exc}", file=sys.stderr)
         return 2
-    world = W.World(cfg, backend=args.backend, spec=args.spec, factor=args.factor)
+    steps = list(steps)
+    world = W.World(cfg, backend=args.backend, spec=args.spec, factor=args.factor, sizes=W.Sizes.for_trace(steps))
     try:
         full = run(world, steps)
     finally:

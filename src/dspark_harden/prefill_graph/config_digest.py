@@ -99,37 +99,37 @@ def _show(field: str, value: int, row: Sequence[int]) -> str:
 
 
 def compare(rows: Sequence[Sequence[int]]) -> Optional[str]:
-    """``None`` when the ranks' rows agree, else the message naming each field and both values."""
-    a, b = list(rows[0]), list(rows[1])
-    for r, row in enumerate((a, b)):
+    """``None`` when every rank's row agrees with rank 0's, else the message naming each field and both
+    values (rank 0 and the first rank that differs)."""
+    rows = [list(r) for r in rows]
+    for r, row in enumerate(rows):
         if len(row) != WIDTH or row[0] != MAGIC or row[1] != FORMAT:
             return f"rank {r} sent a row that is not a prefill-graph configuration of format {FORMAT}: {row[:3]}"
+    a = rows[0]
+    other = next((r for r in range(1, len(rows)) if rows[r] != a), None)
+    if other is None:
+        return None
+    b = rows[other]
     diffs = []
     for i, field in enumerate(FIELDS):
         if field in ("num_buckets", "min_bucket", "max_bucket"):
             continue  # shown with buckets_digest
         if a[i] != b[i]:
-            diffs.append(f"{field}: dp_rank 0 = {_show(field, a[i], a)}, dp_rank 1 = {_show(field, b[i], b)}")
-    if not diffs:
-        return None
+            diffs.append(f"{field}: dp_rank 0 = {_show(field, a[i], a)}, dp_rank {other} = {_show(field, b[i], b)}")
     return (
-        "[prefill-graph-dp] the two DP ranks' prefill CUDA-graph configurations differ ("
+        "[prefill-graph-dp] the DP ranks' prefill CUDA-graph configurations differ ("
         + "; ".join(diffs)
-        + "): one shared graph/eager verdict cannot hold for both. Start both ranks with the same "
+        + "): one shared graph/eager verdict cannot hold for every rank. Start every rank with the same "
         "cuda_graph_config[prefill] and DSPARK_HARDEN_PREFILL_GRAPH_PADDING."
     )
 
 
 def exchange_gloo(row: Sequence[int], group: Any) -> list:
-    """Both rows over the TP CPU (gloo) group: DP2 with attention-TP1 has exactly the two ranks."""
+    """Every rank's row over the TP CPU (gloo) group (DP2 with attention-TP1: the two ranks)."""
     import torch
     import torch.distributed as dist
 
     size = dist.get_world_size(group)
-    if size != 2:
-        raise PrefillGraphConfigMismatch(
-            f"[prefill-graph-dp] configuration check expects 2 ranks in the TP CPU group, found {size}"
-        )
     local = torch.tensor(list(row), dtype=torch.int64)
     out = [torch.empty_like(local) for _ in range(size)]
     dist.all_gather(out, local, group=group)

@@ -168,7 +168,9 @@ def preconditions(server_args: Any, *, tbo_switch: bool = False) -> list:
     arguments already tell is left to fail after the weights load."""
     out = []
     if not dp_attention(server_args):
-        out.append("DP attention is off (--enable-dp-attention / --attn-dp-size): no DP prefill-graph decision to share")
+        out.append(
+            "DP attention is off (--enable-dp-attention / --attn-dp-size): no DP prefill-graph decision to share"
+        )
         return out
     backend = prefill_backend(server_args)
     if backend not in ("full", "breakable"):

@@ -55,6 +55,38 @@ BASE_LEN = 40000  # the one cached sequence: longest prefix a request can hit
 KV_TOKENS = 1 << 17  # per rank
 REQ_SLOTS = 160
 TABLE_WIDTH = 1 << 16  # req_to_token width: longest sequence in a trace step
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """A rank's pools: the cached sequence (longest prefix hit), KV slots, request slots and the
+    req_to_token width. The defaults hold the built-in generator's traces; :meth:`for_trace` grows them
+    to an operator's trace (prefixes up to a model's context, wide decode batches)."""
+
+    base_len: int = BASE_LEN
+    kv_tokens: int = KV_TOKENS
+    req_slots: int = REQ_SLOTS
+    table_width: int = TABLE_WIDTH
+
+    @classmethod
+    def for_trace(cls, steps) -> "Sizes":
+        prefix = reqs = longest = step_tokens = 0
+        for step in steps:
+            for rs in step.ranks:
+                prefix = max([prefix, *(r.prefix for r in rs.reqs), *rs.seq])  # a decode row: its context
+                reqs = max(reqs, len(rs.reqs) + len(rs.seq))
+                longest = max([longest, *(r.prefix + r.extend for r in rs.reqs), *rs.seq])
+                step_tokens = max(step_tokens, sum(r.extend for r in rs.reqs) + sum(rs.seq))
+        base = max(BASE_LEN, prefix + 1)
+        return cls(
+            base_len=base,
+            # the cached sequence, one step's new tokens and decode contexts, and a margin for DP padding
+            kv_tokens=max(KV_TOKENS, base + step_tokens + (1 << 16)),
+            req_slots=max(REQ_SLOTS, reqs + 8),
+            table_width=max(TABLE_WIDTH, longest + 2),
+        )
+
+
 DECODE_TOKEN = 7
 _DEFAULT_DECODE_SEQ = 512  # a mixed rank without "seq" mixes in one running request of this length
 
@@ -190,7 +222,9 @@ def publish_runtime(cfg, *, backend: str, spec: str, server_hidden: str = "null"
 
 
 class _TpGroupStandIn:
-    """``get_parallel().tp_group``: stock ``all_gather`` reads only ``active_ranks_cpu`` (both live)."""
+    """``get_parallel().tp_group``: stock ``all_gather`` reads only ``active_ranks_cpu`` (both live);
+    ``_decode_sum_len_fits_custom_all_reduce`` (an all-decode step) reads ``ca_comm``: none here, as on a
+    server without the custom all-reduce, so stock keeps its cost-based padding choice."""
 
     def __init__(self) -> None:
         import torch
@@ -200,6 +234,7 @@ class _TpGroupStandIn:
         self.cpu_group = None
         self.device_group = None
         self.device = "cpu"
+        self.ca_comm = None
 
 
 class _AttnBackendStandIn:
@@ -258,6 +293,7 @@ class RankEngine:
 
     rank: int
     model_config: Any
+    sizes: Sizes = Sizes()
     req_to_token_pool: Any = None
     allocator: Any = None
     tree: Any = None
@@ -277,10 +313,13 @@ class RankEngine:
         from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey
 
         self.req_to_token_pool = ReqToTokenPool(
-            size=REQ_SLOTS, max_context_len=TABLE_WIDTH, device="cpu", enable_memory_saver=False
+            size=self.sizes.req_slots,
+            max_context_len=self.sizes.table_width,
+            device="cpu",
+            enable_memory_saver=False,
         )
         kv = MHATokenToKVPool(
-            size=KV_TOKENS,
+            size=self.sizes.kv_tokens,
             page_size=1,
             dtype=torch.float32,
             head_num=1,
@@ -289,7 +328,7 @@ class RankEngine:
             device="cpu",
             enable_memory_saver=False,
         )
-        self.allocator = TokenToKVPoolAllocator(KV_TOKENS, torch.float32, "cpu", kv, need_sort=False)
+        self.allocator = TokenToKVPoolAllocator(self.sizes.kv_tokens, torch.float32, "cpu", kv, need_sort=False)
         self.tree = RadixCache(
             CacheInitParams(
                 disable=False,
@@ -300,15 +339,15 @@ class RankEngine:
         )
         rng = random.Random(1000 + self.rank)
         vocab = self.model_config.vocab_size
-        self.base = array("q", (rng.randrange(16, vocab) for _ in range(BASE_LEN)))
-        slots = self.allocator.alloc(BASE_LEN)
+        self.base = array("q", (rng.randrange(16, vocab) for _ in range(self.sizes.base_len)))
+        slots = self.allocator.alloc(self.sizes.base_len)
         self.tree.insert(InsertParams(key=RadixKey(self.base), value=slots))
 
     # -- requests ------------------------------------------------------------------------------
     def _ids(self, prefix: int, length: int) -> array:
         """``prefix`` tokens of the cached sequence, then tokens that never match it."""
         head = self.base[:prefix]
-        diverge = (self.base[prefix] + 1) % self.model_config.vocab_size if prefix < BASE_LEN else 5
+        diverge = (self.base[prefix] + 1) % self.model_config.vocab_size if prefix < len(self.base) else 5
         return head + array("q", [max(diverge, 8)]) + array("q", [9]) * max(length - prefix - 1, 0)
 
     def new_req(
@@ -408,7 +447,7 @@ class RankEngine:
 
     def release(self) -> None:
         """Free the step's request slots; reset the allocator to its post-setup state with stock
-        ``clear`` + ``alloc`` (it hands the cached sequence its same slots 1..BASE_LEN again, so the
+        ``clear`` + ``alloc`` (it hands the cached sequence its same slots 1..base_len again, so the
         tree stays valid; freeing each step's slots one by one is a concatenation of the whole free
         list per call)."""
         for req in self.live:
@@ -417,7 +456,7 @@ class RankEngine:
         self.live.clear()
         self.locs.clear()
         self.allocator.clear()
-        self.allocator.alloc(BASE_LEN)
+        self.allocator.alloc(self.sizes.base_len)
 
 
 # -- the cross-rank exchange --------------------------------------------------------------------
@@ -562,10 +601,10 @@ def snapshot(fb) -> dict:
 class _FutureMapStandIn:
     """``resolve_forward_inputs`` reads a decode row's last sampled token from the overlap FutureMap."""
 
-    def __init__(self, spec_algorithm) -> None:
+    def __init__(self, spec_algorithm, req_slots: int = REQ_SLOTS) -> None:
         import torch
 
-        self.output_tokens_buf = torch.full((REQ_SLOTS + 2,), DECODE_TOKEN, dtype=torch.int64)
+        self.output_tokens_buf = torch.full((req_slots + 2,), DECODE_TOKEN, dtype=torch.int64)
         self.spec_algo = spec_algorithm
 
 
@@ -617,6 +656,7 @@ class World:
         factor: Optional[float] = None,
         runtime_hook=None,
         coordination_applied: bool = False,
+        sizes: Optional[Sizes] = None,
     ) -> None:
         from sglang.srt.managers.scheduler_components import dp_attn
         from sglang.srt.model_executor.forward_batch_info import get_server_return_hidden_states_mode
@@ -643,8 +683,14 @@ class World:
         parallel = get_parallel()
         if not isinstance(getattr(parallel, "_stamp", {}).get("tp_group"), _TpGroupStandIn):
             parallel.override_permanently(tp_group=_TpGroupStandIn())
+        import torch
+        from sglang.srt.layers import dp_attention
+
+        # what ModelRunner's DP-attention setup records (an all-decode step sizes its gathered buffer)
+        dp_attention._DpGatheredBufferWrapper.set_metadata(self.model_config.hidden_size, torch.bfloat16, "cpu")
         self.dp_attn = dp_attn
-        self.engines = [RankEngine(r, self.model_config) for r in (0, 1)]
+        self.sizes = sizes or Sizes()
+        self.engines = [RankEngine(r, self.model_config, self.sizes) for r in (0, 1)]
         self.rendezvous = _Rendezvous()
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dspark-prefill-world-rank1")
         stock_vote = R.stock(dp_attn._local_prefill_cuda_graph_vote)
@@ -730,7 +776,7 @@ class World:
                     get_require_mlp_sync=lambda: True,
                 )
                 self.runners[side, r] = runner
-        self.future_map = _FutureMapStandIn(self.spec_algorithm)
+        self.future_map = _FutureMapStandIn(self.spec_algorithm, self.sizes.req_slots)
         # compiled once here: CPython's AST compiler is not safe to enter from two threads at once
         D._stock_padding_code()
         forward_raw_prefill_condition()
