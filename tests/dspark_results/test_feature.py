@@ -202,3 +202,31 @@ def test_bench_needs_cuda_and_exits_2_without_it():
     )
     assert r.returncode == 2, (r.returncode, r.stderr[-2000:])
     assert "needs CUDA" in r.stderr
+
+
+def test_switch_interval_bench_reports_both_intervals_and_restores_the_interpreters():
+    """``bench switch-interval`` (issue 39): the scheduler-shaped loop's latency with real xgrammar
+    compiles and a Python thread busy, at the interpreter's interval and the feature's, in alternating
+    blocks; the process's interval is restored afterwards. Shape only: the figures are in
+    docs/dspark_results.md (a timed assertion would need a quiet machine)."""
+    from dspark_harden.dspark_results import bench_gil
+
+    before = sys.getswitchinterval()
+    args = types.SimpleNamespace(
+        blocks=1,
+        iterations=60,
+        work_us=100.0,
+        wait_us=200.0,
+        compilers=1,
+        python_threads=1,
+        vocab=2048,
+        interval_us=SWITCH_INTERVAL_DEFAULT_US,
+        json=True,
+    )
+    out = bench_gil.run(args)
+    assert sys.getswitchinterval() == before
+    assert out["default"]["interval_us"] == round(before * 1e6) and out["feature"]["interval_us"] == 200
+    for side in ("default", "feature"):
+        r = out[side]
+        assert r["iterations"] == 40 and r["floor_us"] <= r["p50_us"] <= r["p99_us"] <= r["max_us"], r
+    assert out["compiles"] > 0 and out["ratio_p99"] > 0

@@ -176,3 +176,18 @@ def test_persist_settings_reject_bad_values_by_name(tmp_path):
     ]:
         with pytest.raises(SettingsError, match=name):
             load_settings(F.dspark_settings(), environ={F.DISK_DIR: str(tmp_path), name: bad})
+
+
+def test_the_persisters_per_grammar_outcomes_keep_only_the_most_recent():
+    """Issue 40 item 1: one outcome per distinct grammar, forever, grew a scheduler by ~2.5 KB per new
+    schema; the persister keeps the most recent OUTCOMES_KEPT (a rewritten key moves to the end)."""
+    from dspark_harden.grammar import persist as P
+
+    kept = P.RecentOutcomes(3)
+    for i in range(10):
+        kept[f"k{i}"] = {"status": "published", "n": i}
+    assert list(kept) == ["k7", "k8", "k9"]
+    kept["k7"] = {"status": "exists"}  # rewritten: now the newest
+    kept["k10"] = {}
+    assert list(kept) == ["k9", "k7", "k10"] and kept["k7"] == {"status": "exists"}
+    assert P.OUTCOMES_KEPT >= 100

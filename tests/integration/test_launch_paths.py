@@ -17,7 +17,7 @@ import sys
 
 import pytest
 
-from tests.harness.server import SGLangServer
+from tests.harness.server import PLUGIN_ACTIVE_RE, SGLangServer
 from tests.integration.test_server_plugin import answer_bounded_json, assert_plugin_in_every_role
 from tests.lifecycle import drills as D
 
@@ -25,13 +25,20 @@ pytestmark = [pytest.mark.server, pytest.mark.timeout(1200)]
 
 
 def test_sglang_serve_binds_every_role_answers_json_and_exits_clean():
-    config = dataclasses.replace(D.config(True, "launch-serve"), launcher="serve")
+    """Also the "installed, not named" path (issue 39): ``SGLANG_PLUGINS`` empty, which stock reads as
+    "load every installed plugin"; each process says so on its presence line."""
+    config = dataclasses.replace(D.config(True, "launch-serve"), launcher="serve", plugins="")
     shm_before = D.shm_entries()
     server = SGLangServer(config).start()
     try:
         cmd = server.command()
         assert cmd[1] == "serve" and os.path.basename(cmd[0]) == "sglang", cmd
         assert_plugin_in_every_role(server)
+        presence = [ln for ln in server.log_text().splitlines() if PLUGIN_ACTIVE_RE.search(ln)]
+        assert presence and all(
+            "loaded because SGLANG_PLUGINS is unset (stock SGLang loads every installed plugin)" in ln
+            for ln in presence
+        ), presence
         for rank in (0, 1):
             answer_bounded_json(server, rank)
         drill = D.signal_drill(

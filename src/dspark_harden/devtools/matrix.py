@@ -129,6 +129,7 @@ def run_server(name: str, arm: str) -> dict:
         "stragglers": stragglers,
         "left_shm": sorted(_shm() - before),
         "plugin_roles": roles,
+        "presence": presence_lines(log),
         "log_tail": log[-3000:],
     }
 
@@ -179,8 +180,14 @@ def run_engine(arm: str) -> dict:
         "stragglers": False,
         "left_shm": sorted(_shm() - before),
         "plugin_roles": sorted({m.group(1) for m in S.PLUGIN_ACTIVE_RE.finditer(r.stderr)}),
+        "presence": presence_lines(r.stderr),
         "log_tail": r.stderr[-3000:],
     }
+
+
+def presence_lines(log: str) -> list:
+    """The plugin's one line per process (entry.presence_line): why it was loaded, what applies."""
+    return [ln for ln in log.splitlines() if S.PLUGIN_ACTIVE_RE.search(ln)]
 
 
 def run(name: str, arm: str) -> dict:
@@ -216,6 +223,11 @@ def main(argv: Optional[list] = None) -> int:
     args = p.parse_args(argv)
     names = args.only or list(CONFIGS)
     record = {**fixture_key(), "configs": {}}
+    if args.record and os.path.exists(args.record):  # --only runs add to a fixture of the same key
+        with open(args.record) as f:
+            old = json.load(f)
+        if all(old.get(k) == v for k, v in fixture_key().items()):
+            record["configs"].update(old.get("configs", {}))
     failures = []
     for name in names:
         results = {}
@@ -238,7 +250,17 @@ def main(argv: Optional[list] = None) -> int:
             found.append(f"{name}: stock itself did not serve and exit cleanly: {results['stock']['log_tail']}")
         failures += found
         record["configs"][name] = {k: results["stock"][k] for k in ("outputs", "exit")}
-        print(json.dumps({"config": name, "problems": found, "installed_roles": results["installed"]["plugin_roles"]}))
+        print(
+            json.dumps(
+                {
+                    "config": name,
+                    "problems": found,
+                    "installed_roles": results["installed"]["plugin_roles"],
+                    "installed_presence": results["installed"].get("presence", []),
+                }
+            ),
+            flush=True,
+        )
     if args.record and not failures:
         with open(args.record, "w") as f:
             json.dump(record, f, indent=1, sort_keys=True)

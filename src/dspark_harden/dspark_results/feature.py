@@ -160,6 +160,7 @@ def dspark_patches(role, settings):
 
 @hookimpl
 def dspark_cli(subparsers, bench_subparsers):
-    from . import bench
+    from . import bench, bench_gil
 
     bench.register(bench_subparsers)
+    bench_gil.register(bench_subparsers)

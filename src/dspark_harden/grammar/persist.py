@@ -63,6 +63,9 @@ WALL_FACTOR = 4.0
 # extra seconds the publish phase may take beyond one lock timeout (rename, fsyncs, pruning)
 PUBLISH_IO_ALLOWANCE_S = 60.0
 STDERR_TAIL_BYTES = 16 << 10
+#: the most recent per-grammar outcomes a persister keeps (tests, bench, check): per-key state of a
+#: service that sees a new schema per request must not grow with the traffic (issue 40)
+OUTCOMES_KEPT = 512
 CLAIM_EWMA_WEIGHT = 0.3  # weight of the newest claim-to-release sample in the estimate a claim carries
 TRANSIENT_CAUSES = (
     "killed",
@@ -74,6 +77,21 @@ TRANSIENT_CAUSES = (
     "publish_error",
     "helper_unavailable",
 )
+
+
+class RecentOutcomes(dict):
+    """A dict that keeps only its ``limit`` most recently written keys (insertion order, a rewrite moves
+    the key to the end)."""
+
+    def __init__(self, limit: int) -> None:
+        super().__init__()
+        self.limit = limit
+
+    def __setitem__(self, key, value) -> None:
+        self.pop(key, None)
+        super().__setitem__(key, value)
+        while len(self) > self.limit:
+            del self[next(iter(self))]
 
 
 @dataclass(frozen=True)
@@ -504,7 +522,7 @@ class Persister:
         self._busy = 0  # 1 while the thread runs a job
         self._thread: Optional[threading.Thread] = None
         self._stop = threading.Event()
-        self.outcomes: dict[str, dict] = {}  # key digest -> last result (tests, bench)
+        self.outcomes = RecentOutcomes(OUTCOMES_KEPT)  # key digest -> last result (tests, bench)
         self.skipped: dict[str, int] = {"queue_full": 0, "queued": 0, "retries_exhausted": 0}
         self.transient: dict[str, int] = {c: 0 for c in TRANSIENT_CAUSES}
         self._claims: dict = {}  # key digest -> this process's claim, until its job's first run ends
