@@ -11,7 +11,8 @@ Layout (one *namespace* per compatibility scope)::
         ledger.lock           serialises ledger updates and pruning
         ledger.intent         present while a ledger holder renames an entry in: a later holder that
                               finds it rescans (the ledger converges after a kill or ENOSPC)
-        quarantine/           entries moved aside by `dspark-harden grammar-cache verify --quarantine`
+        quarantine/           invalid entries moved aside (kept): by the scheduler that met one, or by
+                              `dspark-harden grammar-cache verify --quarantine`
 
 The scope digest is the SHA-256 of a canonical JSON document naming every dimension that makes a
 compiled grammar reusable: entry format, xgrammar version, tokenizer digest, vocabulary size and
@@ -29,7 +30,9 @@ Entry file (every entry, serialized grammar or marker, carries a checksum)::
 A read validates length, magic, format, kind, scope, key, payload length and checksum; a marker's
 fields are validated too, and a serialized payload must deserialize with the live tokenizer. Any
 failure raises :class:`CorruptEntryError` naming the file: the entry is never deleted, recompiled
-over or served (the operator repairs with ``dspark-harden grammar-cache verify --quarantine``).
+over or served. The scheduler that meets one moves it to ``quarantine/`` (kept; ERROR line, counter) and
+compiles afresh, so one bad entry costs one compile, not every later request (xgr, ``_heal``);
+``dspark-harden grammar-cache verify --quarantine`` does the same for a whole namespace.
 
 Publication: the entry is written to a temp file in ``entries/`` (no lock held), then, holding
 the entry's exclusive file lock and ``ledger.lock``, ``ledger.intent`` is created, the temp file
@@ -858,12 +861,25 @@ class Namespace:
                 continue
         return ok, bad
 
-    def quarantine_entry(self, path: str) -> str:
+    def quarantine_entry(self, path: str, expect: Optional[bytes] = None) -> Optional[str]:
+        """Move the entry at ``path`` to ``quarantine/`` (kept, never deleted) and re-account the ledger;
+        returns where it went. With ``expect`` (the bytes a reader found corrupt): only if the file still
+        holds them -- ``None`` when it is gone or was replaced meanwhile (a peer quarantined or republished
+        it: nothing to move)."""
         _ensure_dir(self.quarantine)
-        dest = os.path.join(self.quarantine, f"{os.path.basename(path)}.{int(time.time())}")
+        dest = os.path.join(self.quarantine, f"{os.path.basename(path)}.{time.time_ns()}.{os.getpid()}")
         key_hex = os.path.basename(path)[: -len(ENTRY_SUFFIX)]
         # lock order as in commit(): the entry's lock, then ledger.lock (both bounded)
         with self.entry_lock(key_hex), self.ledger_lock():
+            if expect is not None:
+                try:
+                    with open(path, "rb") as f:
+                        if f.read(len(expect) + 1) != expect:
+                            return None
+                except FileNotFoundError:
+                    return None
+            elif not os.path.lexists(path):
+                return None
             self._set_intent()
             os.replace(path, dest)
             # rescan: a corrupted entry may no longer have the size the ledger accounted for

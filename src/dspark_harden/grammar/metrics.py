@@ -63,7 +63,8 @@ FAMILIES = (
         "(compiled natively, nothing on disk), local_compile (compiled because the disk entry is a "
         "compile-locally marker), oversized (the disk entry is larger than this server's "
         "DSPARK_HARDEN_GRAMMAR_DISK_MAX_ENTRY_BYTES: not read, compiled locally), corrupt (the disk entry was "
-        "invalid: the request failed naming the file, nothing compiled or served), refused (the grammar text was above DSPARK_HARDEN_GRAMMAR_MAX_BYTES: "
+        "invalid: moved to the namespace's quarantine and the request served by a fresh compile, or, where it "
+        "could not be moved, the request failed naming the file; never served from it), refused (the grammar text was above DSPARK_HARDEN_GRAMMAR_MAX_BYTES: "
         "failed at once, never compiled).",
         labels=("dp_rank", "source"),
         feature=FEATURE,
@@ -135,7 +136,8 @@ FAMILIES = (
     Family(
         "dspark_harden_grammar_corrupt_entries_total",
         "counter",
-        "Disk entries rejected as corrupt, truncated or foreign (the request failed naming the file).",
+        "Disk entries rejected as corrupt, truncated or foreign (moved to quarantine, ERROR logged, the "
+        "grammar compiled afresh; the request failed only where the move failed).",
         labels=("dp_rank",),
         feature=FEATURE,
         roles=("scheduler",),

@@ -338,9 +338,8 @@ class PersistentCompiler:
             self._warn_once(("oversized", key_hex), "dspark-harden: %s", exc)
             return None, "oversized"
         except disk.CorruptEntryError as exc:  # a symbolic link or other non-regular file
-            gm.inc_corrupt()
-            _record(Resolution("corrupt", time.perf_counter() - t0, {}, exc.path, key_hex))
-            raise
+            self._heal(exc, key_hex, None, t0, {})
+            return None, None  # moved aside: absent now
         except OSError as exc:
             gm.inc_disk_error("read")
             self._warn_once(
@@ -364,7 +363,7 @@ class PersistentCompiler:
         t0 = time.perf_counter()
         got, skipped = self._read(key_hex, t0)
         if got is not None:
-            return self._from_entry(key_hex, got, fn, t0)
+            return self._from_entry(key_hex, parts, got, fn, t0)
         if skipped is not None:
             tc = time.perf_counter()
             cg = self._compile(fn)
@@ -381,7 +380,7 @@ class PersistentCompiler:
             return cg
         mine, got, waited = self._claim(key_hex, t0)
         if got is not None:
-            return self._from_entry(key_hex, got, fn, t0, {"claim_wait": waited})
+            return self._from_entry(key_hex, parts, got, fn, t0, {"claim_wait": waited})
         tc = time.perf_counter()
         try:
             cg = self._compile(fn)
@@ -478,17 +477,17 @@ class PersistentCompiler:
             return None, None, waited
         return None, None, waited
 
-    def _from_entry(self, key_hex: str, got: tuple, fn: Callable[[], Any], t0: float, phases: Optional[dict] = None):
+    def _from_entry(
+        self, key_hex: str, parts: list, got: tuple, fn: Callable[[], Any], t0: float, phases: Optional[dict] = None
+    ):
         path, data = got
         phases = dict(phases or {})
         phases["disk_read"] = time.perf_counter() - t0 - phases.get("claim_wait", 0.0)
         tv = time.perf_counter()
         try:
             entry = disk.decode_entry(path, data, self.ns.scope_hex, key_hex)
-        except disk.CorruptEntryError:
-            gm.inc_corrupt()
-            _record(Resolution("corrupt", time.perf_counter() - t0, phases, path, key_hex))
-            raise
+        except disk.CorruptEntryError as exc:
+            return self._heal_and_compile(exc, key_hex, parts, data, fn, t0, phases)
         phases["verify"] = time.perf_counter() - tv
         if entry.kind == disk.KIND_MARKER:
             tc = time.perf_counter()
@@ -502,13 +501,41 @@ class PersistentCompiler:
 
             cg = CompiledGrammar.deserialize_json(entry.payload.decode("utf-8"), self.tokenizer_info)
         except Exception as exc:  # noqa: BLE001 - any rejection is a corrupt entry
-            gm.inc_corrupt()
-            _record(Resolution("corrupt", time.perf_counter() - t0, phases, path, key_hex))
-            raise disk.CorruptEntryError(
-                path, f"xgrammar rejected the serialized grammar: {type(exc).__name__}: {exc}"
-            ) from None
+            bad = disk.CorruptEntryError(path, f"xgrammar rejected the serialized grammar: {type(exc).__name__}: {exc}")
+            return self._heal_and_compile(bad, key_hex, parts, data, fn, t0, phases)
         phases["deserialize"] = time.perf_counter() - td
         _record(Resolution("disk", time.perf_counter() - t0, phases, path, key_hex))
+        return cg
+
+    def _heal(self, exc: disk.CorruptEntryError, key_hex: str, data: Optional[bytes], t0: float, phases: dict):
+        """A corrupt entry was met: move it to the namespace's quarantine (kept, never deleted; ERROR, counted)
+        so later lookups compile and republish instead of failing on it forever. Raises ``exc`` (the request
+        fails naming the file) when it cannot be moved; returns quietly when a peer already moved or
+        replaced it."""
+        gm.inc_corrupt()
+        try:
+            dest = self.ns.quarantine_entry(exc.path, expect=data)
+        except (disk.GrammarCacheError, OSError) as err:
+            _record(Resolution("corrupt", time.perf_counter() - t0, phases, exc.path, key_hex))
+            logger.error("dspark-harden: %s; moving it to quarantine failed (%s): this request fails", exc, err)
+            raise disk.CorruptEntryError(exc.path, f"{exc.reason}; moving it to quarantine failed: {err}") from None
+        logger.error(
+            "dspark-harden: %s -- %s; the grammar is compiled afresh and republished",
+            exc,
+            f"moved to {dest}" if dest else "already moved aside or replaced by a peer",
+        )
+
+    def _heal_and_compile(
+        self, exc, key_hex: str, parts: list, data: bytes, fn: Callable[[], Any], t0: float, phases: dict
+    ):
+        """The request that met a corrupt entry is served by a fresh compile once the entry is moved aside
+        (never compiled over it, never served from it); the compile is published like any miss."""
+        self._heal(exc, key_hex, data, t0, phases)
+        tc = time.perf_counter()
+        cg = self._compile(fn)
+        phases = {**phases, "native_compile": time.perf_counter() - tc}
+        self.persister.submit(key_hex, parts, phases["native_compile"], claim=None, cold=self._cold_timing())
+        _record(Resolution("corrupt", time.perf_counter() - t0, phases, exc.path, key_hex))
         return cg
 
 
