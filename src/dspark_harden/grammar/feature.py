@@ -218,8 +218,9 @@ def dspark_settings():
             1 << 30,
             "Address space the persistence helper process may allocate beyond its start-up size "
             "(RLIMIT_AS). A grammar whose serialization or trial load needs more is stored as a "
-            "memory_limit marker. Also bounds what a disk hit's deserialization allocates in the "
-            "scheduler (a serialized entry is published only after the same load fit in the helper).",
+            "memory_limit marker. It does not bound the scheduler: what a disk hit's deserialization "
+            "allocates there is bounded by DSPARK_HARDEN_GRAMMAR_DISK_MAX_ENTRY_BYTES (larger entries are not "
+            "read); a serialized entry is published only after the same load fit in the helper.",
             feature=f,
             accepts="positive integer (bytes)",
         ),

@@ -24,7 +24,7 @@ Protocol: newline-delimited JSON on a private pair of pipes the parent passes as
 (``--proto-fds IN,OUT``); stdin is /dev/null and stdout/stderr go to the parent's log, so nothing a
 library prints, from Python or C, can reach the protocol. IN: one init object, then jobs
 ``{"job", "key_hex", "parts", "compile_s", "compile_cold"}`` and go tokens ``{"go": job}``. OUT: ``{"ready": ...}`` once, then per job any number of ``{"job", "key_hex", "phase"}``
-progress lines (``"await": "go"`` on the publish phase) and one result line with ``"status"``,
+progress lines (``"wait": "go"`` on the publish phase) and one result line with ``"status"``,
 every one tagged with its job's number and key. The helper exits on end of input (its parent died
 or closed it), on a protocol error, or after ``idle_exit_s`` without a job.
 """
@@ -205,7 +205,10 @@ class Worker:
         data = disk.encode_entry(self.ns.scope_hex, key_hex, disk.KIND_SERIALIZED, payload)
         del payload
         self.step("measure_load", key_hex)
-        tl = time.perf_counter()
+        # the trial load is judged by its CPU time (this thread's): the work a load of this grammar needs,
+        # not how long the helper waited for a core on a busy host (wall time made slow_load markers depend
+        # on the host's load: issue 40 item 5)
+        tl, tl_cpu = time.perf_counter(), time.thread_time()
         try:
             entry = disk.decode_entry("<measure>", data, self.ns.scope_hex, key_hex)
             CompiledGrammar.deserialize_json(entry.payload.decode("utf-8"), self.tokenizer_info)
@@ -214,8 +217,8 @@ class Worker:
             reason = "memory_limit" if _is_oom(exc) else "serialize_failed"
             facts.update(stored="marker", reason=reason, error=f"{type(exc).__name__}: {exc}"[:300])
             return self.marker(key_hex, reason, compile_s, n), facts
-        load_s = time.perf_counter() - tl
-        facts["phases"]["measure_load"] = load_s
+        load_s = time.thread_time() - tl_cpu
+        facts["phases"]["measure_load"] = time.perf_counter() - tl
         if load_s > budget:
             facts.update(stored="marker", reason="slow_load")
             return self.marker(key_hex, "slow_load", compile_s, n, load_s), facts
