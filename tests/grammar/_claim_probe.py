@@ -36,7 +36,9 @@ def serve(cache_dir: str, go_file: str, key: str) -> None:
     from dspark_harden.grammar.service import GrammarService
 
     tok = AutoTokenizer.from_pretrained(ensure_tokenizer(2048))
-    settings = load_settings(F.dspark_settings(), environ={F.DISK_DIR: cache_dir, F.DISK_CLAIMS: "1", F.DISK_LOAD_RATIO: "1e9"})
+    settings = load_settings(
+        F.dspark_settings(), environ={F.DISK_DIR: cache_dir, F.DISK_CLAIMS: "1", F.DISK_LOAD_RATIO: "1e9"}
+    )
     backend = XGrammarGrammarBackend(tok, vocab_size=len(tok), model_eos_token_ids=[tok.eos_token_id])
     F.install_persistent_compiler(backend, settings)
     pc = backend.grammar_compiler

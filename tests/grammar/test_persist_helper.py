@@ -191,3 +191,46 @@ def test_the_persisters_per_grammar_outcomes_keep_only_the_most_recent():
     kept["k10"] = {}
     assert list(kept) == ["k9", "k7", "k10"] and kept["k7"] == {"status": "exists"}
     assert P.OUTCOMES_KEPT >= 100
+
+
+def test_a_process_on_its_way_out_is_recognised():
+    """A helper start that fails while the scheduler exits is not an ERROR (a SIGTERM drill saw one): the
+    persister's three signs, the exit ones in real child processes shaped like a scheduler (a
+    multiprocessing child whose target returned, in its exit finalizers) and a plain interpreter whose
+    main thread returned (threading._shutdown joining a non-daemon thread)."""
+    import subprocess
+    import sys
+    import threading
+
+    from dspark_harden.grammar import persist as P
+
+    assert P._process_exiting(threading.Event()) is False
+    stop = threading.Event()
+    stop.set()
+    assert P._process_exiting(stop) is True
+    watch = (
+        "import threading, time\n"
+        "from dspark_harden.grammar import persist as P\n"
+        "def watch():\n"
+        "    while not P._process_exiting(threading.Event()):\n"
+        "        time.sleep(0.001)\n"
+        "    print('EXITING', flush=True)\n"
+        "def start_watch():\n"
+        "    threading.Thread(target=watch, daemon=True).start()\n"
+        "    time.sleep(0.2)\n"
+        "    assert not P._process_exiting(threading.Event())\n"
+    )
+    scheduler_like = watch + (
+        "import multiprocessing as mp\n"
+        "from multiprocessing import util\n"
+        "def target():\n"
+        "    start_watch()\n"
+        "    util.Finalize(None, time.sleep, args=(0.5,), exitpriority=-1)\n"
+        "if __name__ == '__main__':\n"
+        "    p = mp.get_context('fork').Process(target=target)\n"
+        "    p.start(); p.join(60)\n"
+    )
+    plain = watch + "start_watch()\nthreading.Thread(target=time.sleep, args=(0.5,)).start()\n"
+    for code in (scheduler_like, plain):
+        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0 and "EXITING" in r.stdout, (r.stdout, r.stderr[-2000:])

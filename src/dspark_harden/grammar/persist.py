@@ -79,6 +79,20 @@ TRANSIENT_CAUSES = (
 )
 
 
+def _process_exiting(stop: threading.Event) -> bool:
+    """This process is on its way out: the persister was closed, the main thread is done
+    (``threading._shutdown``), or a multiprocessing child (a scheduler) runs its exit finalizers
+    (``multiprocessing.util._exit_function`` sets ``_exiting`` first; the lifecycle's and stock's
+    finalizers may take the helper down before the main thread is marked done)."""
+    import multiprocessing.util
+
+    return (
+        stop.is_set()
+        or not threading.main_thread().is_alive()
+        or bool(getattr(multiprocessing.util, "_exiting", False))
+    )
+
+
 class RecentOutcomes(dict):
     """A dict that keeps only its ``limit`` most recently written keys (insertion order, a rewrite moves
     the key to the end)."""
@@ -682,6 +696,12 @@ class Persister:
         try:
             res = self.helper.run({k: job[k] for k in ("key_hex", "parts", "compile_s", "compile_cold")})
         except HelperError as exc:
+            if _process_exiting(self._stop):
+                # the scheduler is exiting: the helper went with its tree; nothing is wrong with the grammar
+                # or the cache, so no ERROR and no retry
+                logger.info("dspark-harden: process exiting; grammar %s not persisted (%s)", key_hex, exc)
+                self.outcomes[key_hex] = {"status": "helper_unavailable", "error": str(exc), "exiting": True}
+                return True
             gm.inc_disk_error("helper")
             logger.error("dspark-harden: %s; grammar %s not persisted", exc, key_hex)
             return self._transient(job, "helper_unavailable", {"status": "helper_unavailable", "error": str(exc)})
