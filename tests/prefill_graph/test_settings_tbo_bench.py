@@ -82,7 +82,10 @@ def _scheduler(*, backend="full", tbo=False, dp=True, dp_rank=0):
 def _args(backend, tbo_on=True):
     prefill = types.SimpleNamespace(backend=backend)
     return types.SimpleNamespace(
-        enable_two_batch_overlap=tbo_on, cuda_graph_config=types.SimpleNamespace(prefill=prefill)
+        enable_two_batch_overlap=tbo_on,
+        cuda_graph_config=types.SimpleNamespace(prefill=prefill),
+        tp_size=2,  # --tp 2 --dp 2: the geometry the feature applies to (issue 39)
+        dp_size=2,
     )
 
 
@@ -104,18 +107,20 @@ def test_no_refusal_without_the_combination(args):
 
 
 @pytest.mark.forked
-def test_scheduler_startup_refuses_tbo_with_full_prefill_graph():
+@pytest.mark.parametrize("explicit", [False, True])
+def test_tbo_with_full_prefill_graph_is_unavailable_by_default_and_refused_when_explicit(explicit):
+    """Issue 39: by default a TBO server keeps stock behaviour (``unavailable``, nothing raised);
+    ``DSPARK_HARDEN_PREFILL_GRAPH=1`` refuses at bind time naming the combination."""
     from dspark_harden.core import binder
     from dspark_harden.core.patch import Role
     from dspark_harden.prefill_graph import feature
 
     _scheduler(backend="full", tbo=True, dp=True, dp_rank=0)
-    report = binder.bind(Role.SCHEDULER, environ={})
+    report = binder.bind(Role.SCHEDULER, environ={"DSPARK_HARDEN_PREFILL_GRAPH": "1"} if explicit else {})
     st = next(f for f in report.features if f.name == feature.FEATURE)
-    assert st.status == "bound", st
-    with pytest.raises(binder.BindError) as info:
-        feature.dspark_process_bound(role=Role.SCHEDULER, settings=binder.STATE.settings, report=report)
-    assert "two-batch overlap" in str(info.value) and feature.FEATURE in str(info.value)
+    assert st.status == ("failed" if explicit else "unavailable"), st
+    assert "two-batch overlap" in st.detail and not st.targets
+    feature.dspark_process_bound(role=Role.SCHEDULER, settings=binder.STATE.settings, report=report)  # no raise
 
 
 TBO_TARGETS = ("TBO_CAPTURE_TARGET", "TBO_OUT_GRAPH_TARGET", "LOAD_BATCH_TARGET")
