@@ -184,8 +184,8 @@ def preconditions(server_args: Any, *, tbo_switch: bool = False) -> list:
         out.append(
             f"the shared decision is built and checked for two DP attention ranks with attention-TP 1 "
             f"(--tp 2 --dp 2 --enable-dp-attention); this server has --tp {tp} with {attn_dp} attention-DP "
-            f"rank(s) of attention-TP {attn_tp}: the ranks' configuration check exchanges exactly the two rows "
-            f"of a two-rank TP CPU group"
+            f"rank(s) of attention-TP {attn_tp}: other geometries keep stock's admission until the decision is "
+            f"proven on them"
         )
     view = _resolved(server_args) or server_args
     spec = speculative_refusal(view)
