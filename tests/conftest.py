@@ -122,7 +122,23 @@ def _no_fork_with_threads(request):
 _FORKS_WITH_THREADS: list = []  # (forked test, [thread descriptions]) for the terminal summary
 
 
+_MODULE_SECONDS: dict = {}  # test module -> [setup+call+teardown seconds, tests]
+
+
+def pytest_runtest_logreport(report):
+    module = report.nodeid.split("::", 1)[0]
+    entry = _MODULE_SECONDS.setdefault(module, [0.0, 0])
+    entry[0] += report.duration
+    if report.when == "call" or (report.when == "setup" and report.skipped):
+        entry[1] += 1
+
+
 def pytest_terminal_summary(terminalreporter):
+    if _MODULE_SECONDS:  # the per-module budget of docs/testing.md is checked against this table
+        total = sum(s for s, _ in _MODULE_SECONDS.values())
+        terminalreporter.section(f"seconds per module (setup + call + teardown; {total:.0f} s in all)")
+        for module, (seconds, n) in sorted(_MODULE_SECONDS.items(), key=lambda kv: -kv[1][0]):
+            terminalreporter.line(f"{seconds:8.1f} s {n:4d} tests  {module}")
     if _FORKS_WITH_THREADS:
         terminalreporter.section("forked tests forked while other threads ran (fork hazard)")
         for nodeid, threads in _FORKS_WITH_THREADS:
