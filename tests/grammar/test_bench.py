@@ -5,6 +5,7 @@ once per canonically distinct schema."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -172,7 +173,12 @@ def test_bench_grammar_distinct_stock_memory_grows_and_the_service_stays_bounded
 def test_bench_grammar_processes_json_shape_and_one_claim_per_key():
     """`bench grammar --processes 2 --json`: two real processes, one disk cache, the same burst. Every
     key is claimed host-wide, and host-wide compiles stay below the 2 x distinct of compiling
-    everywhere (marker keys are compiled where used, by design)."""
+    everywhere. Every compile is accounted for: one per claim, plus one per wait that ended without a
+    usable entry, plus one per compile-locally marker met. The adaptive policy is pinned to publish
+    serialized grammars (``DISK_LOAD_RATIO=1e9``): left to measure, a loaded host judges every trial
+    load slower than its compile and publishes markers only (26 compiles for 13 keys, by design, in a
+    CI run at load 4), which is the policy's choice, not the claims' failure this test is about."""
+    env = dict(os.environ, DSPARK_HARDEN_GRAMMAR_DISK_LOAD_RATIO="1e9")
     proc = subprocess.run(
         [
             sys.executable,
@@ -191,6 +197,7 @@ def test_bench_grammar_processes_json_shape_and_one_claim_per_key():
         capture_output=True,
         text=True,
         timeout=1100,
+        env=env,
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -200,6 +207,7 @@ def test_bench_grammar_processes_json_shape_and_one_claim_per_key():
         "distinct_schemas",
         "host_compiles",
         "compiles_per_process",
+        "marker_compiles",
         "claims",
         "claim_wait_s",
         "compile_s",
@@ -212,6 +220,10 @@ def test_bench_grammar_processes_json_shape_and_one_claim_per_key():
     # transiently) lets a later lookup claim the key again
     assert result["claims"]["claimed"] >= distinct and result["claims"]["invalid"] == 0, result["claims"]
     assert distinct <= result["host_compiles"] < 2 * distinct, result
+    claims = result["claims"]
+    unwaited = claims["expired"] + claims["error"]  # a wait that gave up: the waiter compiles
+    assert result["marker_compiles"] == 0, result  # the pinned policy publishes no marker
+    assert result["host_compiles"] == claims["claimed"] + unwaited + result["marker_compiles"], result
     waits = result["claim_wait_s"]
     assert waits["all_tasks"]["n"] == 2 * distinct and waits["waited"]["n"] <= distinct
 

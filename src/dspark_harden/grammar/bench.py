@@ -626,10 +626,12 @@ def _processes_child(idx: int, vocab: int, cache_dir: str, duplicates: int, barr
             value.result()
         pc.flush()
         base_compiles, base_claims, base_waits = pc.native_compiles, dict(pc.claim_outcomes), len(pc.claim_waits)
+        base_markers = pc.marker_compiles
         burst = _burst(duplicates)
         barrier.wait()
         burst_s = _resolve_burst(backend, burst)
         compiles = pc.native_compiles - base_compiles
+        markers = pc.marker_compiles - base_markers
         pc.flush()
         barrier.wait()  # every burst done: measure compile times alone
         compile_s = {}
@@ -653,6 +655,7 @@ def _processes_child(idx: int, vocab: int, cache_dir: str, duplicates: int, barr
                 "idx": idx,
                 "burst_s": burst_s,
                 "native_compiles": compiles,
+                "marker_compiles": markers,
                 "requests": len(burst),
                 "claims": {k: v - base_claims.get(k, 0) for k, v in pc.claim_outcomes.items()},
                 "waits": list(pc.claim_waits)[base_waits:],
@@ -702,6 +705,9 @@ def run_processes(n: int = 2, vocab: int = 32000, duplicates: int = 2, log=print
         "distinct_schemas": distinct,
         "host_compiles": sum(r["native_compiles"] for r in results.values()),
         "compiles_per_process": [results[i]["native_compiles"] for i in range(n)],
+        # of host_compiles: keys a peer's helper published as compile-locally markers (the adaptive policy
+        # judged loading them slower than compiling), compiled again where used, by design
+        "marker_compiles": sum(r["marker_compiles"] for r in results.values()),
         "claims": claims,
         "claim_wait_s": {
             "all_tasks": {
@@ -721,7 +727,8 @@ def run_processes(n: int = 2, vocab: int = 32000, duplicates: int = 2, log=print
         "claim_estimate_s": [round(results[i]["estimate_s"], 4) for i in range(n)],
     }
     log(
-        f"{n} processes: host compiles {out['host_compiles']} for {distinct} distinct schemas; claims {claims}; "
+        f"{n} processes: host compiles {out['host_compiles']} for {distinct} distinct schemas "
+        f"({out['marker_compiles']} of them for compile-locally markers); claims {claims}; "
         f"wait p99 {out['claim_wait_s']['all_tasks']['p99']} s vs compile median {out['compile_s']['median']} s"
     )
     return out

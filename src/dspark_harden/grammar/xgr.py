@@ -200,6 +200,7 @@ class PersistentCompiler:
         self.persister = Persister(namespace, self._helper_init(), self.persist_settings, self.slots)
         weakref.finalize(self, self.persister.close)  # a discarded compiler leaves no helper process
         self.native_compiles = 0  # native compile calls made through this object
+        self.marker_compiles = 0  # of which: keys whose entry is a compile-locally marker (bench, tests)
         self.claims_enabled = bool(claims)  # DSPARK_HARDEN_GRAMMAR_DISK_CLAIMS (the feature passes it)
         self.claim_waits: "collections.deque" = collections.deque(maxlen=65536)  # (outcome, s): bench, tests
         self.claim_outcomes: dict = {o: 0 for o in claim_mod.OUTCOMES}
@@ -490,6 +491,8 @@ class PersistentCompiler:
             return self._heal_and_compile(exc, key_hex, parts, data, fn, t0, phases)
         phases["verify"] = time.perf_counter() - tv
         if entry.kind == disk.KIND_MARKER:
+            with self._count_lock:
+                self.marker_compiles += 1
             tc = time.perf_counter()
             cg = self._compile(fn)
             phases["native_compile"] = time.perf_counter() - tc
