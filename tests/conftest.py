@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import os
 import sys
@@ -79,6 +80,89 @@ def _no_bind_leaks_into_the_pytest_process(request):
             "changed): mark it @pytest.mark.forked",
             pytrace=False,
         )
+
+
+def _is_code(value) -> bool:
+    return callable(value) or isinstance(value, (property, staticmethod, classmethod))
+
+
+class _SGLangCode:
+    """The functions, classes and descriptors of every loaded ``sglang`` module and of the classes
+    those modules define, held by reference (an id taken while its object is alive cannot be reused,
+    so comparing ids is exact). State that is not code (a group a test initialised, a registry) is
+    not compared: a patch replaces code."""
+
+    def __init__(self):
+        self.owners: dict = {}  # (module, class name or "") -> (owner, {attribute: value})
+
+    @staticmethod
+    def _owners():
+        for modname, module in list(sys.modules.items()):
+            if module is None or not (modname == "sglang" or modname.startswith("sglang.")):
+                continue
+            d = getattr(module, "__dict__", None)
+            if d is None:
+                continue
+            yield (modname, ""), module, d
+            for name, value in list(d.items()):
+                if isinstance(value, type) and value.__module__ == modname:
+                    yield (modname, name), value, value.__dict__
+
+    def changes(self, accept: bool = False) -> list:
+        """[(key, owner, attribute, old value or None)] changed since the state last taken; new
+        modules and classes (imported since) are taken, not reported. ``accept``: take the changed
+        owners' current state as the new reference (what a module-scoped fixture set up is not this
+        test's doing)."""
+        out = []
+        for key, owner, d in self._owners():
+            known = self.owners.get(key)
+            if known is None or known[0] is not owner:
+                self.owners[key] = (owner, {k: v for k, v in list(d.items()) if _is_code(v)})
+                continue
+            old, n = known[1], len(out)
+            for name, value in old.items():
+                if d.get(name, _MISSING) is not value:
+                    out.append((key, owner, name, value))
+            if key[1]:  # a class: code added to it is a patch too (a module gains submodules by import)
+                out.extend((key, owner, name, None) for name, v in list(d.items()) if name not in old and _is_code(v))
+            if accept and len(out) > n:
+                self.owners[key] = (owner, {k: v for k, v in list(d.items()) if _is_code(v)})
+        return out
+
+
+_MISSING = object()
+_SGLANG_CODE = _SGLangCode()
+
+
+@pytest.fixture(autouse=True)
+def _no_sglang_patch_leaks(request):
+    """A test that patches an SGLang function or class in the pytest process and leaves the patch in
+    place changes every later test of the run (the binder's state is guarded above; this covers any
+    patch: ``setattr`` on a class, a module function replaced, a method added). At teardown (after the
+    test's own fixtures, ``monkeypatch`` included, were undone) every SGLang module and class is
+    compared with the state before it; a difference is restored and fails the test, naming each
+    attribute. Forked tests run in a child and cannot leak: they are not compared."""
+    if os.getpid() != _PYTEST_PID or request.node.get_closest_marker("forked") is not None:
+        yield
+        return
+    _SGLANG_CODE.changes(accept=True)  # modules imported since the last test, module-scoped fixtures' patches
+    yield
+    changed = _SGLANG_CODE.changes()
+    if not changed:
+        return
+    names = []
+    for (modname, cls), owner, attr, old in changed:
+        names.append(f"{modname}.{cls + '.' if cls else ''}{attr}")
+        if old is None:
+            with contextlib.suppress(AttributeError, TypeError):
+                delattr(owner, attr)
+        else:
+            setattr(owner, attr, old)
+    pytest.fail(
+        f"{request.node.nodeid} left {len(names)} SGLang patch(es) in the pytest process (restored now): "
+        f"{', '.join(sorted(names))}; undo them in the test (monkeypatch) or mark it @pytest.mark.forked",
+        pytrace=False,
+    )
 
 
 def _other_threads() -> dict:

@@ -450,3 +450,28 @@ def test_a_port_race_on_every_attempt_fails_with_the_log(tmp_path, monkeypatch):
         server.stop()
         server.remove_workdir()
         held.close()
+
+
+def test_sglang_patch_left_in_the_pytest_process_fails_and_is_restored():
+    """The conftest guard against SGLang patches leaking between tests (real SGLang classes, the
+    suite's own conftest, a pytest of its own): a method replaced, added or deleted and left so
+    fails that test naming the attribute, is restored, and later tests see stock code; a
+    monkeypatch undone at teardown passes. Fails if the guard misses a kind of patch or does not
+    restore it (the last probe test then fails too)."""
+    root = Path(__file__).resolve().parents[2]
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rE", "tests/integration/_patch_leak_probe.py"],
+        cwd=root,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    out = proc.stdout
+    assert "5 passed, 3 errors" in out, out[-4000:]  # the guard fails a leaking test at its teardown
+    for test, attr in (
+        ("replaced", "SamplingParams.normalize"),
+        ("added", "SamplingParams.planted_by_a_test"),
+        ("deleted", "SamplingParams.verify"),
+    ):
+        line = next(ln for ln in out.splitlines() if f"test_leaves_a_method_{test} left 1 SGLang patch" in ln)
+        assert f"sglang.srt.sampling.sampling_params.{attr}" in line and "restored now" in line, line

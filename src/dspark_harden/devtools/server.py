@@ -345,6 +345,11 @@ class SGLangServer:
         tmp = self.workdir / "tmp"
         tmp.mkdir(parents=True, exist_ok=True)
         env.update(PLATFORM_ENV)
+        # TorchInductor's cache lives under TMPDIR by default: every server would rebuild the C++
+        # precompiled header and kernels its first CPU forward compiles (~150 MB, ~10 s of a 2-core
+        # start). One cache for every server of this user (inductor locks its entries) keeps the
+        # servers' own TMPDIR private without paying that per start.
+        env.setdefault("TORCHINDUCTOR_CACHE_DIR", str(Path.home() / ".cache" / "dspark-harden" / "torchinductor"))
         env.update(
             TMPDIR=str(tmp),
             PYTHONUNBUFFERED="1",
