@@ -27,6 +27,7 @@ from tests.harness.server import ServerConfig, SGLangServer
 def pytest_configure(config):
     config.addinivalue_line("markers", "server: starts a real SGLang server on CPU (slow)")
     config.addinivalue_line("markers", "gpu: needs CUDA (run on the device machine)")
+    config.addinivalue_line("markers", "shared_order(n): position inside a shared server's group (default 0)")
     # The pytest process forks (pytest-forked) after earlier tests ran torch ops in it. Once a
     # multi-threaded op has started torch's OpenMP pool in this process, a forked child deadlocks in
     # its first parallel op (libgomp is not fork-safe): seen twice in one suite run, in
@@ -279,7 +280,10 @@ def pytest_collection_modifyitems(session, config, items):
         idx, item = pair
         used = _shared_names(item)
         group = 1 + min(order.index(n) for n in used) if used else 0
-        return (group, idx)
+        # inside a shared server's group: ``shared_order(n)`` marks (default 0), e.g. a module that needs
+        # the fresh server first, a test that shuts it down last (tests/harness/shared.py)
+        mark = item.get_closest_marker("shared_order")
+        return (group, mark.args[0] if (used and mark) else 0, idx)
 
     items[:] = [item for _, item in sorted(enumerate(items), key=key)]
     gpu_items = []

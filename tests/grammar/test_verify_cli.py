@@ -15,13 +15,33 @@ from .conftest import persistent_backend
 
 
 def _cli(*args):
-    proc = subprocess.run(
-        [sys.executable, "-m", "dspark_harden", "grammar-cache", "verify", *args],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    return proc.returncode, proc.stdout, proc.stderr
+    (res,) = _clis(args)
+    return res
+
+
+def _clis(*arg_lists):
+    """``grammar-cache verify`` runs that only read the cache, at once (each is a fresh interpreter
+    importing xgrammar and SGLang's tokenizer stack on one core): [(rc, stdout, stderr)] in order."""
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "dspark_harden", "grammar-cache", "verify", *args],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for args in arg_lists
+    ]
+    out = []
+    try:
+        for p in procs:
+            stdout, stderr = p.communicate(timeout=300)
+            out.append((p.returncode, stdout, stderr))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    return out
 
 
 def _populate(tok, cache_dir, n=4):
@@ -73,19 +93,27 @@ def test_deep_deserializes_with_the_namespace_tokenizer(hf_tokenizer, cache_dir)
 
     victim = entries[1]
     _recut(ns, victim)
-    rc, out, err = _cli("--dir", str(cache_dir))
+    d = str(cache_dir)
+    envelope, no_tok, bad_tok, wrong_tok, both = _clis(  # read-only runs over the same cache
+        ("--dir", d),
+        ("--dir", d, "--deep"),
+        ("--dir", d, "--deep", "--tokenizer", str(cache_dir / "no-such-tokenizer")),
+        ("--dir", d, "--deep", "--tokenizer", wrong),
+        ("--dir", d, "--deep", "--tokenizer", wrong, "--tokenizer", right, "--json"),
+    )
+    rc, out, err = envelope
     assert rc == 0, out + err  # the envelope check alone cannot see it (documented)
 
-    rc, out, err = _cli("--dir", str(cache_dir), "--deep")
+    rc, out, err = no_tok
     assert rc == 2 and "--deep needs --tokenizer PATH" in err and "tokenizer_sha256" in err
 
-    rc, out, err = _cli("--dir", str(cache_dir), "--deep", "--tokenizer", str(cache_dir / "no-such-tokenizer"))
+    rc, out, err = bad_tok
     assert rc == 2 and "cannot load tokenizer" in err, out + err
 
-    rc, out, err = _cli("--dir", str(cache_dir), "--deep", "--tokenizer", wrong)
+    rc, out, err = wrong_tok
     assert rc == 1 and "deep check impossible" in out and ns.scope["tokenizer_sha256"] in out, out + err
 
-    rc, out, err = _cli("--dir", str(cache_dir), "--deep", "--tokenizer", wrong, "--tokenizer", right, "--json")
+    rc, out, err = both
     report = json.loads(out)
     (n,) = report["namespaces"]
     assert rc == 1 and report["problems"] == 1, out + err

@@ -1,10 +1,14 @@
 """End to end on a real SGLang server: tiny DeepseekV3, ``--dp-size 2 --tp-size 2
---enable-dp-attention``, plugin active (tests/harness). ONE server for the whole module; it is
-started by the module fixture (observing /health_scheduler while it starts) and shut down by the
-last test (observing /health_scheduler while it drains).
+--enable-dp-attention``, plugin active (tests/harness). The run's shared DP2 server (``dp2_server``,
+tests/harness/shared.py): it records /health_scheduler's answers while it starts, and this module's last
+test shuts it down (observing /health_scheduler while it drains) after every other user of it ran
+(``shared_order``).
 
-``DSPARK_HARDEN_HEALTH_MAX_STALENESS_S=6`` keeps the SIGSTOP test short; everything else of the
-plugin runs on defaults.
+The shared server runs stock /health in its liveness-only mode (``SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION=0``:
+stock /health answers without an inference request, the configuration in which stock cannot see a
+stopped scheduler; with the 0.5.23 default (1) /health runs a one-token request that hangs behind the
+stopped rank and after its timeout marks the whole server UnHealthy without naming a rank) and a
+/health_scheduler staleness of ``DP2_SHARED_STALENESS_S``, which bounds the SIGSTOP test's wait.
 """
 
 from __future__ import annotations
@@ -16,48 +20,19 @@ import time
 import pytest
 import requests
 
-from tests.harness.server import DP2_CONFIG, SGLangServer
+from tests.harness.shared import DP2_SHARED_STALENESS_S as STALENESS_S
 
 pytestmark = pytest.mark.server
 
-STALENESS_S = 6.0
-# SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION=0: stock /health answers without an inference request
-# (its liveness-only mode), the configuration in which stock cannot see a stopped scheduler. With
-# the 0.5.23 default (1) /health runs a one-token request that hangs behind the stopped rank and
-# after its timeout marks the whole server UnHealthy without naming a rank.
-CONFIG = DP2_CONFIG.with_env(
-    DSPARK_HARDEN_HEALTH_MAX_STALENESS_S=str(STALENESS_S), SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION="0"
-)
-CONFIG = type(CONFIG)(**{**CONFIG.__dict__, "name": "ingress-dp2"})
+
+@pytest.fixture
+def server(dp2_server):
+    return dp2_server
 
 
 def _health(server, timeout=10.0):
     r = requests.get(server.url + "/health_scheduler", timeout=timeout)
     return r.status_code, r.json()
-
-
-@pytest.fixture(scope="module")
-def server():
-    srv = SGLangServer(CONFIG)
-    srv.launch()
-    seen = []  # (status, reason) answers of /health_scheduler before the server was ready
-    try:
-        deadline = time.monotonic() + 600
-        while time.monotonic() < deadline and srv.proc.poll() is None:
-            try:
-                code, body = _health(srv, timeout=5)
-                seen.append((code, body.get("reason")))
-                if code == 200:
-                    break
-            except (requests.RequestException, ValueError):
-                pass
-            time.sleep(0.1)
-        srv.wait_ready()
-        srv.startup_answers = seen
-        yield srv
-    finally:
-        srv.stop()
-        srv.remove_workdir()
 
 
 def _metric(text: str, name: str, **labels) -> float:
@@ -191,6 +166,7 @@ def test_sigstopped_scheduler_turns_health_scheduler_503_naming_it(server):
     assert _health(server)[0] == 200
 
 
+@pytest.mark.shared_order(1)  # last user of the shared server: it shuts the server down
 def test_zz_health_scheduler_503_while_shutting_down(server):
     os.kill(server.pid, signal.SIGTERM)
     answers = []

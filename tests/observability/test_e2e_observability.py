@@ -31,7 +31,7 @@ from dspark_harden.dp2.metrics import DP2_PHASES
 from dspark_harden.observability import dashboard as D
 from dspark_harden.observability import lint
 from dspark_harden.observability.metrics import SCHEDULER_PHASES
-from tests.harness.server import DP2_CONFIG, ServerConfig
+from tests.harness import shared
 
 from .prom import Prometheus, ensure_prometheus
 
@@ -55,28 +55,6 @@ UNPROVABLE_ON_CPU = {
 }
 
 _FEATURES = {f.name for f in all_features(make_manager(load_extensions=False))}
-
-
-def _config(grammar_disk: Path) -> ServerConfig:
-    env = {}
-    if "dp2-native-exchange" in _FEATURES:  # opt-in, runs on CPU: enable it so its panels are proven
-        env.update(SGLANG_DSPARK_DP2_SHM_MLP_SYNC="1")  # no session id: the main process derives one
-    # the third-party test feature (tests/support, entry-point group dspark_harden.features): its own
-    # metric family, declared through the dspark_metrics hook, must be exported like a built-in's
-    env.update(DSPARK_TESTFEATURE="1")
-    if "grammar-service" in _FEATURES:  # an empty disk cache: the first JSON request compiles and publishes
-        # rank 1's lookup of the same schema waits on rank 0's compile-in-progress claim until the entry is
-        # published (or rank 0 dies). The bounds cover the helper's first start-up on a loaded host: the claim
-        # wait, our compile timeout (the wait may use half of it) and stock's poll-count timeout
-        # (SGLANG_GRAMMAR_MAX_POLL_ITERATIONS x 5 ms, 50 s by default) are raised to 300 s and more
-        env.update(
-            DSPARK_HARDEN_GRAMMAR_DISK_DIR=str(grammar_disk),
-            DSPARK_HARDEN_GRAMMAR_DISK_CLAIMS="1",
-            DSPARK_HARDEN_GRAMMAR_DISK_CLAIM_WAIT="300",
-            DSPARK_HARDEN_GRAMMAR_COMPILE_TIMEOUT="900",
-            SGLANG_GRAMMAR_MAX_POLL_ITERATIONS="200000",
-        )
-    return ServerConfig(**{**DP2_CONFIG.__dict__, "name": "dp2-obs"}).with_env(**env)
 
 
 #: feature -> [(what, PromQL that must return at least one series after the traffic)].
@@ -250,10 +228,21 @@ def _traffic(server) -> dict:
     return sent
 
 
+# The run's shared DP2 server (tests/harness/shared.py: the opt-in native DP2 exchange, the test feature,
+# an empty grammar disk cache with host-wide claims), this module first in its group: the counters below
+# come from this module's traffic and its first JSON request meets an empty cache.
+pytestmark = [pytest.mark.server, pytest.mark.shared_order(-1)]
+
+
+@pytest.fixture(autouse=True)
+def _on_the_shared_server(dp2_server):
+    """Every test of the module is a user of ``dp2_server`` (grouping and order, tests/conftest.py)."""
+
+
 @pytest.fixture(scope="module")
-def observed(module_sglang_server, tmp_path_factory):
+def observed():
     ensure_prometheus()
-    server = module_sglang_server(_config(tmp_path_factory.mktemp("grammar-disk")))
+    server = shared.get("dp2_server")
     host_port = server.url.split("://", 1)[1]
     prom = Prometheus([host_port]).start()
     try:

@@ -32,3 +32,25 @@ def run_py(code: str, env: dict | None = None, timeout: float = 240.0) -> tuple[
         if line.startswith(MARK):
             result = json.loads(line[len(MARK) :])
     return proc.returncode, result, proc.stdout + proc.stderr
+
+
+def run_concurrently(commands: list, timeout: float = 300.0) -> list:
+    """Run independent ``(argv, env)`` commands at once and return their ``CompletedProcess``es in
+    order. Each is a fresh interpreter that spends most of its time importing SGLang on one core:
+    started together they use both cores of a 2-core CI host instead of one after another. Nothing
+    timed is asserted, so a loaded host only makes them slower."""
+    procs = [
+        subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for argv, env in commands
+    ]
+    out = []
+    try:
+        for (argv, _), p in zip(commands, procs):
+            stdout, stderr = p.communicate(timeout=timeout)
+            out.append(subprocess.CompletedProcess(argv, p.returncode, stdout, stderr))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    return out

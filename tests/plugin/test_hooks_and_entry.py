@@ -16,7 +16,7 @@ import pytest
 from dspark_harden.core import hookspecs
 from dspark_harden.core.manager import make_manager
 
-from ._proc import run_py
+from ._proc import run_concurrently, run_py
 
 ROOT = Path(__file__).resolve().parents[2]
 HOOKS = [name for name, fn in inspect.getmembers(hookspecs, inspect.isfunction) if name.startswith("dspark_")]
@@ -122,20 +122,25 @@ def test_check_hides_test_only_features_unless_asked_or_failed():
     --include-test-features does; a FAILED test-only feature is always shown (it fails the check)."""
     base = [sys.executable, "-m", "dspark_harden", "check", "--json", "--role", "main"]
     env = {**os.environ, "SGLANG_PLUGINS": "dspark_harden"}
-
-    def run(*extra, **e):
-        return subprocess.run([*base, *extra], env={**env, **e}, capture_output=True, text=True, timeout=300)
-
-    shown = json.loads(run().stdout)
+    # four independent `check` processes, run at once (each spends ~15 s importing SGLang on one core)
+    shown, table, everything, broken = run_concurrently(
+        [
+            (base, env),
+            ([*base[:4], "--role", "main"], env),
+            ([*base, "--include-test-features"], env),
+            (base, {**env, "DSPARK_TESTFEATURE": "1", "DSPARK_TESTFEATURE_BREAK": "drift"}),
+        ],
+        timeout=300,
+    )
+    shown = json.loads(shown.stdout)
     assert "testfeature" not in {f["name"] for f in shown["features"]} and shown["hidden_test_features"] == [
         "testfeature"
     ]
-    table = subprocess.run([*base[:4], "--role", "main"], env=env, capture_output=True, text=True, timeout=300).stdout
+    table = table.stdout
     assert "testfeature" not in table.split("(1 test-only feature(s) not shown")[0]
     assert "--include-test-features shows them" in table
-    everything = json.loads(run("--include-test-features").stdout)
+    everything = json.loads(everything.stdout)
     assert "testfeature" in {f["name"] for f in everything["features"]}
-    broken = run(DSPARK_TESTFEATURE="1", DSPARK_TESTFEATURE_BREAK="drift")
     data = json.loads(broken.stdout)
     assert broken.returncode == 1 and [f["status"] for f in data["features"] if f["name"] == "testfeature"] == [
         "failed"

@@ -42,7 +42,7 @@ def report():
     from tests.prefill_graph import _world_driver as drv
 
     proc = subprocess.run(
-        [sys.executable, "-m", "tests.prefill_graph._world_driver", "--steps", "240", "--mutation-steps", "60"],
+        [sys.executable, "-m", "tests.prefill_graph._world_driver", "--steps", "120", "--mutation-steps", "40"],
         cwd=ROOT,
         capture_output=True,
         text=True,

@@ -367,7 +367,9 @@ class SGLangServer:
             env["SGLANG_PLUGINS"] = STOCK_PLUGINS
         else:
             env["SGLANG_PLUGINS"] = self.config.plugins
-        env.update(dict(self.config.env))
+        # "{workdir}" in a configured value: this server's own workdir (a cache directory that is fresh
+        # for every start and removed with the workdir)
+        env.update({k: v.replace("{workdir}", str(self.workdir)) for k, v in self.config.env})
         return env
 
     def launch(self) -> "SGLangServer":
@@ -457,19 +459,25 @@ class SGLangServer:
                     f"(pid {self.pid}, {self.url}, workdir {self.workdir})\n"
                 )
                 return self
-            time.sleep(1.0)
+            time.sleep(0.25)
         self.stop()
         raise ServerError(self._failure(f"was not ready after {timeout:.0f}s (waiting for {stage})"))
 
-    def start(self, timeout: Optional[float] = None, attempts: int = 3) -> "SGLangServer":
+    def start(
+        self, timeout: Optional[float] = None, attempts: int = 3, while_starting: Optional[Any] = None
+    ) -> "SGLangServer":
         """Launch and wait; a start that lost a port race is retried on a new port (``attempts``
-        in all), with the earlier attempt's log kept in the new workdir's ``port-race-<n>.log``."""
+        in all), with the earlier attempt's log kept in the new workdir's ``port-race-<n>.log``.
+        ``while_starting(server)``: called after each launch, before the wait (a caller observing
+        the server as it starts)."""
         races = []
         for attempt in range(attempts):
             self.launch()
             for n, text in enumerate(races):
                 (self.workdir / f"port-race-{n}.log").write_text(text)
             try:
+                if while_starting is not None:
+                    while_starting(self)
                 return self.wait_ready(timeout)
             except PortRaceError as exc:
                 if attempt + 1 == attempts:
