@@ -79,6 +79,16 @@ def positive_float(raw: str) -> float:
     return value
 
 
+def nonneg_float(raw: str) -> float:
+    try:
+        value = float(raw.strip())
+    except ValueError:
+        raise ValueError(f"must be a number >= 0, got {raw!r}") from None
+    if not (value >= 0 and value != float("inf")):
+        raise ValueError(f"must be a finite number >= 0, got {raw!r}")
+    return value
+
+
 def nonempty_str(raw: str) -> str:
     if not raw.strip():
         raise ValueError("must not be empty")
@@ -115,6 +125,7 @@ flag01.bad_examples = ("", "true", "yes", "2", " 1", "on")
 positive_int.bad_examples = ("", "0", "-1", "1.5", "abc", "1e3")
 nonneg_int.bad_examples = ("", "-1", "1.5", "abc")
 positive_float.bad_examples = ("", "0", "-1", "nan", "inf", "abc")
+nonneg_float.bad_examples = ("", "-0.5", "nan", "inf", "abc")
 nonempty_str.bad_examples = ("", "   ")
 name_list.bad_examples = ("", ",", "a,,b", " , ")
 directory_path.bad_examples = ("", "  ")

@@ -84,6 +84,22 @@ def register(subparsers: Any, bench_subparsers: Any) -> None:
         "costs (serialize, durable write, read, deserialize), in this process",
     )
     b.add_argument("--repeats", type=int, default=5, help="with --handoff: repetitions per schema (median)")
+    b.add_argument(
+        "--stream",
+        type=int,
+        metavar="N",
+        help="stream mode instead: N requests, mostly new schemas, through stock and the service (with its "
+        "persistence helper) in alternating blocks: RSS growth after warm-up, lookup p50/p99, the helper's "
+        "CPU share, what reached the disk",
+    )
+    b.add_argument(
+        "--distinct-ratio",
+        type=float,
+        default=0.9,
+        metavar="R",
+        help="with --stream: share of requests that bring a new schema (default 0.9)",
+    )
+    b.add_argument("--blocks", type=int, default=10, help="with --stream: alternating blocks (default 10)")
     b.set_defaults(func=_bench_main)
 
 

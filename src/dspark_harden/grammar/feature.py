@@ -29,7 +29,7 @@ from typing import Any
 from ..core.feature import Feature
 from ..core.hookspecs import hookimpl
 from ..core.patch import Kind, Patch, Role
-from ..core.settings import Setting, directory_path, flag01, nonneg_int, positive_float, positive_int
+from ..core.settings import Setting, directory_path, flag01, nonneg_float, nonneg_int, positive_float, positive_int
 from .settings import (  # noqa: F401 - the feature's names (re-exported)
     CACHE_BYTES,
     CACHE_ENTRIES,
@@ -39,6 +39,8 @@ from .settings import (  # noqa: F401 - the feature's names (re-exported)
     DISK_BYTES,
     DISK_CLAIM_WAIT,
     DISK_CLAIMS,
+    DISK_HELPER_CPU_SHARE,
+    DISK_PERSIST_MIN_COMPILE,
     DISK_DIR,
     DISK_HELPER_DEADLINE,
     DISK_HELPER_MEMORY,
@@ -293,6 +295,31 @@ def dspark_settings():
             feature=f,
             accepts="positive number (seconds)",
         ),
+        Setting(
+            DISK_PERSIST_MIN_COMPILE,
+            nonneg_float,
+            0.25,
+            "A grammar whose first compile took at least this many seconds is persisted at once; a cheaper "
+            "one is persisted only when it is used again in this scheduler (a memory-cache hit, or a "
+            "second request joining its compile), so a schema seen once costs the persistence helper "
+            "nothing (tool-calling traffic whose schema changes per request). A key claimed host-wide "
+            "(DSPARK_HARDEN_GRAMMAR_DISK_CLAIMS) is always persisted at once: another process may be "
+            "waiting for it. 0: persist every compiled grammar.",
+            feature=f,
+            accepts="number >= 0 (seconds)",
+        ),
+        Setting(
+            DISK_HELPER_CPU_SHARE,
+            positive_float,
+            0.25,
+            "Most of one core the persistence helper may use, averaged over a minute (a budget of this "
+            "many CPU seconds per second, holding at most 60 s worth, charged with what the helper process "
+            "really used, its start-up included). A publication submitted while the budget is spent is "
+            "skipped (counted in dspark_harden_grammar_disk_publish_skipped_total{reason=\"cpu_budget\"}); "
+            "the request is unaffected and a later use of the key persists it.",
+            feature=f,
+            accepts="positive number (cores)",
+        ),
     ]
 
 
@@ -403,6 +430,7 @@ def install_persistent_compiler(backend: Any, settings: Any) -> None:
         retries=settings[DISK_HELPER_RETRIES],
         lock_timeout_s=settings[DISK_LOCK_TIMEOUT],
         claim_wait_s=settings[DISK_CLAIM_WAIT],
+        helper_cpu_share=settings[DISK_HELPER_CPU_SHARE],
     )
     t = time.perf_counter()
     backend.grammar_compiler = xgr.PersistentCompiler(
@@ -416,7 +444,11 @@ def install_persistent_compiler(backend: Any, settings: Any) -> None:
         persist=persist,
         claims=settings[DISK_CLAIMS],
         tokenizer_json=tokenizer_json,
+        persist_min_compile_s=settings[DISK_PERSIST_MIN_COMPILE],
     )
+    service = getattr(backend, "_dspark_grammar", None)
+    if service is not None:  # the service (built by the base init, before this compiler) reports reuse to it
+        service.on_reuse = backend.grammar_compiler.persist_on_reuse
     phases["compiler"] = time.perf_counter() - t
     gm.set_disk_enabled(True)
     logger.info("dspark-harden: persistent grammar cache at %s", ns.path)

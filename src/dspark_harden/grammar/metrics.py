@@ -24,7 +24,7 @@ MARKER_REASONS = (
     "deadline",
     "helper_failed",
 )
-SKIP_REASONS = ("queue_full", "queued", "retries_exhausted")
+SKIP_REASONS = ("queue_full", "queued", "retries_exhausted", "cpu_budget")
 DISK_ERROR_OPS = ("publish", "prune", "helper", "lock_timeout", "protocol", "read")
 # mirrors disk.DEGRADE_REASONS and persist.TRANSIENT_CAUSES (tests keep them equal; importing
 # them here would load the disk and persistence modules into every process that builds the registry)
@@ -247,13 +247,26 @@ FAMILIES = (
         "dspark_harden_grammar_disk_publish_skipped_total",
         "counter",
         "Publications not attempted: queue_full (DSPARK_HARDEN_GRAMMAR_DISK_PUBLISH_QUEUE jobs already "
-        "waiting or retrying), queued (the same key is already waiting) or retries_exhausted (every attempt "
-        "failed transiently: nothing was stored, a later miss tries again).",
+        "waiting or retrying), queued (the same key is already waiting), retries_exhausted (every attempt "
+        "failed transiently: nothing was stored, a later miss tries again) or cpu_budget (the persistence "
+        "helper had used its DSPARK_HARDEN_GRAMMAR_DISK_HELPER_CPU_SHARE of a core).",
         labels=("dp_rank", "reason"),
         feature=FEATURE,
         roles=("scheduler",),
         precreate=tuple((DP_RANK, r) for r in SKIP_REASONS),
         aggregation="`sum by (reason) (increase(...))`; steady queue_full means more new schemas than one helper persists.",
+    ),
+    Family(
+        "dspark_harden_grammar_disk_deferred_total",
+        "counter",
+        "Publications kept for a key's second use: deferred (its first compile took less than "
+        "DSPARK_HARDEN_GRAMMAR_DISK_PERSIST_MIN_COMPILE_S, nothing was persisted) and published_on_reuse (a "
+        "later lookup used the key again, from memory or by joining its compile, and it was submitted then).",
+        labels=("dp_rank", "event"),
+        feature=FEATURE,
+        roles=("scheduler",),
+        precreate=tuple((DP_RANK, e) for e in ("deferred", "published_on_reuse")),
+        aggregation="`sum by (event) (increase(...))`; deferred far above published_on_reuse: mostly one-use schemas.",
     ),
     Family(
         "dspark_harden_grammar_disk_publish_queue_jobs",
@@ -351,6 +364,11 @@ def inc_stored(kind: str, reason: str = "") -> None:
     M.get("dspark_harden_grammar_disk_stored_total").labels(dp, kind).inc()
     if kind == "marker" and reason:
         M.get("dspark_harden_grammar_disk_markers_total").labels(dp, reason).inc()
+
+
+@_safe
+def inc_deferred(event: str) -> None:
+    M.get("dspark_harden_grammar_disk_deferred_total").labels(dp_label(), event).inc()
 
 
 @_safe

@@ -67,6 +67,9 @@ STDERR_TAIL_BYTES = 16 << 10
 #: service that sees a new schema per request must not grow with the traffic (issue 40)
 OUTCOMES_KEPT = 512
 CLAIM_EWMA_WEIGHT = 0.3  # weight of the newest claim-to-release sample in the estimate a claim carries
+#: the helper's CPU share is averaged over this window: the token bucket holds at most share x window
+#: CPU seconds, so an idle hour banks one minute's worth, not an hour's
+CPU_BUDGET_WINDOW_S = 60.0
 TRANSIENT_CAUSES = (
     "killed",
     "starved",
@@ -119,12 +122,21 @@ class PersistSettings:
     retries: int = 2
     retry_delay_s: float = 5.0
     claim_wait_s: float = claim_mod.MAX_WAIT_S  # DSPARK_HARDEN_GRAMMAR_DISK_CLAIM_WAIT
+    helper_cpu_share: float = 0.25  # DSPARK_HARDEN_GRAMMAR_DISK_HELPER_CPU_SHARE
 
     def __post_init__(self) -> None:
         for name in ("queue_max", "memory_limit_bytes"):
             if int(getattr(self, name)) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)!r}")
-        for name in ("deadline_s", "idle_exit_s", "start_timeout_s", "lock_timeout_s", "retry_delay_s", "claim_wait_s"):
+        for name in (
+            "deadline_s",
+            "idle_exit_s",
+            "start_timeout_s",
+            "lock_timeout_s",
+            "retry_delay_s",
+            "claim_wait_s",
+            "helper_cpu_share",
+        ):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)!r}")
         if int(self.retries) < 0:
@@ -537,7 +549,13 @@ class Persister:
         self._thread: Optional[threading.Thread] = None
         self._stop = threading.Event()
         self.outcomes = RecentOutcomes(OUTCOMES_KEPT)  # key digest -> last result (tests, bench)
-        self.skipped: dict[str, int] = {"queue_full": 0, "queued": 0, "retries_exhausted": 0}
+        self.skipped: dict[str, int] = {"queue_full": 0, "queued": 0, "retries_exhausted": 0, "cpu_budget": 0}
+        # the helper's CPU budget (token bucket, CPU seconds): refilled at helper_cpu_share per second up to
+        # share x CPU_BUDGET_WINDOW_S, charged with what the helper process really used (start-up included)
+        self._cpu_tokens = settings.helper_cpu_share * CPU_BUDGET_WINDOW_S
+        self._cpu_refilled = time.monotonic()
+        self._cpu_seen: tuple = (None, 0.0)  # (helper pid, its CPU seconds when last charged)
+        self.helper_cpu_s = 0.0  # CPU seconds charged so far (bench, tests)
         self.transient: dict[str, int] = {c: 0 for c in TRANSIENT_CAUSES}
         self._claims: dict = {}  # key digest -> this process's claim, until its job's first run ends
         self._claim_ewma: Optional[float] = None
@@ -594,6 +612,10 @@ class Persister:
                 self.skipped["queue_full"] += 1
                 gm.inc_publish_skipped("queue_full")
                 return False
+            if self._cpu_budget_locked() <= 0.0:
+                self.skipped["cpu_budget"] += 1
+                gm.inc_publish_skipped("cpu_budget")
+                return False
             if self._thread is None or not self._thread.is_alive():
                 self._thread = threading.Thread(target=self._run, name="dspark-grammar-persist", daemon=True)
                 self._thread.start()
@@ -613,6 +635,30 @@ class Persister:
             self._pending += 1
             gm.set_publish_queue(self._pending - self._busy)
             return True
+
+    def _cpu_budget_locked(self) -> float:
+        now = time.monotonic()
+        share = self.settings.helper_cpu_share
+        self._cpu_tokens = min(share * CPU_BUDGET_WINDOW_S, self._cpu_tokens + share * (now - self._cpu_refilled))
+        self._cpu_refilled = now
+        return self._cpu_tokens
+
+    def _charge_helper_cpu(self) -> None:
+        """Charge the budget with the CPU the helper process used since it was last charged (a new
+        helper: everything it used, its start-up included)."""
+        pid = self.helper.pid
+        if pid is None:
+            return
+        cpu = cpu_seconds(pid)
+        if cpu is None:
+            return
+        last_pid, last_cpu = self._cpu_seen
+        used = cpu - last_cpu if pid == last_pid else cpu
+        self._cpu_seen = (pid, cpu)
+        with self._lock:
+            self._cpu_budget_locked()
+            self._cpu_tokens -= max(0.0, used)
+            self.helper_cpu_s += max(0.0, used)
 
     def flush(self, timeout: Optional[float] = None) -> bool:
         """Wait until every job (retries included) reached its final outcome."""
@@ -678,6 +724,7 @@ class Persister:
                     logger.exception("dspark-harden: grammar cache persistence failed")
             finally:
                 self._claim_done(held)
+                self._charge_helper_cpu()
                 with self._lock:
                     self._busy = 0
                     if final:

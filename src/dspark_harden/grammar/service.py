@@ -30,7 +30,7 @@ import threading
 import time
 from collections import OrderedDict
 from concurrent.futures import Future, InvalidStateError, ThreadPoolExecutor
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from . import metrics as gm
 from . import xgr
@@ -78,11 +78,12 @@ class RequestFuture(Future):
 
 
 class _Inflight:
-    __slots__ = ("shared", "generation")
+    __slots__ = ("shared", "generation", "joined")
 
     def __init__(self, generation: int):
         self.shared: Future = Future()
         self.generation = generation
+        self.joined = False  # another lookup of the key joined this compile: the key is used again
 
 
 def grammar_nbytes(obj: Any) -> int:
@@ -165,7 +166,13 @@ class GrammarService:
         self.refused_too_large = 0
         self.pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="dspark-grammar")
         self._lock = threading.Lock()
-        self._lru: "OrderedDict[tuple, tuple[Any, int]]" = OrderedDict()
+        # canonical key -> (grammar, bytes, disk key digest or None)
+        self._lru: "OrderedDict[tuple, tuple[Any, int, Optional[str]]]" = OrderedDict()
+        # called with a key's disk digest when the key is used again (a memory hit, or a lookup joining its
+        # compile): the persistent compiler publishes then what it deferred at the first compile
+        self.on_reuse: Optional[Callable[[str], None]] = getattr(
+            getattr(backend, "grammar_compiler", None), "persist_on_reuse", None
+        )
         self._bytes = 0
         self._inflight: dict[tuple, _Inflight] = {}
         self._generation = 0
@@ -221,7 +228,10 @@ class GrammarService:
                     self._inflight[ckey] = inf
                     owner = True
                     self.compiles += 1
+                else:
+                    inf.joined = True
         if hit is not None:
+            self._reused(hit[2])
             value = hit[0].copy()
             value.maybe_init_reasoning(require_reasoning)
             gm.lookup("memory", time.perf_counter() - t0)
@@ -329,7 +339,7 @@ class GrammarService:
             logger.warning("dspark-harden grammar: refused a grammar: %s", empty)
             value = InvalidGrammarObject(empty)  # cached like stock's invalid grammars: one check per key
         source = res.source if res is not None else "compile"
-        return value, source, time.perf_counter() - t
+        return value, source, time.perf_counter() - t, (res.key_hex or None) if res is not None else None
 
     def _account(self, phases: dict, source: Optional[str]) -> None:
         with self._stats_lock:
@@ -357,14 +367,17 @@ class GrammarService:
         except BaseException as e:  # noqa: BLE001 - whatever it is, fail the waiters with it
             exc = e
         value = None if exc is not None else result[0]
+        key_hex = None if exc is not None else result[3]
         evicted = {"bytes": 0, "entries": 0}
         try:
             with self._lock:
                 if self._inflight.get(ckey) is inf:
                     del self._inflight[ckey]
                 if exc is None and _is_cacheable(value) and inf.generation == self._generation:
-                    self._insert_locked(ckey, value, evicted)
+                    self._insert_locked(ckey, value, evicted, key_hex)
                 size, count = self._bytes, len(self._lru)
+            if inf.joined:
+                self._reused(key_hex)
             for reason, n in evicted.items():
                 gm.inc_evictions("memory", reason, n)
             gm.set_memory(size, count)
@@ -379,16 +392,25 @@ class GrammarService:
             else:
                 inf.shared.set_result(result)
 
-    def _insert_locked(self, ckey: tuple, value: Any, evicted: dict) -> None:
+    def _reused(self, key_hex: Optional[str]) -> None:
+        if key_hex is not None and self.on_reuse is not None:
+            try:
+                self.on_reuse(key_hex)
+            except Exception:  # noqa: BLE001 - persistence is an optimisation: never fail a lookup for it
+                logger.exception("dspark-harden grammar: publishing a reused grammar failed")
+
+    def _insert_locked(self, ckey: tuple, value: Any, evicted: dict, key_hex: Optional[str] = None) -> None:
         nbytes = grammar_nbytes(value)
         old = self._lru.pop(ckey, None)
         if old is not None:
             self._bytes -= old[1]
-        self._lru[ckey] = (value, nbytes)
+            if key_hex is None:  # stock's set_cache after a miss re-inserts the grammar: keep its disk key
+                key_hex = old[2]
+        self._lru[ckey] = (value, nbytes, key_hex)
         self._bytes += nbytes
         while self._lru and (self._bytes > self.max_bytes or len(self._lru) > self.max_entries):
             reason = "bytes" if self._bytes > self.max_bytes else "entries"
-            _, (_, b) = self._lru.popitem(last=False)
+            _, (_, b, _) = self._lru.popitem(last=False)
             self._bytes -= b
             evicted[reason] += 1
             self.evictions += 1
@@ -406,7 +428,7 @@ class GrammarService:
             if exc is not None:
                 req.set_exception(exc)
                 return
-            value, compile_source, compile_s = shared.result()
+            value, compile_source, compile_s, _ = shared.result()
             req.source = source or compile_source
             if value is not None:
                 tc = time.perf_counter()

@@ -73,6 +73,13 @@ def take_resolution() -> Optional[Resolution]:
     return r
 
 
+#: deferred publications (keys compiled once, cheap to compile): at most this many, holding at most this many
+#: bytes of key text, and never a key larger than the last (it is published at its first compile)
+DEFERRED_KEPT = 4096
+DEFERRED_MAX_BYTES = 16 << 20
+DEFERRED_MAX_KEY_BYTES = 64 << 10
+
+
 def _record(res: Resolution) -> None:
     _TLS.last = res
     gm.observe_phases(res.phases)
@@ -180,9 +187,13 @@ class PersistentCompiler:
         claims: bool = True,
         tokenizer_json: Optional[str] = None,
         inner_cache_bytes: Optional[int] = None,
+        persist_min_compile_s: float = 0.0,
     ):
         # claims: host-wide compile claims (claim.py). On for a direct construction (benches, tests);
         # a server follows DSPARK_HARDEN_GRAMMAR_DISK_CLAIMS, off by default (feature.py says why).
+        # persist_min_compile_s: a key whose first compile took less is published only when it is used
+        # again (on_reuse); 0 (a direct construction): every compile is published
+        # (DSPARK_HARDEN_GRAMMAR_DISK_PERSIST_MIN_COMPILE_S, feature.py)
         self.inner = inner
         self.inner_threads = inner_threads
         # xgrammar's own compiler cache (DSPARK_HARDEN_GRAMMAR_XGR_CACHE_BYTES; 0: off). None: read
@@ -201,6 +212,12 @@ class PersistentCompiler:
         weakref.finalize(self, self.persister.close)  # a discarded compiler leaves no helper process
         self.native_compiles = 0  # native compile calls made through this object
         self.marker_compiles = 0  # of which: keys whose entry is a compile-locally marker (bench, tests)
+        self.persist_min_compile_s = float(persist_min_compile_s)
+        # key digest -> (parts, compile_s, cold) of keys compiled once and not published yet, bounded by
+        # count and by the bytes of their key text (a key larger than DEFERRED_MAX_KEY_BYTES is never deferred)
+        self._deferred: "collections.OrderedDict[str, tuple]" = collections.OrderedDict()
+        self._deferred_bytes = 0
+        self.deferred_published = 0  # deferred keys published on reuse (bench, tests)
         self.claims_enabled = bool(claims)  # DSPARK_HARDEN_GRAMMAR_DISK_CLAIMS (the feature passes it)
         self.claim_waits: "collections.deque" = collections.deque(maxlen=65536)  # (outcome, s): bench, tests
         self.claim_outcomes: dict = {o: 0 for o in claim_mod.OUTCOMES}
@@ -390,14 +407,51 @@ class PersistentCompiler:
                 claim_mod.remove_if(self.ns, mine)
             raise
         compile_s = time.perf_counter() - tc
-        # never blocks: a full queue skips
-        self.persister.submit(key_hex, parts, compile_s, claim=mine, cold=self._cold_timing())
+        # a claimed key is published at once (a peer may be waiting for it); submit never blocks (a full
+        # queue or a spent helper budget skips)
+        if mine is not None or not self._defer(key_hex, parts, compile_s):
+            self.persister.submit(key_hex, parts, compile_s, claim=mine, cold=self._cold_timing())
         total = time.perf_counter() - t0
         phases = {"native_compile": compile_s}
         if waited:
             phases["claim_wait"] = waited
         _record(Resolution("compile", total, phases, self.ns.entry_path(key_hex), key_hex))
         return cg
+
+    def _defer(self, key_hex: str, parts: list, compile_s: float) -> bool:
+        """Keep a cheap key's publication for its second use (True), or say it is published now (False):
+        a restart reads back what was used more than once, or what was expensive to compile; a key seen
+        once (a new schema per request, a tool set that changes every call) costs the helper nothing."""
+        if compile_s >= self.persist_min_compile_s:
+            return False
+        size = sum(len(p) if isinstance(p, str) else 64 for p in parts)
+        if size > DEFERRED_MAX_KEY_BYTES:
+            return False
+        with self._count_lock:
+            old = self._deferred.pop(key_hex, None)
+            if old is not None:
+                self._deferred_bytes -= old[3]
+            self._deferred[key_hex] = (parts, compile_s, self._cold_timing(), size)
+            self._deferred_bytes += size
+            while self._deferred and (
+                len(self._deferred) > DEFERRED_KEPT or self._deferred_bytes > DEFERRED_MAX_BYTES
+            ):
+                _, dropped = self._deferred.popitem(last=False)
+                self._deferred_bytes -= dropped[3]
+        gm.inc_deferred("deferred")
+        return True
+
+    def persist_on_reuse(self, key_hex: str) -> bool:
+        """The grammar service saw ``key_hex`` used again: publish it if its first compile deferred it."""
+        with self._count_lock:
+            got = self._deferred.pop(key_hex, None)
+            if got is None:
+                return False
+            self._deferred_bytes -= got[3]
+            self.deferred_published += 1
+        parts, compile_s, cold, _ = got
+        gm.inc_deferred("published_on_reuse")
+        return self.persister.submit(key_hex, parts, compile_s, cold=cold)
 
     def _claim_outcome(self, outcome: str, waited_s: Optional[float] = None) -> None:
         with self._count_lock:
