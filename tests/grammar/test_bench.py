@@ -283,3 +283,34 @@ def test_tokenizer_corpus_grows_only_above_32000_tokens():
     large = tm._corpus_files(*tm._corpus_budget(129280))
     assert large[: len(small)] == small  # the same standard library first, then more
     assert any(str(p).startswith(purelib) for p in large)
+
+
+@pytest.mark.timeout(900)
+def test_bench_grammar_stream_json_shape_and_what_the_helper_persists():
+    """`bench grammar --stream N --json`: stock and the service (real patches, real helper) over the same
+    stream of mostly new schemas, in alternating blocks. The JSON has the issue's keys; stock has no
+    helper; the service defers every cheap one-use key (nothing of them reaches the disk) and publishes
+    what was used again; its state per key is bounded (deferred keys: at most one per compiled key)."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "dspark_harden", "bench", "grammar", "--json", "--vocab", "2048"]
+        + ["--stream", "240", "--distinct-ratio", "0.8", "--blocks", "4"],
+        capture_output=True,
+        text=True,
+        timeout=850,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    r = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert r["requests"] == 240 and r["blocks"] == 4 and r["stock"]["warmup_requests"] == 60
+    for arm in ("stock", "harden"):
+        for key in ("rss_mb_after_warmup", "rss_growth_mb_per_10k", "helper_cpu_core_fraction", "lookup_p99_ms"):
+            assert isinstance(r[arm][key], (int, float)), (arm, key, r[arm])
+        assert r[arm]["lookup_p50_ms"] <= r[arm]["lookup_p99_ms"]
+    assert r["stock"]["helper_cpu_core_fraction"] == 0 and r["stock"]["helper_cpu_s"] == 0
+    h = r["harden"]
+    reused = h["deferred_published_on_reuse"]
+    assert 0 < reused < r["distinct_schemas"], h  # some schemas came back, most did not
+    assert h["deferred_pending"] + reused <= h["native_compiles"] == r["distinct_schemas"], h
+    # on disk: what was published on reuse plus what was published at its first compile (a compile that
+    # took 0.25 s on a loaded host), never a key still deferred
+    assert 0 < h["disk_entries"] <= h["native_compiles"] - h["deferred_pending"], h
+    assert h["helper_starts"] >= 1 and h["helper_cpu_s"] > 0, h

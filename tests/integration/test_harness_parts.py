@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from tests.harness import lock as server_lock
-from tests.plugin._proc import run_py
+from tests.plugin._proc import run_py, run_pys
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -117,18 +117,17 @@ def test_parallel_builds_build_once_and_are_deterministic(tmp_path):
             [sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
         )
 
-    a = tmp_path / "a"
+    a, b = tmp_path / "a", tmp_path / "b"
     procs = [launch(a), launch(a)]
-    outs = [p.communicate(timeout=600) for p in procs]
-    assert all(p.returncode == 0 for p in procs), outs
+    p = launch(b)  # the second cache is built at the same time (independent: another directory)
+    outs = [q.communicate(timeout=600) for q in procs]
+    assert all(q.returncode == 0 for q in procs), outs
     paths = {o[0].strip().splitlines()[-1] for o in outs}
     assert len(paths) == 1
     built = Path(paths.pop())
     marker = json.loads((built / ".complete").read_text())
-    assert marker["built_by_pid"] in {p.pid for p in procs}
+    assert marker["built_by_pid"] in {q.pid for q in procs}
     assert not [d for d in a.iterdir() if d.is_dir() and d.name.startswith(".tokenizer-")]  # no temp dirs left
-    b = tmp_path / "b"
-    p = launch(b)
     out, err = p.communicate(timeout=600)
     assert p.returncode == 0, err
     other = Path(out.strip().splitlines()[-1])
@@ -315,9 +314,13 @@ def test_stock_server_allow_list_loads_no_plugin():
         from dspark_harden.core import binder
         emit({"loaded": binder.STATE.report is not None})
     """
-    rc, res, out = run_py(code, env={"SGLANG_PLUGINS": STOCK_PLUGINS, "DSPARK_HARDEN_ROLE": "main"})
+    stock, plugin = run_pys(
+        (code, {"SGLANG_PLUGINS": STOCK_PLUGINS, "DSPARK_HARDEN_ROLE": "main"}),
+        (code, {"SGLANG_PLUGINS": "dspark_harden", "DSPARK_HARDEN_ROLE": "main"}),
+    )
+    rc, res, out = stock
     assert rc == 0 and res == {"loaded": False}, out[-3000:]
-    rc, res, out = run_py(code, env={"SGLANG_PLUGINS": "dspark_harden", "DSPARK_HARDEN_ROLE": "main"})
+    rc, res, out = plugin
     assert rc == 0 and res == {"loaded": True}, out[-3000:]
 
 
@@ -460,7 +463,16 @@ def test_sglang_patch_left_in_the_pytest_process_fails_and_is_restored():
     restore it (the last probe test then fails too)."""
     root = Path(__file__).resolve().parents[2]
     proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rE", "tests/integration/_patch_leak_probe.py"],
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "-rE",
+            "tests/integration/_patch_leak_probe.py",
+        ],
         cwd=root,
         capture_output=True,
         text=True,

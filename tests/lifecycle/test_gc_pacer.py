@@ -116,7 +116,7 @@ def test_freezer_installs_the_pacer_at_the_freeze(clean_gc):
         return
     stock = clean_gc
     f = GcFreezer()
-    f.configure(role="test", dp_label="0", after_batches=0, delay_s=0.0)
+    f.configure(role="test", dp_label="0", after_batches=0)
     try:
         heap = [{"k": [i]} for i in range(100_000)]
         f.freeze_now("test")

@@ -30,34 +30,43 @@ def _env(**extra) -> dict:
     return env
 
 
-def _check(env: dict, *args: str) -> tuple:
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "dspark_harden",
-            "check",
-            "--role",
-            "scheduler",
-            "--profile",
-            DSV4_DSPARK_DP2.name,
-            *args,
-        ],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    return proc.returncode, proc.stdout, proc.stderr
+def _cases() -> dict:
+    """Every profile check this module asserts on: name -> (env, extra args)."""
+    cuda = _cuda()
+    cases = {
+        # with CUDA the full profile (the DSV4 switches on too); without, everything else, and the verdict
+        # says what was left out
+        "passes": (_env(**DSV4_DSPARK_DP2.env()), ("--json",))
+        if cuda
+        else (_env(**SWITCHES), ("--json", "--skip-cuda-features")),
+        "partial_table": (_env(**SWITCHES), ("--skip-cuda-features",)),
+        "default_off": (_env(**{**SWITCHES, "DSPARK_HARDEN_PREFILL_GRAPH": "0"}), ("--skip-cuda-features",)),
+        "dsv4_not_bound": (_env(**(SWITCHES if cuda else DSV4_DSPARK_DP2.env())), ()),
+    }
+    for missing in OPT_IN + ["DSPARK_HARDEN_PREFILL_GRAPH"]:
+        cases[f"missing:{missing}"] = (
+            _env(**{k: v for k, v in SWITCHES.items() if k != missing}),
+            ("--skip-cuda-features",),
+        )
+    return cases
 
 
-def test_profile_passes_with_the_deployment_switches():
+@pytest.fixture(scope="module")
+def checks() -> dict:
+    """The module's real `check --profile` runs, started together (each is a fresh interpreter importing
+    SGLang on one core; at most four at once): name -> (rc, stdout, stderr)."""
+    from ._proc import run_concurrently
+
+    cases = _cases()
+    argv = [sys.executable, "-m", "dspark_harden", "check", "--role", "scheduler", "--profile", DSV4_DSPARK_DP2.name]
+    done = run_concurrently([([*argv, *args], env) for env, args in cases.values()], timeout=600, parallel=4)
+    return {name: (p.returncode, p.stdout, p.stderr) for name, p in zip(cases, done)}
+
+
+def test_profile_passes_with_the_deployment_switches(checks):
     assert CUDA_ONLY == ["dsv4-inplace-q-norm-rope", "dsv4-planner-guards", "dsv4-sparse-prefill-pool"]
     assert set(OPT_IN) < set(SWITCHES) and "DSPARK_HARDEN_PREFILL_GRAPH" in SWITCHES
-    if _cuda():  # the full profile: the DSV4 switches on too
-        rc, out, err = _check(_env(**DSV4_DSPARK_DP2.env()), "--json")
-    else:  # this host cannot run the DSV4 kernels: everything else, and the verdict says what was left out
-        rc, out, err = _check(_env(**SWITCHES), "--json", "--skip-cuda-features")
+    rc, out, err = checks["passes"]
     result = json.loads(out)
     prof = result["profile"]
     assert rc == 0 and result["ok"] and prof["ok"] and prof["problems"] == [], (out[-3000:], err[-2000:])
@@ -68,7 +77,7 @@ def test_profile_passes_with_the_deployment_switches():
     assert {"dp2-native-exchange", "dspark-masks", "dspark-result-materializer", "prefill-graph-dp"} <= bound
 
     if not _cuda():
-        rc, out, _ = _check(_env(**SWITCHES), "--skip-cuda-features")
+        rc, out, _ = checks["partial_table"]
         assert rc == 0
         assert (
             "profile dsv4-dspark-dp2 (scheduler role): PARTIAL (--skip-cuda-features): 16 feature(s) as needed, "
@@ -77,9 +86,8 @@ def test_profile_passes_with_the_deployment_switches():
 
 
 @pytest.mark.parametrize("missing", OPT_IN + ["DSPARK_HARDEN_PREFILL_GRAPH"])
-def test_profile_fails_naming_the_feature_whose_switch_is_missing(missing):
-    env = _env(**{k: v for k, v in SWITCHES.items() if k != missing})
-    rc, out, err = _check(env, "--skip-cuda-features")
+def test_profile_fails_naming_the_feature_whose_switch_is_missing(checks, missing):
+    rc, out, err = checks[f"missing:{missing}"]
     need = next(n for n in DSV4_DSPARK_DP2.needs if n.switch == missing)
     assert rc == 1, out[-2000:]
     lines = [ln for ln in out.splitlines() if ln.startswith("PROFILE: ")]
@@ -95,8 +103,8 @@ def test_profile_fails_naming_the_feature_whose_switch_is_missing(missing):
     assert "profile dsv4-dspark-dp2 (scheduler role): FAILED: 15 feature(s) as needed, 1 not" in out
 
 
-def test_profile_fails_naming_a_default_feature_switched_off():
-    rc, out, _ = _check(_env(**{**SWITCHES, "DSPARK_HARDEN_PREFILL_GRAPH": "0"}), "--skip-cuda-features")
+def test_profile_fails_naming_a_default_feature_switched_off(checks):
+    rc, out, _ = checks["default_off"]
     assert rc == 1
     assert (
         "PROFILE: prefill-graph-dp (one DP decision for prefill CUDA graphs, no rank-local eager fallback) is "
@@ -104,10 +112,10 @@ def test_profile_fails_naming_a_default_feature_switched_off():
     ) in out
 
 
-def test_profile_names_the_dsv4_features_that_do_not_bind():
+def test_profile_names_the_dsv4_features_that_do_not_bind(checks):
     """Without CUDA they cannot bind (switched on: failed, needs CUDA); with CUDA, left switched off: disabled."""
     cuda = _cuda()
-    rc, out, _ = _check(_env(**(SWITCHES if cuda else DSV4_DSPARK_DP2.env())))
+    rc, out, _ = checks["dsv4_not_bound"]
     assert rc == 1
     lines = [ln for ln in out.splitlines() if ln.startswith("PROFILE: ")]
     assert [ln.split(" ")[1] for ln in lines] == [

@@ -80,6 +80,7 @@ def positive_float(raw: str) -> float:
 
 
 def nonneg_float(raw: str) -> float:
+    """a number >= 0"""
     try:
         value = float(raw.strip())
     except ValueError:
@@ -125,7 +126,7 @@ flag01.bad_examples = ("", "true", "yes", "2", " 1", "on")
 positive_int.bad_examples = ("", "0", "-1", "1.5", "abc", "1e3")
 nonneg_int.bad_examples = ("", "-1", "1.5", "abc")
 positive_float.bad_examples = ("", "0", "-1", "nan", "inf", "abc")
-nonneg_float.bad_examples = ("", "-0.5", "nan", "inf", "abc")
+nonneg_float.bad_examples = ("", "-1", "-0.5", "nan", "inf", "abc")
 nonempty_str.bad_examples = ("", "   ")
 name_list.bad_examples = ("", ",", "a,,b", " , ")
 directory_path.bad_examples = ("", "  ")

@@ -99,7 +99,9 @@ SETTINGS = [
         _no_library_override,
         None,
         "Accepted by the seed to point at an external library; not supported here (the exchange is "
-        "built into the package), so any value is a startup error.",
+        "built into the package), so any value is a startup error. It is declared only for that: a "
+        "configuration carried over from the seed that sets it stops at startup instead of silently "
+        "running another exchange than the one it names.",
         feature=FEATURE,
         accepts="must be unset",
     ),

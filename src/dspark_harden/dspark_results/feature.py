@@ -15,7 +15,7 @@ from ..core import roles
 from ..core.feature import Feature
 from ..core.hookspecs import hookimpl
 from ..core.patch import Kind, Patch, Role
-from .settings import FEATURE, QUEUE, SETTINGS, SWITCH, SWITCH_INTERVAL, TIMEOUT
+from .settings import FEATURE, QUEUE_SIZE, SETTINGS, SWITCH, SWITCH_INTERVAL, TIMEOUT
 
 
 @hookimpl
@@ -106,7 +106,7 @@ def patches(role: Role, settings: Any) -> list:
         return []
     from . import integration as I
 
-    I.configure(settings[QUEUE], settings[TIMEOUT], settings[SWITCH_INTERVAL])
+    I.configure(QUEUE_SIZE, settings[TIMEOUT], settings[SWITCH_INTERVAL])
     common = dict(feature=FEATURE, roles={Role.SCHEDULER})
     return [
         Patch(

@@ -6,7 +6,10 @@ from ..core.settings import Setting, flag01, int_range, positive_float
 
 FEATURE = "dspark-result-materializer"
 SWITCH = "DSPARK_HARDEN_DSPARK_RESULTS"
-QUEUE = "DSPARK_HARDEN_DSPARK_RESULTS_QUEUE"
+#: bound of the materializer's queue (results waiting for their copy): overlap scheduling keeps at most two
+#: results in flight, so it never fills; a full queue would block the scheduler thread at enqueue
+#: (back-pressure, timed as phase ``queue``, bounded by the timeout). A setting once, removed: one value made sense
+QUEUE_SIZE = 4
 TIMEOUT = "DSPARK_HARDEN_DSPARK_RESULTS_TIMEOUT_S"
 SWITCH_INTERVAL = "DSPARK_HARDEN_DSPARK_RESULTS_SWITCH_INTERVAL_US"
 SWITCH_INTERVAL_DEFAULT_US = 200
@@ -19,15 +22,6 @@ SETTINGS = [
         "1: DSpark decode results under overlap scheduling are converted to host lists (tolist, event "
         "wait) on one background thread per scheduler; the consumers read the record. 0: stock (the "
         "scheduler thread synchronizes and converts).",
-        feature=FEATURE,
-    ),
-    Setting(
-        QUEUE,
-        int_range(1, 64),
-        4,
-        "Bound of the materializer's queue (results waiting for their copy). A full queue blocks the "
-        "scheduler thread at enqueue (back-pressure, timed as phase `queue`); overlap keeps at most "
-        "two results in flight, so the default never fills.",
         feature=FEATURE,
     ),
     Setting(

@@ -11,8 +11,9 @@ as a scheduler does (lookup, wait, a private copy, the request ends). The stream
 even blocks), so both see the same host load; one process is idle while the other runs.
 
 Per process: RSS after each block (after ``gc.collect``) and its growth per 10,000 requests after
-warm-up (least squares over the blocks after the first ``WARMUP_SHARE``), the lookup latency of
-every request after warm-up (p50/p99, ms), native compiles, and for the service the persistence
+warm-up (least squares over the blocks after the first ``WARMUP_SHARE``, and for the service after its
+LRU first held 90 % of ``DSPARK_HARDEN_GRAMMAR_CACHE_BYTES``: it is meant to grow until then), the
+lookup latency of every request after warm-up (p50/p99, ms), native compiles, and for the service the persistence
 helper's CPU seconds (every helper process it started, start-ups included, from the kernel's
 accounting), as a fraction of one core over the stream's wall time (the helper runs beside both
 processes' blocks and its budget refills with wall time), and what reached the disk (entries, bytes,
@@ -149,7 +150,8 @@ def _stream_child(variant: str, vocab: int, env: dict, cache_dir: str, conn) -> 
             wall = time.perf_counter() - t_block
             busy_s += wall
             gc.collect()
-            conn.send({"lat": lat, "wall": wall, "rss": _rss_bytes()})
+            service = getattr(backend, "_dspark_grammar", None)
+            conn.send({"lat": lat, "wall": wall, "rss": _rss_bytes(), "lru": service.nbytes if service else None})
         out: dict = {"busy_s": busy_s}
         pc = backend.grammar_compiler
         out["native_compiles"] = int(getattr(pc, "native_compiles", -1))
@@ -217,7 +219,7 @@ def run_stream(n: int, distinct_ratio: float = 0.9, vocab: int = 32000, blocks: 
         for variant, c in conns.items():
             msg = _recv(c, procs[variant], variant)
             base[variant] = msg["rss"]
-        res: dict = {v: {"lat": [], "points": [], "walls": []} for v in conns}
+        res: dict = {v: {"lat": [], "points": [], "walls": [], "lru": []} for v in conns}
         done = 0
         t_stream = time.perf_counter()
         for k, chunk in enumerate(chunks):
@@ -226,10 +228,10 @@ def run_stream(n: int, distinct_ratio: float = 0.9, vocab: int = 32000, blocks: 
                 conns[variant].send(chunk)
                 msg = _recv(conns[variant], procs[variant], variant)
                 r = res[variant]
-                if k >= warm:
-                    r["lat"].extend(msg["lat"])
+                r["lat"].append(msg["lat"])
                 r["points"].append((done + len(chunk), msg["rss"] / 2**20))
                 r["walls"].append(msg["wall"])
+                r["lru"].append(msg["lru"])
             done += len(chunk)
             log(
                 f"block {k + 1}/{len(chunks)}: {done} requests; RSS stock "
@@ -252,7 +254,6 @@ def run_stream(n: int, distinct_ratio: float = 0.9, vocab: int = 32000, blocks: 
         "distinct_ratio": distinct_ratio,
         "vocab": vocab,
         "blocks": len(chunks),
-        "warmup_requests": sum(len(c) for c in chunks[:warm]),
         "stream_s": round(stream_s, 2),
         # the service's memory is bounded by its LRU plus xgrammar's own cache: RSS is flat once they are full
         "cache_bytes_limit": settings[CACHE_BYTES],
@@ -260,14 +261,26 @@ def run_stream(n: int, distinct_ratio: float = 0.9, vocab: int = 32000, blocks: 
     }
     for variant in ("stock", "harden"):
         r, t = res[variant], totals[variant]
-        after = r["points"][warm - 1 :]  # from the end of warm-up on
+        # warm-up: the first WARMUP_SHARE of the blocks, and for the service until its LRU is full (90 % of
+        # its limit): its memory is bounded by the LRU, so it grows until then by design
+        w, lru_full_at = warm, None
+        for k, lru in enumerate(r["lru"]):
+            if lru is not None and lru >= 0.9 * settings[CACHE_BYTES]:
+                lru_full_at = r["points"][k][0]
+                w = max(w, k + 1)
+                break
+        w = min(w, len(chunks) - 1)  # at least two points to fit
+        after = r["points"][w - 1 :]  # from the end of warm-up on
+        lat = [x for block in r["lat"][w:] for x in block]
         entry = {
+            "warmup_requests": r["points"][w - 1][0],
+            "lru_full_at_request": lru_full_at,
             "rss_mb_start": round(base[variant] / 2**20, 1),
             "rss_mb_after_warmup": round(after[0][1], 1),
             "rss_mb_end": round(r["points"][-1][1], 1),
             "rss_growth_mb_per_10k": round(_slope_per_10k(after), 2),
-            "lookup_p50_ms": round(_pct(r["lat"], 0.5) * 1e3, 3),
-            "lookup_p99_ms": round(_pct(r["lat"], 0.99) * 1e3, 3),
+            "lookup_p50_ms": round(_pct(lat, 0.5) * 1e3, 3),
+            "lookup_p99_ms": round(_pct(lat, 0.99) * 1e3, 3),
             "busy_s": round(t["busy_s"], 2),
             "native_compiles": t["native_compiles"],
             "helper_cpu_s": 0.0,

@@ -39,15 +39,15 @@ from .settings import (  # noqa: F401 - the feature's names (re-exported)
     DISK_BYTES,
     DISK_CLAIM_WAIT,
     DISK_CLAIMS,
-    DISK_HELPER_CPU_SHARE,
-    DISK_PERSIST_MIN_COMPILE,
     DISK_DIR,
+    DISK_HELPER_CPU_SHARE,
     DISK_HELPER_DEADLINE,
     DISK_HELPER_MEMORY,
     DISK_HELPER_RETRIES,
     DISK_LOAD_RATIO,
     DISK_LOCK_TIMEOUT,
     DISK_MAX_ENTRY,
+    DISK_PERSIST_MIN_COMPILE,
     DISK_QUEUE,
     FEATURE,
     MAX_GRAMMAR_BYTES,
@@ -291,7 +291,10 @@ def dspark_settings():
             "(host-wide one compile per key) before it compiles the grammar itself. The wait is also "
             "bounded by 2x the claimant's measured claim-to-publication time (this value, while the "
             "claimant has measured none) and by half of what is left of the request's "
-            "DSPARK_HARDEN_GRAMMAR_COMPILE_TIMEOUT; it ends at once when the claimant dies.",
+            "DSPARK_HARDEN_GRAMMAR_COMPILE_TIMEOUT; it ends at once when the claimant dies. Read only "
+            "with DSPARK_HARDEN_GRAMMAR_DISK_CLAIMS=1 (a process without claims never waits); kept "
+            "separate from the switch because the right bound depends on the host's helper start-up "
+            "and compile times (the CPU test server raises it to 300 s).",
             feature=f,
             accepts="positive number (seconds)",
         ),
@@ -315,7 +318,7 @@ def dspark_settings():
             "Most of one core the persistence helper may use, averaged over a minute (a budget of this "
             "many CPU seconds per second, holding at most 60 s worth, charged with what the helper process "
             "really used, its start-up included). A publication submitted while the budget is spent is "
-            "skipped (counted in dspark_harden_grammar_disk_publish_skipped_total{reason=\"cpu_budget\"}); "
+            'skipped (counted in dspark_harden_grammar_disk_publish_skipped_total{reason="cpu_budget"}); '
             "the request is unaffected and a later use of the key persists it.",
             feature=f,
             accepts="positive number (cores)",

@@ -433,9 +433,7 @@ class PersistentCompiler:
                 self._deferred_bytes -= old[3]
             self._deferred[key_hex] = (parts, compile_s, self._cold_timing(), size)
             self._deferred_bytes += size
-            while self._deferred and (
-                len(self._deferred) > DEFERRED_KEPT or self._deferred_bytes > DEFERRED_MAX_BYTES
-            ):
+            while self._deferred and (len(self._deferred) > DEFERRED_KEPT or self._deferred_bytes > DEFERRED_MAX_BYTES):
                 _, dropped = self._deferred.popitem(last=False)
                 self._deferred_bytes -= dropped[3]
         gm.inc_deferred("deferred")

@@ -408,7 +408,6 @@ def dspark_process_bound(role, settings, report):
             role=role.value,
             dp_label=ctx.dp_label,
             after_batches=settings[S.GC_AFTER_BATCHES],
-            delay_s=settings[S.GC_DELAY_S],
         )
         if role is Role.MAIN:
             gc_freeze.start_main_watch()

@@ -7,8 +7,8 @@ measured upstream with 1.1M objects, #30693), and a pause on one DP rank stalls 
 
 When warm-up is over — the process is serving (scheduler: its event loop runs, i.e. after model
 load and any graph capture; detokenizer: its loop runs; main: the server answered SGLang's
-warm-up request) and it processed ``DSPARK_HARDEN_GC_FREEZE_AFTER_BATCHES`` batches, plus
-``DSPARK_HARDEN_GC_FREEZE_DELAY_S`` — :func:`freeze_now` runs ``gc.collect()`` then
+warm-up request) and it processed ``DSPARK_HARDEN_GC_FREEZE_AFTER_BATCHES`` batches — :func:`freeze_now`
+runs ``gc.collect()`` then
 ``gc.freeze()`` once. Never during capture, and re-freezes if a later capture unfroze the heap
 (stock's capture context ``freeze_gc`` calls ``gc.unfreeze()`` at its end).
 
@@ -249,7 +249,6 @@ class GcFreezer:
         self.role = "none"
         self.dp_label = "none"
         self.after_batches = 8
-        self.delay_s = 0.0
         self.enabled = True
         self.frozen_objects = 0
         self.frozen_at: Optional[float] = None
@@ -261,9 +260,9 @@ class GcFreezer:
         self.on_loop_thread = False  # scheduler: the freeze runs on the event-loop thread (run_due)
         self._due: Optional[str] = None  # the reason of a freeze the loop thread has to run
 
-    def configure(self, *, role: str, dp_label: str, after_batches: int, delay_s: float) -> None:
+    def configure(self, *, role: str, dp_label: str, after_batches: int) -> None:
         self.role, self.dp_label = role, dp_label
-        self.after_batches, self.delay_s = after_batches, delay_s
+        self.after_batches = after_batches
         self.recorder.install()
         if self._flusher is None:
             self._flusher = threading.Thread(target=self._flush_loop, name="dspark-gc-metrics", daemon=True)
@@ -320,9 +319,7 @@ class GcFreezer:
                 except Exception:  # noqa: BLE001
                     logger.debug("gc-freeze progress probe failed", exc_info=True)
                 time.sleep(0.25)
-            if self.delay_s:
-                time.sleep(self.delay_s)
-            self._freeze_or_mark_due(f"{need} {what}" + (f" + {self.delay_s:g} s" if self.delay_s else ""))
+            self._freeze_or_mark_due(f"{need} {what}")
             # a later graph capture unfreezes (stock freeze_gc context): freeze again after it
             while True:
                 time.sleep(5.0)
@@ -356,13 +353,6 @@ class GcFreezer:
             return
         self._inline = getattr(self, "_inline", 0) + 1
         if self._inline >= self.after_batches:
-            if self.delay_s:
-                t = getattr(self, "_inline_ready_at", None)
-                if t is None:
-                    self._inline_ready_at = time.monotonic()
-                    return
-                if time.monotonic() - t < self.delay_s:
-                    return
             self.freeze_now(f"{self.after_batches} batches served")
 
     # -- metrics ------------------------------------------------------------------------------

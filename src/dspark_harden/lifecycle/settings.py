@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ..core.settings import Setting, flag01, nonneg_int, positive_float
+from ..core.settings import Setting, flag01, nonneg_float, nonneg_int, positive_float
 
 SHUTDOWN = "lifecycle-shutdown"
 GC_FREEZE = "gc-freeze"
@@ -15,7 +15,6 @@ DRAIN_S = "DSPARK_HARDEN_SHUTDOWN_DRAIN_S"
 BARRIER_TIMEOUT_S = "DSPARK_HARDEN_SHUTDOWN_BARRIER_TIMEOUT_S"
 DEATH_GRACE_S = "DSPARK_HARDEN_DEATH_GRACE_S"
 GC_SWITCH = "DSPARK_HARDEN_GC_FREEZE"
-GC_DELAY_S = "DSPARK_HARDEN_GC_FREEZE_DELAY_S"
 GC_AFTER_BATCHES = "DSPARK_HARDEN_GC_FREEZE_AFTER_BATCHES"
 GATE_CONTROL = "SGLANG_HICACHE_GATE_CONTROL"
 HOSTPOOL_SWITCH = "DSPARK_HARDEN_HOSTPOOL_TEARDOWN"
@@ -29,20 +28,6 @@ DEFAULT_DRAIN_S = 30.0
 DEFAULT_BARRIER_TIMEOUT_S = 10.0
 DEFAULT_DEATH_GRACE_S = 2.0
 DEFAULT_GC_AFTER_BATCHES = 8
-
-
-def nonneg_float(raw: str) -> float:
-    """a number >= 0 (seconds)"""
-    try:
-        value = float(raw.strip())
-    except ValueError:
-        raise ValueError(f"must be a number >= 0, got {raw!r}") from None
-    if not (value >= 0 and value != float("inf")):
-        raise ValueError(f"must be a finite number >= 0, got {raw!r}")
-    return value
-
-
-nonneg_float.bad_examples = ("", "-1", "nan", "inf", "abc")
 
 
 class GateMode(str):
@@ -105,14 +90,6 @@ SETTINGS = [
         "1: gc.freeze() once after warm-up in every scheduler, the detokenizer and the main process "
         "(tokenizer), and export gen-2 collection pauses per dp_rank. 0: stock (freeze only on /freeze_gc).",
         feature=GC_FREEZE,
-    ),
-    Setting(
-        GC_DELAY_S,
-        nonneg_float,
-        0.0,
-        "Extra seconds to wait after warm-up before freezing (0: freeze as soon as warm-up is over).",
-        feature=GC_FREEZE,
-        accepts="seconds >= 0",
     ),
     Setting(
         GC_AFTER_BATCHES,
