@@ -28,6 +28,7 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "server: starts a real SGLang server on CPU (slow)")
     config.addinivalue_line("markers", "gpu: needs CUDA (run on the device machine)")
     config.addinivalue_line("markers", "shared_order(n): position inside a shared server's group (default 0)")
+    config.pluginmanager.register(_SGLangPatchGuard(), "dspark-sglang-patch-guard")
     # The pytest process forks (pytest-forked) after earlier tests ran torch ops in it. Once a
     # multi-threaded op has started torch's OpenMP pool in this process, a forked child deadlocks in
     # its first parallel op (libgomp is not fork-safe): seen twice in one suite run, in
@@ -91,63 +92,87 @@ class _SGLangCode:
     """The functions, classes and descriptors of every loaded ``sglang`` module and of the classes
     those modules define, held by reference (an id taken while its object is alive cannot be reused,
     so comparing ids is exact). State that is not code (a group a test initialised, a registry) is
-    not compared: a patch replaces code."""
+    not compared: a patch replaces code. Cheap when nothing changed: each module's and class's
+    namespace is first compared as a tuple of value ids (C speed); only one that differs is diffed."""
 
     def __init__(self):
-        self.owners: dict = {}  # (module, class name or "") -> (owner, {attribute: value})
+        self.owners: dict = {}  # (module, class name or "") -> [owner, ids of its namespace, {attr: code}]
+        self.classes: dict = {}  # module name -> [(class name, class)] defined there
 
     @staticmethod
-    def _owners():
-        for modname, module in list(sys.modules.items()):
-            if module is None or not (modname == "sglang" or modname.startswith("sglang.")):
-                continue
-            d = getattr(module, "__dict__", None)
-            if d is None:
-                continue
-            yield (modname, ""), module, d
-            for name, value in list(d.items()):
-                if isinstance(value, type) and value.__module__ == modname:
-                    yield (modname, name), value, value.__dict__
+    def _code_of(d) -> dict:
+        return {k: v for k, v in list(d.items()) if _is_code(v)}
+
+    def _classes(self, modname: str, d) -> list:
+        return [(n, v) for n, v in list(d.items()) if isinstance(v, type) and v.__module__ == modname]
 
     def changes(self, accept: bool = False) -> list:
         """[(key, owner, attribute, old value or None)] changed since the state last taken; new
         modules and classes (imported since) are taken, not reported. ``accept``: take the changed
         owners' current state as the new reference (what a module-scoped fixture set up is not this
         test's doing)."""
-        out = []
-        for key, owner, d in self._owners():
-            known = self.owners.get(key)
-            if known is None or known[0] is not owner:
-                self.owners[key] = (owner, {k: v for k, v in list(d.items()) if _is_code(v)})
+        out: list = []
+        for modname, module in list(sys.modules.items()):
+            if module is None or not (modname == "sglang" or modname.startswith("sglang.")):
                 continue
-            old, n = known[1], len(out)
-            for name, value in old.items():
-                if d.get(name, _MISSING) is not value:
-                    out.append((key, owner, name, value))
-            if key[1]:  # a class: code added to it is a patch too (a module gains submodules by import)
-                out.extend((key, owner, name, None) for name, v in list(d.items()) if name not in old and _is_code(v))
-            if accept and len(out) > n:
-                self.owners[key] = (owner, {k: v for k, v in list(d.items()) if _is_code(v)})
+            d = getattr(module, "__dict__", None)
+            if d is None:
+                continue
+            if self._check((modname, ""), module, d, out, accept) or modname not in self.classes:
+                self.classes[modname] = self._classes(modname, d)
+            for name, cls in self.classes[modname]:
+                self._check((modname, name), cls, cls.__dict__, out, accept)
         return out
+
+    def _check(self, key, owner, d, out: list, accept: bool) -> bool:
+        """Compare one namespace; True when it differs from (or is new to) the reference."""
+        ids = tuple(map(id, d.values()))
+        known = self.owners.get(key)
+        if known is not None and known[0] is owner and known[1] == ids:
+            return False
+        if known is None or known[0] is not owner:
+            self.owners[key] = [owner, ids, self._code_of(d)]
+            return True
+        old, n = known[2], len(out)
+        for name, value in old.items():
+            if d.get(name, _MISSING) is not value:
+                out.append((key, owner, name, value))
+        if key[1]:  # a class: code added to it is a patch too (a module gains submodules by import)
+            out.extend((key, owner, name, None) for name, v in list(d.items()) if name not in old and _is_code(v))
+        if len(out) == n or accept:  # only state changed, or accepted: the new reference
+            self.owners[key] = [owner, ids, self._code_of(d)]
+        return True
 
 
 _MISSING = object()
 _SGLANG_CODE = _SGLangCode()
 
 
-@pytest.fixture(autouse=True)
-def _no_sglang_patch_leaks(request):
-    """A test that patches an SGLang function or class in the pytest process and leaves the patch in
-    place changes every later test of the run (the binder's state is guarded above; this covers any
-    patch: ``setattr`` on a class, a module function replaced, a method added). At teardown (after the
-    test's own fixtures, ``monkeypatch`` included, were undone) every SGLang module and class is
-    compared with the state before it; a difference is restored and fails the test, naming each
-    attribute. Forked tests run in a child and cannot leak: they are not compared."""
-    if os.getpid() != _PYTEST_PID or request.node.get_closest_marker("forked") is not None:
-        yield
-        return
-    _SGLANG_CODE.changes(accept=True)  # modules imported since the last test, module-scoped fixtures' patches
+class _SGLangPatchGuard:
+    """Registered as a plugin (tests/conftest.py's own ``pytest_runtest_teardown`` stops shared servers)."""
+
+    def pytest_collection_finish(self, session):
+        # the reference: SGLang as the test modules' imports left it (a module first imported inside a
+        # test is taken when the guard first sees it, patched or not)
+        _SGLANG_CODE.changes(accept=True)
+
+    @pytest.hookimpl(hookwrapper=True)
+    def pytest_runtest_teardown(self, item, nextitem):
+        yield from _sglang_patch_guard(item, nextitem)
+
+
+def _sglang_patch_guard(item, nextitem):
+    """A module that patches an SGLang function or class in the pytest process and leaves the patch
+    in place changes every later module of the run (the binder's state is guarded per test above;
+    this covers any patch: ``setattr`` on a class, a module function replaced, a method added or
+    deleted). After the last test of each module is torn down (its module-scoped fixtures too), every
+    SGLang module and class is compared with the state after the previous module; a difference is
+    restored and fails that test's teardown, naming the module and each attribute. Per module, not
+    per test: the comparison costs tens of ms, ~10 s over a run at this granularity. Forked tests
+    run in a child and cannot leak."""
     yield
+    if os.getpid() != _PYTEST_PID or (nextitem is not None and nextitem.module is item.module):
+        return
     changed = _SGLANG_CODE.changes()
     if not changed:
         return
@@ -159,9 +184,11 @@ def _no_sglang_patch_leaks(request):
                 delattr(owner, attr)
         else:
             setattr(owner, attr, old)
+    _SGLANG_CODE.changes(accept=True)
     pytest.fail(
-        f"{request.node.nodeid} left {len(names)} SGLang patch(es) in the pytest process (restored now): "
-        f"{', '.join(sorted(names))}; undo them in the test (monkeypatch) or mark it @pytest.mark.forked",
+        f"{item.module.__name__} left {len(names)} SGLang patch(es) in the pytest process after its tests "
+        f"(found after {item.name}; restored now): {', '.join(sorted(names))}; undo them in the test that "
+        "made them (monkeypatch) or mark it @pytest.mark.forked",
         pytrace=False,
     )
 

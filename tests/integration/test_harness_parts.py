@@ -456,34 +456,24 @@ def test_a_port_race_on_every_attempt_fails_with_the_log(tmp_path, monkeypatch):
 
 
 def test_sglang_patch_left_in_the_pytest_process_fails_and_is_restored():
-    """The conftest guard against SGLang patches leaking between tests (real SGLang classes, the
-    suite's own conftest, a pytest of its own): a method replaced, added or deleted and left so
-    fails that test naming the attribute, is restored, and later tests see stock code; a
-    monkeypatch undone at teardown passes. Fails if the guard misses a kind of patch or does not
-    restore it (the last probe test then fails too)."""
+    """The conftest guard against SGLang patches leaking between test modules (real SGLang classes,
+    the suite's own conftest, a pytest of its own over two probe modules): a method replaced, added
+    or deleted and left so fails the module's last test at teardown naming each attribute, is
+    restored, and the next module sees stock code; a monkeypatch undone at teardown is no leak.
+    Fails if the guard misses a kind of patch or does not restore it (the second module then fails)."""
     root = Path(__file__).resolve().parents[2]
+    probes = ["tests/integration/_patch_leak_probe.py", "tests/integration/_patch_leak_probe_after.py"]
     proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pytest",
-            "-q",
-            "-p",
-            "no:cacheprovider",
-            "-rE",
-            "tests/integration/_patch_leak_probe.py",
-        ],
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rE", *probes],
         cwd=root,
         capture_output=True,
         text=True,
         timeout=600,
     )
     out = proc.stdout
-    assert "5 passed, 3 errors" in out, out[-4000:]  # the guard fails a leaking test at its teardown
-    for test, attr in (
-        ("replaced", "SamplingParams.normalize"),
-        ("added", "SamplingParams.planted_by_a_test"),
-        ("deleted", "SamplingParams.verify"),
-    ):
-        line = next(ln for ln in out.splitlines() if f"test_leaves_a_method_{test} left 1 SGLang patch" in ln)
-        assert f"sglang.srt.sampling.sampling_params.{attr}" in line and "restored now" in line, line
+    summary = out.strip().splitlines()[-1]  # the guard fails the leaking module's last teardown
+    assert "5 passed" in summary and "1 error" in summary and "failed" not in summary, out[-4000:]
+    line = next(ln for ln in out.splitlines() if "left 3 SGLang patch(es) in the pytest process" in ln)
+    for attr in ("normalize", "planted_by_a_test", "verify"):
+        assert f"sglang.srt.sampling.sampling_params.SamplingParams.{attr}" in line, line
+    assert "integration._patch_leak_probe left" in line and "test_leaves_a_method_deleted" in line, line
