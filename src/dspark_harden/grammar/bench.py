@@ -501,20 +501,24 @@ def distinct_schema(i: int) -> str:
     return json.dumps({"title": f"s{i}", "type": "object", "properties": props, "required": list(props)[:3]})
 
 
+def scheduler_backend(variant: str, vocab: int, env: dict, cache_dir: str):
+    """A scheduler-shaped process's grammar backend: stock's ``XGrammarGrammarBackend``, or (``harden``)
+    the same with the grammar service's patches applied in this process under ``env``."""
+    tok = _load_tokenizer(vocab)
+    if variant == "harden":
+        os.environ.update(env)
+        for p in _patches(cache_dir):
+            p.apply()
+    return _backend(tok)
+
+
 def _memory_child(variant: str, n: int, vocab: int, env: dict, cache_dir: str, out_q) -> None:
     """One process resolves ``n`` distinct schemas one at a time as the scheduler does (lookup,
     wait, private copy, then the request ends); RSS after every tenth (after ``gc.collect``)."""
     import gc
 
     try:
-        tok = _load_tokenizer(vocab)
-        patches = []
-        if variant == "harden":
-            os.environ.update(env)
-            patches = _patches(cache_dir)
-            for p in patches:
-                p.apply()
-        backend = _backend(tok)
+        backend = scheduler_backend(variant, vocab, env, cache_dir)
         gc.collect()
         points = [(0, _rss_bytes(), 0)]
         step = max(1, n // 10)

@@ -117,16 +117,9 @@ def _stream_child(variant: str, vocab: int, env: dict, cache_dir: str, conn) -> 
     """One scheduler-shaped process: receives a block of schema ids, resolves them one at a time,
     answers with the block's latencies, wall seconds and RSS; ``None`` ends it with the totals."""
     try:
-        from .bench import _backend, _load_tokenizer, _patches
+        from .bench import scheduler_backend
 
-        tok = _load_tokenizer(vocab)
-        patches = []
-        if variant == "harden":
-            os.environ.update(env)
-            patches = _patches(cache_dir)
-            for p in patches:
-                p.apply()
-        backend = _backend(tok)
+        backend = scheduler_backend(variant, vocab, env, cache_dir)
         gc.collect()
         conn.send({"ready": True, "rss": _rss_bytes()})
         busy_s = 0.0
