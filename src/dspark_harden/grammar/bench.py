@@ -809,12 +809,6 @@ def run_handoff(vocab: int = 32000, repeats: int = 5, log=print) -> dict:
 
 def main(args: Any) -> int:
     log = (lambda *a, **k: print(*a, file=sys.stderr, **k)) if args.json else print
-    if getattr(args, "stream", None):
-        from .bench_stream import run_stream
-
-        result = run_stream(args.stream, args.distinct_ratio, vocab=args.vocab, blocks=args.blocks, log=log)
-        print(json.dumps(result) if args.json else json.dumps(result, indent=2))
-        return 0
     if getattr(args, "handoff", False):
         result = run_handoff(vocab=args.vocab, repeats=args.repeats, log=log)
         print(json.dumps(result) if args.json else json.dumps(result, indent=2))

@@ -315,3 +315,13 @@ def _recv(conn, proc, variant: str, timeout: float = 3600.0) -> dict:
     if "error" in msg:
         raise RuntimeError(f"bench grammar --stream: {variant}: {msg['error']}")
     return msg
+
+
+def main(args: Any) -> int:
+    """``bench grammar --stream N``: JSON on stdout (``--json``: one line, the log on stderr)."""
+    import sys
+
+    log = (lambda *a, **k: print(*a, file=sys.stderr, **k)) if args.json else print
+    result = run_stream(args.stream, args.distinct_ratio, vocab=args.vocab, blocks=args.blocks, log=log)
+    print(json.dumps(result) if args.json else json.dumps(result, indent=2))
+    return 0

@@ -104,6 +104,10 @@ def register(subparsers: Any, bench_subparsers: Any) -> None:
 
 
 def _bench_main(args: Any) -> int:
+    if getattr(args, "stream", None):  # bench_stream builds on bench (one direction: no import cycle)
+        from . import bench_stream
+
+        return bench_stream.main(args)
     from . import bench
 
     return bench.main(args)
