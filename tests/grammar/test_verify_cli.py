@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 
 from dspark_harden.grammar import disk
@@ -22,26 +21,11 @@ def _cli(*args):
 def _clis(*arg_lists):
     """``grammar-cache verify`` runs that only read the cache, at once (each is a fresh interpreter
     importing xgrammar and SGLang's tokenizer stack on one core): [(rc, stdout, stderr)] in order."""
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-m", "dspark_harden", "grammar-cache", "verify", *args],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for args in arg_lists
-    ]
-    out = []
-    try:
-        for p in procs:
-            stdout, stderr = p.communicate(timeout=300)
-            out.append((p.returncode, stdout, stderr))
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    return out
+    from tests.plugin._proc import run_concurrently
+
+    argv = [sys.executable, "-m", "dspark_harden", "grammar-cache", "verify"]
+    done = run_concurrently([([*argv, *args], None) for args in arg_lists], timeout=300, parallel=len(arg_lists))
+    return [(p.returncode, p.stdout, p.stderr) for p in done]
 
 
 def _populate(tok, cache_dir, n=4):

@@ -512,6 +512,22 @@ def scheduler_backend(variant: str, vocab: int, env: dict, cache_dir: str):
     return _backend(tok)
 
 
+def resolve_like_scheduler(backend, i: int, schema: str) -> float:
+    """One JSON-schema request as a scheduler resolves it: lookup, wait, after a miss a copy put back
+    (``set_cache``), then the request ends. Returns the lookup-to-grammar seconds; raises when the
+    schema (the ``i``-th of the bench's family) did not compile."""
+    key = ("json", schema)
+    t = time.perf_counter()
+    value, hit = backend.get_cached_or_future_value(key, False)
+    grammar = value if hit else value.result()
+    seconds = time.perf_counter() - t
+    if grammar is None or type(grammar).__name__ == "InvalidGrammarObject":
+        raise RuntimeError(f"schema {i} failed to compile: {grammar!r}")
+    if not hit:
+        backend.set_cache(key, grammar.copy())  # as the scheduler does
+    return seconds
+
+
 def _memory_child(variant: str, n: int, vocab: int, env: dict, cache_dir: str, out_q) -> None:
     """One process resolves ``n`` distinct schemas one at a time as the scheduler does (lookup,
     wait, private copy, then the request ends); RSS after every tenth (after ``gc.collect``)."""
@@ -525,16 +541,7 @@ def _memory_child(variant: str, n: int, vocab: int, env: dict, cache_dir: str, o
         per_schema = []  # seconds to resolve each new schema (lookup to result)
         t0 = time.perf_counter()
         for i in range(n):
-            key = ("json", distinct_schema(i))
-            ts = time.perf_counter()
-            value, hit = backend.get_cached_or_future_value(key, False)
-            grammar = value if hit else value.result()
-            per_schema.append(time.perf_counter() - ts)
-            if grammar is None or type(grammar).__name__ == "InvalidGrammarObject":
-                raise RuntimeError(f"schema {i} failed to compile: {grammar!r}")
-            if not hit:
-                backend.set_cache(key, grammar.copy())  # as the scheduler does
-            del grammar, value
+            per_schema.append(resolve_like_scheduler(backend, i, distinct_schema(i)))
             if (i + 1) % step == 0 or i + 1 == n:
                 gc.collect()
                 service = getattr(backend, "_dspark_grammar", None)

@@ -117,7 +117,7 @@ def _stream_child(variant: str, vocab: int, env: dict, cache_dir: str, conn) -> 
     """One scheduler-shaped process: receives a block of schema ids, resolves them one at a time,
     answers with the block's latencies, wall seconds and RSS; ``None`` ends it with the totals."""
     try:
-        from .bench import scheduler_backend
+        from .bench import resolve_like_scheduler, scheduler_backend
 
         backend = scheduler_backend(variant, vocab, env, cache_dir)
         gc.collect()
@@ -130,16 +130,7 @@ def _stream_child(variant: str, vocab: int, env: dict, cache_dir: str, conn) -> 
             lat = []
             t_block = time.perf_counter()
             for i in block:
-                key = ("json", stream_schema(i))
-                t = time.perf_counter()
-                value, hit = backend.get_cached_or_future_value(key, False)
-                grammar = value if hit else value.result()
-                lat.append(time.perf_counter() - t)
-                if grammar is None or type(grammar).__name__ == "InvalidGrammarObject":
-                    raise RuntimeError(f"schema {i} failed to compile: {grammar!r}")
-                if not hit:
-                    backend.set_cache(key, grammar.copy())  # as the scheduler does
-                del grammar, value
+                lat.append(resolve_like_scheduler(backend, i, stream_schema(i)))
             wall = time.perf_counter() - t_block
             busy_s += wall
             gc.collect()

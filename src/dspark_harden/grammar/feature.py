@@ -319,7 +319,8 @@ def dspark_settings():
             "many CPU seconds per second, holding at most 60 s worth, charged with what the helper process "
             "really used, its start-up included). A publication submitted while the budget is spent is "
             'skipped (counted in dspark_harden_grammar_disk_publish_skipped_total{reason="cpu_budget"}); '
-            "the request is unaffected and a later use of the key persists it.",
+            "the request is unaffected, and the key is persisted by a later miss of it (after an eviction, "
+            "a restart, or in another process), not by a later memory hit.",
             feature=f,
             accepts="positive number (cores)",
         ),
@@ -449,9 +450,6 @@ def install_persistent_compiler(backend: Any, settings: Any) -> None:
         tokenizer_json=tokenizer_json,
         persist_min_compile_s=settings[DISK_PERSIST_MIN_COMPILE],
     )
-    service = getattr(backend, "_dspark_grammar", None)
-    if service is not None:  # the service (built by the base init, before this compiler) reports reuse to it
-        service.on_reuse = backend.grammar_compiler.persist_on_reuse
     phases["compiler"] = time.perf_counter() - t
     gm.set_disk_enabled(True)
     logger.info("dspark-harden: persistent grammar cache at %s", ns.path)

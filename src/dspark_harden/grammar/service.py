@@ -168,11 +168,6 @@ class GrammarService:
         self._lock = threading.Lock()
         # canonical key -> (grammar, bytes, disk key digest or None)
         self._lru: "OrderedDict[tuple, tuple[Any, int, Optional[str]]]" = OrderedDict()
-        # called with a key's disk digest when the key is used again (a memory hit, or a lookup joining its
-        # compile): the persistent compiler publishes then what it deferred at the first compile
-        self.on_reuse: Optional[Callable[[str], None]] = getattr(
-            getattr(backend, "grammar_compiler", None), "persist_on_reuse", None
-        )
         self._bytes = 0
         self._inflight: dict[tuple, _Inflight] = {}
         self._generation = 0
@@ -392,10 +387,19 @@ class GrammarService:
             else:
                 inf.shared.set_result(result)
 
+    @property
+    def on_reuse(self) -> Optional[Callable[[str], None]]:
+        """Called with a key's disk digest when the key is used again (a memory hit, or a lookup joining
+        its compile): the backend's persistent compiler publishes then what it deferred at the first
+        compile. Read from the backend at each use: the feature installs that compiler after this
+        service is built, and a memory-only backend has none."""
+        return getattr(getattr(self.backend, "grammar_compiler", None), "persist_on_reuse", None)
+
     def _reused(self, key_hex: Optional[str]) -> None:
-        if key_hex is not None and self.on_reuse is not None:
+        on_reuse = self.on_reuse if key_hex is not None else None
+        if on_reuse is not None:
             try:
-                self.on_reuse(key_hex)
+                on_reuse(key_hex)
             except Exception:  # noqa: BLE001 - persistence is an optimisation: never fail a lookup for it
                 logger.exception("dspark-harden grammar: publishing a reused grammar failed")
 
