@@ -1,6 +1,7 @@
-"""Mutation runs of the TBO prefill-graph split, gate and validation (docs/prefill_graph.md): each
-mutation is applied to the feature's source, the named test runs (it must fail), the file is restored.
-Not collected by pytest. Usage: python tests/prefill_graph/mutations.py [T1 T2 ...]"""
+"""Mutation runs of the TBO prefill-graph split, gate and validation, and of the DSpark draft-graph memory
+decision (docs/prefill_graph.md): each mutation is applied to the feature's source, the named test runs (it
+must fail), the file is restored. Not collected by pytest. Usage: python tests/prefill_graph/mutations.py
+[T1 T2 ...]"""
 
 import os
 import sys
@@ -135,6 +136,20 @@ MUTS = [
         "        if nan_mismatch or worst > tolerance * scale:",
         "        if nan_mismatch:",
         VAL + "::test_compare_tolerance_shape_dtype_nan_and_missing",
+    ),
+    (
+        "D1 the draft-graph memory wrap calls stock for every group (the per-rank decision restored)",
+        "draft_graph.py",
+        '        if getattr(group, "world_size", 1) <= 1:\n            return stock(',
+        "        if True:\n            return stock(",
+        "tests/prefill_graph/test_draft_graph.py::test_the_patch_makes_one_decision_for_the_draft_graph_group",
+    ),
+    (
+        "D2 the startup probe's peer value is taken for a per-rank decision (the probe cannot go red)",
+        "draft_graph.py",
+        "    one = got is not None and got < 0\n",
+        "    one = got is not None\n",
+        "tests/prefill_graph/test_draft_graph.py::test_probe_red_on_stock_green_with_the_patch_round_trip",
     ),
 ]
 sys.path.insert(0, REPO)

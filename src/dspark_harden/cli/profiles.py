@@ -90,6 +90,12 @@ DSV4_DSPARK_DP2 = Profile(
             why="one DP decision for prefill CUDA graphs, no rank-local eager fallback",
         ),
         Need(
+            "dspark-draft-graph-memory",
+            F.BOUND,
+            "DSPARK_HARDEN_DRAFT_GRAPH_MEMORY",
+            why="one DSpark draft CUDA-graph capture decision for both ranks (stock decides per rank: a hang)",
+        ),
+        Need(
             "grammar-service",
             F.BOUND,
             "DSPARK_HARDEN_GRAMMAR",

@@ -28,6 +28,7 @@ BUILTIN_FEATURE_MODULES: list[str] = [
     "dspark_harden.dspark_masks.feature",
     "dspark_harden.dspark_results.feature",
     "dspark_harden.prefill_graph.feature",
+    "dspark_harden.prefill_graph.draft_graph",
     "dspark_harden.dsv4_memory.feature",
     "dspark_harden.lifecycle.feature",
 ]
