@@ -3,10 +3,11 @@
 ``hold ROOT SCOPE_JSON KEY_HEX ESTIMATE_S``: claim the key in the namespace (the product's own
 claim.create), print ``{"claimed": ...}`` and sleep until killed — a claimant in mid-compile.
 
-``serve CACHE_DIR GO_FILE KEY_JSON``: a scheduler-shaped process (real XGrammarGrammarBackend, the
+``serve CACHE_DIR GO_FILE KEY_JSON [LOAD_RATIO]``: a scheduler-shaped process (real XGrammarGrammarBackend, the
 plugin's persistent compiler and grammar service); waits until GO_FILE exists, resolves the key
 through the service, waits for its persistence, prints the source, native compile count and claim
-outcomes as one JSON line (after a warm-up with a key of its own: the helper is running and the
+outcomes as one JSON line. LOAD_RATIO (default 1e9: every key is handed off, never a timing-dependent
+compile-locally marker or local claim decision) is the adaptive policy's ratio (after a warm-up with a key of its own: the helper is running and the
 claim estimate measured, as in a server that has served a while).
 """
 
@@ -26,7 +27,7 @@ def hold(root: str, scope: str, key_hex: str, estimate: str) -> None:
         time.sleep(3600)
 
 
-def serve(cache_dir: str, go_file: str, key: str) -> None:
+def serve(cache_dir: str, go_file: str, key: str, load_ratio: str = "1e9") -> None:
     from sglang.srt.constrained.xgrammar_backend import XGrammarGrammarBackend
     from transformers import AutoTokenizer
 
@@ -37,7 +38,7 @@ def serve(cache_dir: str, go_file: str, key: str) -> None:
 
     tok = AutoTokenizer.from_pretrained(ensure_tokenizer(2048))
     settings = load_settings(
-        F.dspark_settings(), environ={F.DISK_DIR: cache_dir, F.DISK_CLAIMS: "1", F.DISK_LOAD_RATIO: "1e9"}
+        F.dspark_settings(), environ={F.DISK_DIR: cache_dir, F.DISK_CLAIMS: "1", F.DISK_LOAD_RATIO: load_ratio}
     )
     backend = XGrammarGrammarBackend(tok, vocab_size=len(tok), model_eos_token_ids=[tok.eos_token_id])
     F.install_persistent_compiler(backend, settings)

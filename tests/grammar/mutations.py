@@ -1,4 +1,5 @@
-"""Mutation runs of the grammar service's helper-cost policy and budget (issue 40 item 2): each mutation
+"""Mutation runs of the grammar service's helper-cost policy and budget (issue 40 item 2) and of the per-key
+claim policy (item 4, C1-C3): each mutation
 breaks one rule, the named test runs (it must fail), the file is restored. Not collected by pytest.
 Usage: python tests/grammar/mutations.py [H1 H2 ...]"""
 
@@ -11,6 +12,7 @@ from tests._mutations import REPO, run  # noqa: E402
 
 ROOT = os.path.join(REPO, "src", "dspark_harden", "grammar") + os.sep
 COST = "tests/grammar/test_helper_cost.py"
+CLAIMS = "tests/grammar/test_claims.py"
 MUTS = [
     (
         "H1 nothing deferred (every cheap one-use key is persisted)",
@@ -61,6 +63,28 @@ MUTS = [
         "while self._deferred and (len(self._deferred) > DEFERRED_KEPT or self._deferred_bytes > DEFERRED_MAX_BYTES):",
         "while False:",
         COST + "::test_deferred_keys_are_bounded_by_count_and_bytes",
+    ),
+    (
+        "C1 every key claimed host-wide (no per-key handoff decision)",
+        "xgr.py",
+        "        return self.persister.handoff_estimate(mem) <= compile_s * self.policy.load_ratio",
+        "        return True",
+        CLAIMS + "::test_a_key_dearer_to_hand_off_than_to_compile_is_compiled_by_each_process",
+    ),
+    (
+        "C2 no key claimed host-wide (the handoff never pays)",
+        "xgr.py",
+        "        return self.persister.handoff_estimate(mem) <= compile_s * self.policy.load_ratio",
+        "        return False",
+        CLAIMS + "::test_claimant_keeps_the_claim_of_a_key_whose_handoff_pays",
+    ),
+    (
+        "C3 a released claim re-claimed by its waiter",
+        "xgr.py",
+        '                self._claim_outcome("released", dt)  # (or its compile failed): compile at once, claim nothing\n'
+        "                return None, None, waited",
+        '                self._claim_outcome("released", dt)\n                continue',
+        CLAIMS + "::test_a_released_claim_is_compiled_at_once_without_claiming",
     ),
 ]
 

@@ -8,7 +8,12 @@ Mutations run against these tests (each turned the named test red, then reverted
 - ``claim.read_path`` without its mode check -> test_untrusted_claim_is_ignored[world-writable];
 - ``PersistentCompiler._claim`` returning at once (no claim) -> test_two_processes_compile_once;
 - no disk re-check after a successful claim (the CI failure of 2026-12-02: both processes compiled)
-  -> test_peer_that_claims_after_the_publication_loads_the_entry.
+  -> test_peer_that_claims_after_the_publication_loads_the_entry;
+- ``PersistentCompiler._handoff_pays`` always True (every key claimed host-wide, issue 40 item 4 undone)
+  -> test_a_key_dearer_to_hand_off_than_to_compile_is_compiled_by_each_process and
+  test_claimant_keeps_the_claim_of_a_key_whose_handoff_pays (its mirror: always False);
+- a released claim re-claimed by its waiter (``continue`` instead of compiling at once)
+  -> test_a_released_claim_is_compiled_at_once_without_claiming.
 """
 
 from __future__ import annotations
@@ -168,6 +173,97 @@ def test_peer_that_claims_after_the_publication_loads_the_entry(hf_tokenizer, ca
     assert pc.native_compiles == 0 and res.source == "disk", (pc.native_compiles, res)
     assert pc.claim_outcomes["hit"] == 1 and pc.claim_outcomes["claimed"] == 0, pc.claim_outcomes
     assert not os.path.lexists(claim.claim_path(pc.ns, key_hex)), "the late claim was not released"
+
+
+def _serve_pair(cache_dir, tmp_path, key: str, load_ratio: str) -> list:
+    go = tmp_path / "go"
+    procs = [
+        subprocess.Popen(
+            [sys.executable, PROBE, "serve", str(cache_dir), str(go), key, load_ratio],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        for _ in range(2)
+    ]
+    try:
+        for p in procs:
+            assert "ready" in json.loads(p.stdout.readline())
+        go.write_text("go")
+        return [json.loads(p.stdout.readline()) for p in procs]
+    finally:
+        for p in procs:
+            _end(p)
+
+
+def test_a_key_dearer_to_hand_off_than_to_compile_is_compiled_by_each_process(cache_dir, tmp_path):
+    """Issue 40 item 4: per key, the seed's way. With the policy's ratio at 1e-9 no handoff can pay, so
+    the process that claims the key gives the claim up as soon as its compile ends (``local``) and the
+    peer -- waiting on that claim, or arriving after it went -- compiles at once: two compiles, no
+    process ever waits for a publication (no ``hit``, no ``expired``), no claim left behind."""
+    results = _serve_pair(cache_dir, tmp_path, json.dumps(["regex", "local-[a-z]{2,6}-[0-9]{2}"]), "1e-9")
+    assert sum(r["native_compiles"] for r in results) == 2, results
+    assert sorted(r["source"] for r in results) == ["compile", "compile"], results
+    total = {k: sum(r["claims"][k] for r in results) for k in results[0]["claims"]}
+    assert total["local"] >= 1 and total["local"] == total["claimed"], total
+    assert total["hit"] == 0 and total["expired"] == 0, total
+    # the peer met the claim (released: compiled at once) or came after it was given up (claimed, local)
+    assert total["released"] + total["claimed"] == 2, total
+    assert not os.listdir(os.path.join(_only_namespace(cache_dir), "claims")), "a claim outlived its decision"
+
+
+def test_claimant_keeps_the_claim_of_a_key_whose_handoff_pays(hf_tokenizer, cache_dir):
+    """The mirror: the policy's ratio at 1e9 makes every handoff pay; the claimant keeps its claim until
+    the publication (its waiters wait for the entry) and measures the handoff from it."""
+    pc = persistent_backend(
+        hf_tokenizer, cache_dir, DSPARK_HARDEN_GRAMMAR_DISK_CLAIMS=1, DSPARK_HARDEN_GRAMMAR_DISK_LOAD_RATIO="1e9"
+    ).grammar_compiler
+    try:
+        key_hex = _key_hex(pc, REGEX)
+        pc.compile_regex(REGEX)
+        assert pc.claim_outcomes["claimed"] == 1 and pc.claim_outcomes["local"] == 0, pc.claim_outcomes
+        pc.flush()
+        res = pc.persister.outcomes[key_hex]
+        assert res["status"] == "published" and res["stored"] == "serialized", res
+        assert pc.persister.handoffs_measured == 1
+        measured = res["phases"]["serialize"] + res["phases"]["measure_load"] + res["phases"]["entry_write_account"]
+        assert pc.persister.handoff_estimate(res["memory_bytes"]) == pytest.approx(measured), res
+        assert not os.path.lexists(claim.claim_path(pc.ns, key_hex))
+    finally:
+        pc.close()
+
+
+def _until_waiting(th: threading.Thread, out: dict) -> None:
+    """Until ``th`` is inside claim.wait (its stack says so: a mechanism, not a sleep)."""
+    while th.is_alive():
+        frame = sys._current_frames().get(th.ident)
+        while frame is not None:
+            if frame.f_code is claim.wait.__code__:
+                return
+            frame = frame.f_back
+        time.sleep(0.005)
+    raise AssertionError(f"the resolution ended without waiting on the claim: {out}")
+
+
+def test_a_released_claim_is_compiled_at_once_without_claiming(pc):
+    """A waiter whose claimant gives the claim up without an entry (its local decision, or a failed
+    compile) compiles at once and takes no claim of its own: a claim taken then would make the next
+    peer wait for a key nobody will hand off."""
+    key_hex = _key_hex(pc, REGEX)
+    holder = _holder(pc, key_hex, estimate=60.0)  # bound 60 s: only the release ends the wait early
+    try:
+        th, out = _resolve_in_thread(pc, REGEX)
+        _until_waiting(th, out)
+        held = claim.read(pc.ns, key_hex)
+        assert claim.remove_if(pc.ns, held)  # the claimant's decision: local
+        th.join(timeout=30)
+        assert not th.is_alive(), "the waiter did not notice the release"
+    finally:
+        _end(holder)
+    assert "error" not in out, out
+    assert out["resolution"].source == "compile" and pc.native_compiles == 1
+    assert pc.claim_outcomes["released"] == 1 and pc.claim_outcomes["claimed"] == 0, pc.claim_outcomes
+    assert out["seconds"] < 30
+    assert not os.path.lexists(claim.claim_path(pc.ns, key_hex))
 
 
 def _only_namespace(cache_dir) -> str:

@@ -201,7 +201,10 @@ def dspark_settings():
             0.7,
             "A serialized entry is stored only if its measured load (checksum + deserialize) "
             "takes at most this fraction of the measured compile time; otherwise a "
-            "compile-locally marker is stored.",
+            "compile-locally marker is stored. With DSPARK_HARDEN_GRAMMAR_DISK_CLAIMS=1 the same ratio "
+            "decides per key whether peers wait for its publication: a claimant keeps its claim only when "
+            "the key's predicted handoff (serialize + durable write + read + deserialize, scaled from "
+            "measured publications) is at most this fraction of its compile time.",
             feature=f,
             accepts="positive number",
         ),

@@ -40,7 +40,7 @@ TRANSIENT_CAUSES = (
     "helper_unavailable",
 )
 # mirrors claim.OUTCOMES (a test keeps them equal)
-CLAIM_OUTCOMES = ("claimed", "hit", "expired", "claimant_dead", "released", "invalid", "error")
+CLAIM_OUTCOMES = ("claimed", "local", "hit", "expired", "claimant_dead", "released", "invalid", "error")
 RATIO_BUCKETS = (1.0, 1.5, 2.0, 3.0, 5.0, 10.0, 20.0, 50.0, 100.0, 200.0, 500.0)
 PHASES = (
     "claim_wait",
@@ -284,11 +284,13 @@ FAMILIES = (
         "dspark_harden_grammar_disk_claims_total",
         "counter",
         "Host-wide compile-in-progress claims met on a disk miss, by outcome: claimed (this process took the "
-        "claim and compiles the key), hit (waited on another process's claim and loaded its published entry "
+        "claim and compiles the key), local (this process's claim, given up after its compile: handing the key "
+        "to another process was predicted dearer than compiling it, so each process compiles it and nobody "
+        "waits), hit (waited on another process's claim and loaded its published entry "
         "or marker), expired (the wait bound, derived from the claimant's measured claim-to-publication "
         "time and capped by the request's timeout, passed: compiled itself), claimant_dead (the claimant's "
-        "pid is gone or reused: its claim was removed), released (the claim went away without an entry: "
-        "compiled or claimed itself), invalid (a claim file that cannot be trusted was ignored: compiled "
+        "pid is gone or reused: its claim was removed), released (the claim went away without an entry -- "
+        "the claimant's local decision or a failed compile: compiled itself at once), invalid (a claim file that cannot be trusted was ignored: compiled "
         "itself), error (the claim could not be created: compiled without one).",
         labels=("dp_rank", "outcome"),
         feature=FEATURE,

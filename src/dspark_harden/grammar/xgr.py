@@ -407,7 +407,13 @@ class PersistentCompiler:
                 claim_mod.remove_if(self.ns, mine)
             raise
         compile_s = time.perf_counter() - tc
-        # a claimed key is published at once (a peer may be waiting for it); submit never blocks (a full
+        if mine is not None and not self._handoff_pays(cg, compile_s):
+            # handing this key to another process costs more than its compile: each process compiles it,
+            # nobody waits for it (a waiter sees the claim go and compiles at once)
+            claim_mod.remove_if(self.ns, mine)
+            self._claim_outcome("local")
+            mine = None
+        # a claimed key is published at once (a peer is waiting for it); submit never blocks (a full
         # queue or a spent helper budget skips)
         if mine is not None or not self._defer(key_hex, parts, compile_s):
             self.persister.submit(key_hex, parts, compile_s, claim=mine, cold=self._cold_timing())
@@ -417,6 +423,18 @@ class PersistentCompiler:
             phases["claim_wait"] = waited
         _record(Resolution("compile", total, phases, self.ns.entry_path(key_hex), key_hex))
         return cg
+
+    def _handoff_pays(self, cg: Any, compile_s: float) -> bool:
+        """Whether peers should wait for this key's publication instead of compiling it (issue 40 item 4,
+        the seed's adaptive policy applied per key to claims): its predicted handoff -- serialize,
+        durable write, read and deserialize, scaled from this process's measured publications by the
+        grammar's memory size -- within ``load_ratio`` x the compile just measured (the ratio the
+        helper applies to store a serialized entry rather than a compile-locally marker)."""
+        try:
+            mem = int(cg.memory_size_bytes)
+        except Exception:  # noqa: BLE001 - no size: judge by the write alone
+            mem = 0
+        return self.persister.handoff_estimate(mem) <= compile_s * self.policy.load_ratio
 
     def _defer(self, key_hex: str, parts: list, compile_s: float) -> bool:
         """Keep a cheap key's publication for its second use (True), or say it is published now (False):
@@ -523,9 +541,9 @@ class PersistentCompiler:
                 claim_mod.remove_if(self.ns, other)
                 self._claim_outcome("claimant_dead", dt)
                 continue
-            if outcome == "released":
-                self._claim_outcome("released", dt)
-                continue
+            if outcome == "released":  # the claimant judged the key cheaper to compile than to hand off
+                self._claim_outcome("released", dt)  # (or its compile failed): compile at once, claim nothing
+                return None, None, waited
             self._claim_outcome("expired", dt)
             return None, None, waited
         return None, None, waited
