@@ -280,10 +280,13 @@ def dspark_settings():
             False,
             "1: host-wide one compile per key: a lookup that misses a key another process is compiling "
             "waits (bounded by DSPARK_HARDEN_GRAMMAR_DISK_CLAIM_WAIT) for its publication instead of "
-            "compiling it too. Off by default: publication runs behind a second compile in the "
-            "persistence helper, so a waiter can wait far longer than a compile (measured p99 10.9-18.1 s "
-            "against 0.03 s compiles in a burst of new schemas, docs/grammar.md); turn it on where "
-            "compile CPU matters more than first-request latency of new schemas.",
+            "compiling it too -- decided per key: a claimant gives its claim up after its compile when "
+            "the key is predicted dearer to hand off than to compile (see DSPARK_HARDEN_GRAMMAR_DISK_LOAD_RATIO), "
+            "and each process compiles such a key without waiting. Off by default: publication runs "
+            "behind a second compile in the persistence helper, so a waiter can wait far longer than a "
+            "compile (measured p99 11-30 s against 0.04 s compiles in a burst of new schemas on a loaded "
+            "2-core host, docs/grammar.md); turn it on where compile CPU matters more than first-request "
+            "latency of new schemas.",
             feature=f,
         ),
         Setting(
