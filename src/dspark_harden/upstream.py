@@ -339,6 +339,162 @@ def _probe_dsv4_indexer_metadata_copy_in_place():
     return True, f"{DSV4_INDEXER_COPY}: captured indexer tensors refreshed in place (called)"
 
 
+WAIT_AND_WARMUP = "sglang.srt.entrypoints.http_server:_wait_and_warmup"
+
+
+def _rebind(func, **overrides):
+    """``func``'s own code object run with its module globals plus ``overrides`` (what it calls or reads):
+    the stock function executes, nothing in the live modules is patched."""
+    import types
+
+    glb = dict(func.__globals__)
+    glb.update(overrides)
+    out = types.FunctionType(func.__code__, glb, func.__name__, func.__defaults__, func.__closure__)
+    out.__kwdefaults__ = func.__kwdefaults__
+    return out
+
+
+def _drive(coro):
+    """Run a coroutine that awaits nothing pending (the stock handlers below, on recording stand-ins)."""
+    try:
+        coro.send(None)
+    except StopIteration as stop:
+        return stop.value
+    coro.close()
+    raise RuntimeError("the coroutine waited for something")
+
+
+def _probe_gc_freeze_after_server_warmup():
+    """Stock 0.5.23 freezes the GC of the tokenizer manager, every scheduler and the detokenizer once the
+    HTTP server answered its warm-up request (PR #34999); the lifecycle docs and ``bench gc`` compare the
+    plugin's ``gc-freeze`` against it. Each link of the chain runs as stock code (its own code object,
+    with the config getters, ``requests``, ``gc`` and the peers it calls replaced by recording stand-ins):
+
+    1. ``http_server._wait_and_warmup`` (the warm-up thread's target; its default warm-up is
+       ``_execute_server_warmup``) calls ``_freeze_gc_after_server_warmup`` after a successful warm-up and
+       before the launch callback, and also with ``skip_server_warmup``;
+    2. ``_freeze_gc_after_server_warmup`` POSTs ``<url>/freeze_gc``;
+    3. the app routes ``POST /freeze_gc`` to a handler that awaits ``tokenizer_manager.freeze_gc()``;
+    4. ``TokenizerManager.freeze_gc`` dispatches a ``FreezeGCReq`` to the scheduler and runs stock
+       ``utils.common.freeze_gc``, which calls ``gc.freeze()``;
+    5. ``Scheduler.handle_freeze_gc`` runs ``freeze_gc`` (``gc.freeze()``) and forwards the request to the
+       detokenizer (whose ``handle_freeze_gc_req`` is registered for ``FreezeGCReq``).
+
+    The ``Engine`` path (offline ``sglang.Engine``) has no such freeze; that part is the plugin's."""
+    import inspect
+    import types
+
+    import requests
+    from sglang.srt.entrypoints import http_server as H
+    from sglang.srt.managers import detokenizer_manager as D
+    from sglang.srt.managers import io_struct
+    from sglang.srt.managers import scheduler as S
+    from sglang.srt.managers import tokenizer_manager as TM
+    from sglang.srt.utils import common as C
+
+    ns = types.SimpleNamespace
+    where = "sglang.srt.entrypoints.http_server"
+
+    # 1. the warm-up thread reaches the freeze
+    if inspect.signature(H._wait_and_warmup).parameters["execute_warmup_func"].default is not H._execute_server_warmup:
+        return False, f"{WAIT_AND_WARMUP}: its default warm-up is no longer _execute_server_warmup"
+    for skip in (False, True):
+        order: list = []
+        wait_and_warmup = _rebind(
+            H._wait_and_warmup,
+            get_model=lambda: ns(checkpoint_engine_wait_weights_before_ready=False, delete_ckpt_after_loading=False),
+            get_exec=lambda: ns(moe=ns(is_ep_scale_joiner=False, ep_join_mode=None)),
+            get_serving=lambda skip=skip: ns(skip_server_warmup=skip),
+            get_observability=lambda: ns(debug_tensor_dump_input_file=None),
+            _global_state=ns(tokenizer_manager=ns(server_status=None)),
+            _freeze_gc_after_server_warmup=lambda server_args, order=order: order.append("freeze"),
+        )
+        wait_and_warmup(
+            ns(url=lambda: "http://probe"),
+            launch_callback=lambda order=order: order.append("launch"),
+            execute_warmup_func=lambda server_args, order=order: order.append("warmup") or True,
+        )
+        want = ["freeze", "launch"] if skip else ["warmup", "freeze", "launch"]
+        if order != want:
+            return False, (
+                f"{WAIT_AND_WARMUP} (skip_server_warmup={skip}) ran {order}, expected {want}: "
+                "stock no longer freezes the GC after server warm-up"
+            )
+
+    # 2. the freeze is a POST /freeze_gc to the server itself
+    posts: list = []
+    freeze_after = _rebind(
+        H._freeze_gc_after_server_warmup,
+        requests=ns(
+            post=lambda url, **kw: posts.append(url) or ns(raise_for_status=lambda: None),
+            exceptions=requests.exceptions,
+        ),
+        get_serving=lambda: ns(admin_api_key=None, api_key=None),
+        ssl_verify_of=lambda server_args: True,
+    )
+    freeze_after(ns(url=lambda: "http://probe"))
+    if posts != ["http://probe/freeze_gc"]:
+        return False, f"{where}:_freeze_gc_after_server_warmup posted to {posts}, expected one POST /freeze_gc"
+
+    # 3. POST /freeze_gc reaches TokenizerManager.freeze_gc
+    routes = [r for r in H.app.routes if getattr(r, "path", None) == "/freeze_gc" and "POST" in (r.methods or ())]
+    if len(routes) != 1:
+        return False, f"{where}: {len(routes)} POST /freeze_gc routes on the app, expected 1"
+    reached: list = []
+
+    async def tm_freeze():
+        reached.append("tokenizer_manager.freeze_gc")
+
+    _drive(_rebind(routes[0].endpoint, _global_state=ns(tokenizer_manager=ns(freeze_gc=tm_freeze)))())
+    if reached != ["tokenizer_manager.freeze_gc"]:
+        return False, f"{where}: POST /freeze_gc handler did not call tokenizer_manager.freeze_gc ({reached})"
+
+    # 4./5. the tokenizer manager and the scheduler call gc.freeze() through stock freeze_gc
+    class _Gc:
+        def __init__(self):
+            self.froze = 0
+
+        def freeze(self):
+            self.froze += 1
+
+        def set_threshold(self, *a):
+            pass
+
+        def __getattr__(self, name):
+            import gc
+
+            return getattr(gc, name)
+
+    rec = _Gc()
+    freeze_gc = _rebind(C.freeze_gc, gc=rec)
+    dispatched: list = []
+    _drive(
+        _rebind(TM.TokenizerManager.freeze_gc, freeze_gc=freeze_gc, get_device=lambda: ns(gc_threshold=None))(
+            ns(_dispatch_to_scheduler=dispatched.append)
+        )
+    )
+    if rec.froze != 1 or [type(d) for d in dispatched] != [io_struct.FreezeGCReq]:
+        return False, (
+            "TokenizerManager.freeze_gc: gc.freeze() ran "
+            f"{rec.froze} times, dispatched {[type(d).__name__ for d in dispatched]} (expected 1 and FreezeGCReq)"
+        )
+    forwarded: list = []
+    _rebind(S.Scheduler.handle_freeze_gc, freeze_gc=freeze_gc)(
+        ns(ipc_channels=ns(send_to_detokenizer=ns(send_output=lambda *a: forwarded.append(a[0])))), dispatched[0]
+    )
+    if rec.froze != 2 or forwarded != [dispatched[0]]:
+        return False, (
+            f"Scheduler.handle_freeze_gc: gc.freeze() ran {rec.froze - 1} times, forwarded {len(forwarded)} "
+            "requests to the detokenizer (expected 1 and 1)"
+        )
+    if not callable(getattr(D.DetokenizerManager, "handle_freeze_gc_req", None)):
+        return False, "DetokenizerManager.handle_freeze_gc_req does not exist"
+    return True, (
+        f"{WAIT_AND_WARMUP} freezes the GC after server warm-up: POST /freeze_gc -> tokenizer manager, "
+        "scheduler, detokenizer gc.freeze() (called)"
+    )
+
+
 UPSTREAM = [
     Feature(
         name="load-budget-throttle",
@@ -381,6 +537,13 @@ UPSTREAM = [
         description="DSV4 indexer capture metadata is refreshed in place (PagedIndexerMetadata.copy_)",
         upstream_probe=_probe_dsv4_indexer_metadata_copy_in_place,
         roles=frozenset({Role.SCHEDULER}),
+    ),
+    Feature(
+        name="stock-gc-freeze-after-warmup",
+        area="lifecycle",
+        description="the HTTP server freezes the GC of tokenizer, schedulers and detokenizer after warm-up (PR #34999)",
+        upstream_probe=_probe_gc_freeze_after_server_warmup,
+        roles=frozenset({Role.MAIN}),
     ),
     Feature(
         name="logical-host-pool-destroy",

@@ -1,24 +1,36 @@
-"""``dspark-harden bench gc``: gen-2 GC pauses before and after ``gc.freeze()``, in process.
+"""``dspark-harden bench gc``: gen-2 GC pauses with no freeze, with stock's freeze and with the plugin's.
 
 Not a server: a scheduler-shaped heap built here, because a tiny CPU server's heap (~0.3M objects)
 is far from the 1.1M objects measured on a production scheduler (#30693), and the pause scales with
 the heap. The heap is what a warmed scheduler keeps alive: a radix tree (node objects with
 children dicts and token-id lists), request objects with their sampling/params dicts and output
-lists, and pool bookkeeping — ``--objects`` GC-tracked containers in total. The load is a serving
+lists, and pool bookkeeping, topped up to ``--objects`` GC-tracked objects in the process (SGLang's own
+modules, imported for stock's freeze, count towards it, as on a real scheduler). The load is a serving
 loop: every step admits requests that live for a few hundred steps (a running batch), builds
 per-step batch structures that die at once, and retires finished requests, so survivors reach the
 old generation and CPython runs gen-2 collections on its own schedule (no explicit
 ``gc.collect``). Pauses are timed with ``gc.callbacks`` (:class:`.gc_freeze.PauseRecorder`), the
-same way the servers export them. The same load runs before and after ``gc.collect(); gc.freeze()``
-plus the freezer's :class:`.gc_freeze.Gen2Pacer` (what the plugin does), in ``--rounds`` rounds
-whose order alternates (the "after" phase ends with ``gc.unfreeze()``).
+same way the servers export them. The same load runs in three phases per round, the order rotating:
 
-Output (``--json``): ``{"before": {"gen2_pauses", "gen2_per_s", "p50_ms", "p99_ms", "max_ms",
-"walked_median", "gen2_objects"}, "after": {...}, "spread": {phase: {key: {"median", "min", "max"}}},
-"rounds": [...], "frozen_objects", "heap_objects", "seconds_per_phase", "source"}`` (phase values:
-medians over the rounds; ``walked_median``: objects in gen 2 when a full collection starts). ``gen2_objects``
-is what a gen-2 collection traverses when the phase starts (``gc.get_objects(generation=2)``;
-frozen objects are not in it): the deterministic part of the effect, the pauses the timed part.
+* ``unfrozen``: no freeze (stock's offline ``Engine`` path, which has no freeze after warm-up; or any
+  process before its freeze);
+* ``stock``: stock 0.5.23's freeze after server warm-up, exactly what its scheduler runs for the
+  ``POST /freeze_gc`` the HTTP server sends itself (``http_server._freeze_gc_after_server_warmup``,
+  PR #34999): ``Scheduler.handle_freeze_gc`` -> ``sglang.srt.utils.common.freeze_gc("Scheduler",
+  gc_threshold)`` with the default ``--gc-threshold`` (none): ``gc.freeze()``, called here as stock's function;
+* ``plugin``: what ``gc-freeze`` does, ``gc.collect(); gc.freeze()`` plus the freezer's
+  :class:`.gc_freeze.Gen2Pacer`.
+
+A frozen phase ends with ``gc.unfreeze()``; every phase starts after a ``gc.collect()`` (so stock's freeze
+without a collection first freezes no garbage here; on a server it freezes what is garbage at that moment).
+
+Output (``--json``): ``{"unfrozen": {"gen2_pauses", "gen2_per_s", "gen2_per_kstep", "p50_ms", "p99_ms",
+"max_ms", "walked_median", "gen2_objects", ...}, "stock": {...}, "plugin": {...}, "spread": {phase: {key:
+{"median", "min", "max"}}}, "rounds": [...], "frozen_objects", "heap_objects", "tracked_objects",
+"seconds_per_phase", "source"}`` (phase values: medians over the rounds; ``walked_median``: objects in gen 2
+when a full collection starts). ``gen2_objects`` is what a gen-2 collection traverses when the phase starts
+(``gc.get_objects(generation=2)``; frozen objects are not in it): the deterministic part of the effect, the
+pauses the timed part.
 """
 
 from __future__ import annotations
@@ -122,15 +134,28 @@ class _WalkLog:
             self.walks.append(len(gc.get_objects(generation=2)))
 
 
-def _phase(frozen: bool, seconds: float, recorder: PauseRecorder, walks: _WalkLog, pacer, running: int) -> dict:
+PHASES = ("unfrozen", "stock", "plugin")
+
+
+def _stock_freeze():
+    """Stock 0.5.23's scheduler freeze (``Scheduler.handle_freeze_gc``): the real function."""
+    from sglang.srt.utils.common import freeze_gc
+
+    return freeze_gc
+
+
+def _phase(
+    phase: str, seconds: float, recorder: PauseRecorder, walks: _WalkLog, pacer, running: int, stock_freeze
+) -> dict:
     walks.walks.clear()
-    if frozen:
+    frozen = phase != "unfrozen"
+    if phase == "stock":
+        stock_freeze("Scheduler", None)  # what the scheduler runs for stock's POST /freeze_gc after warm-up
+    elif phase == "plugin":
         gc.collect()
         gc.freeze()
-        n_frozen = gc.get_freeze_count()
-        pacer.install(n_frozen)
-    else:
-        n_frozen = 0
+        pacer.install(gc.get_freeze_count())
+    n_frozen = gc.get_freeze_count()
     recorder.frozen = frozen
     walks.walks.clear()  # not the freeze's own collection
     tracked = len(gc.get_objects(generation=2))
@@ -139,9 +164,9 @@ def _phase(frozen: bool, seconds: float, recorder: PauseRecorder, walks: _WalkLo
         steps = [0]
         pauses = serve(seconds, 3, recorder, running_max=running, steps=steps)
     finally:
-        if frozen:
+        if phase == "plugin":
             pacer.uninstall()
-            gc.unfreeze()
+        gc.unfreeze()
     elapsed = time.monotonic() - t0
     s = summarize(pauses)
     # young (gen-1) pauses too: the pacer's promotion counting and growth checks run inside them
@@ -159,8 +184,8 @@ def _phase(frozen: bool, seconds: float, recorder: PauseRecorder, walks: _WalkLo
         "gen2_per_kstep": round(1000.0 * s["gen2_pauses"] / max(1, steps[0]), 3),
         "walked_median": ws[len(ws) // 2] if ws else 0,
         "frozen_objects": int(n_frozen),
-        "pacer_last": dict(pacer.last) if frozen else None,
-        "pacer_checks": pacer.checks if frozen else 0,
+        "pacer_last": dict(pacer.last) if phase == "plugin" else None,
+        "pacer_checks": pacer.checks if phase == "plugin" else 0,
     }
 
 
@@ -170,24 +195,30 @@ def _med(rounds: list, phase: str, key: str) -> dict:
 
 
 def run(objects: int, seconds: float, rounds: int = 3, running: int = 4800) -> dict:
-    """``rounds`` rounds on one heap, each one phase without and one with the freeze (the freeze and the
-    pacer applied at its start, undone with ``gc.unfreeze()`` at its end), the order alternating."""
+    """``rounds`` rounds on one heap of ``objects`` tracked objects, each one phase per entry of
+    :data:`PHASES` (a freeze applied at the phase's start, undone with ``gc.unfreeze()`` at its end), the
+    order rotating from round to round."""
     from .gc_freeze import Gen2Pacer
 
+    stock_freeze = _stock_freeze()  # imported before the heap is sized: its modules are part of it
     recorder, walks, pacer = PauseRecorder(), _WalkLog(), Gen2Pacer()
     gc.collect()
-    heap = build_heap(objects)
-    gc.collect()
+    heap: list = []
+    tracked = len(gc.get_objects())
+    while tracked < objects:  # top up to ``objects`` tracked (not every container is: empty dicts are not)
+        heap.append(build_heap(max(10_000, objects - tracked)))
+        gc.collect()
+        tracked = len(gc.get_objects())
     gc.callbacks.append(walks)
     recorder.install()
     per_round: list = []
     try:
         for r in range(rounds):
-            order = (False, True) if r % 2 == 0 else (True, False)
             res = {}
-            for frozen in order:
+            for i in range(len(PHASES)):
+                phase = PHASES[(i + r) % len(PHASES)]
                 gc.collect()
-                res["after" if frozen else "before"] = _phase(frozen, seconds, recorder, walks, pacer, running)
+                res[phase] = _phase(phase, seconds, recorder, walks, pacer, running, stock_freeze)
             per_round.append(res)
     finally:
         recorder.uninstall()
@@ -211,19 +242,20 @@ def run(objects: int, seconds: float, rounds: int = 3, running: int = 4800) -> d
         "gen1_p99_ms",
         "gen1_max_ms",
     )
-    summary = {ph: {k: _med(per_round, ph, k) for k in keys} for ph in ("before", "after")}
+    summary = {ph: {k: _med(per_round, ph, k) for k in keys} for ph in PHASES}
     first = per_round[0]
     return {
         # medians over the rounds (the per-round values and their min / max are in "rounds" / "spread")
-        "before": {
-            **{k: summary["before"][k]["median"] for k in keys},
-            "gen2_objects": first["before"]["gen2_objects"],
+        **{
+            ph: {**{k: summary[ph][k]["median"] for k in keys}, "gen2_objects": first[ph]["gen2_objects"]}
+            for ph in PHASES
         },
-        "after": {**{k: summary["after"][k]["median"] for k in keys}, "gen2_objects": first["after"]["gen2_objects"]},
         "spread": summary,
         "rounds": per_round,
-        "frozen_objects": int(first["after"]["frozen_objects"]),
+        "frozen_objects": int(first["plugin"]["frozen_objects"]),
+        "stock_frozen_objects": int(first["stock"]["frozen_objects"]),
         "heap_objects": objects,
+        "tracked_objects": tracked,
         "seconds_per_phase": seconds,
         "running_requests": running,
         "source": "in-process scheduler-shaped heap (not a server)",
@@ -241,11 +273,16 @@ def main(args) -> int:
     else:
         sp = out["spread"]
         print(
-            f"heap: {out['heap_objects']} tracked objects ({out['source']}), {out['frozen_objects']} frozen, "
+            f"heap: {out['tracked_objects']} tracked objects ({out['source']}), {out['frozen_objects']} frozen, "
             f"{out['running_requests']} live requests; "
-            f"{len(out['rounds'])} rounds, each before + after (order alternating); median (min-max) over rounds"
+            f"{len(out['rounds'])} rounds, each unfrozen + stock freeze + plugin freeze (order rotating); "
+            "median (min-max) over rounds"
         )
-        for ph, name in (("before", "before freeze"), ("after", "after freeze")):
+        for ph, name in (
+            ("unfrozen", "no freeze"),
+            ("stock", "stock freeze"),
+            ("plugin", "plugin freeze"),
+        ):
 
             def f(k, unit="", ph=ph):
                 v = sp[ph][k]

@@ -272,8 +272,11 @@ def gc_patches(role) -> list:
                 Kind.WRAP,
                 role,
                 _builder("gc_freeze", "build_scheduler_get_init_info"),
-                "freezing is on demand only in 0.5.23: gen-2 collections walk the whole warmed heap",
-                "SGLang freezes after warm-up (upstream #34999)",
+                "stock 0.5.23 freezes only on the HTTP path (POST /freeze_gc after the warm-up request, #34999), without "
+                "a gc.collect() first, never again after a later capture's gc.unfreeze(), and then runs full "
+                "collections ~3x as often (CPython's gen-2 trigger ignores frozen objects): counting batches from "
+                "here feeds the plugin's freeze, re-freeze and gen-2 pacer",
+                "SGLang freezes on every path (Engine too), re-freezes after capture and paces gen-2 after its freeze",
             ),
             _patch(
                 S.GC_FREEZE,
@@ -283,7 +286,7 @@ def gc_patches(role) -> list:
                 _builder("gc_freeze", "build_scheduler_ingest_requests"),
                 "the freeze runs on the scheduler thread between loop iterations, where no graph capture "
                 "can start between the capture check and gc.collect()/gc.freeze()",
-                "SGLang freezes after warm-up (upstream #34999)",
+                "SGLang freezes on every path (Engine too), re-freezes after capture and paces gen-2 after its freeze",
             ),
         ]
     if role is Role.DETOKENIZER:
@@ -295,7 +298,7 @@ def gc_patches(role) -> list:
                 role,
                 _builder("gc_freeze", "build_detokenizer_batch"),
                 "counts the detokenizer's batches towards its warm-up before the freeze",
-                "SGLang freezes after warm-up (upstream #34999)",
+                "SGLang freezes on every path (Engine too), re-freezes after capture and paces gen-2 after its freeze",
             )
         ]
     return []
@@ -415,20 +418,23 @@ def dspark_process_bound(role, settings, report):
 
 @hookimpl
 def dspark_cli(subparsers, bench_subparsers):
-    p = bench_subparsers.add_parser("gc", help="gen-2 GC pauses before/after gc.freeze() on a scheduler-shaped heap")
+    p = bench_subparsers.add_parser(
+        "gc",
+        help="gen-2 GC pauses with no freeze, stock's freeze after warm-up and the plugin's, on a scheduler-shaped heap",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument(
         "--objects",
         type=int,
         default=1_100_000,
-        help="long-lived objects in the heap (default 1.1M, as measured upstream in #30693)",
+        help="GC-tracked objects in the process, SGLang's modules included (default 1.1M, as measured upstream in #30693)",
     )
     p.add_argument("--seconds", type=float, default=4.0, help="load duration per phase (default 4 s)")
     p.add_argument(
         "--rounds",
         type=int,
         default=3,
-        help="rounds, each one phase before and one after the freeze, order alternating (default 3)",
+        help="rounds, each one phase unfrozen, one with stock's freeze and one with the plugin's, order rotating (default 3)",
     )
     p.add_argument(
         "--running",

@@ -1,9 +1,15 @@
 """GC freeze after warm-up, and gen-2 pause measurement through ``gc.callbacks``.
 
-Stock 0.5.23 freezes only on demand (``/freeze_gc``); graph capture freezes and then *unfreezes*
-(``base_cuda_graph_runner.freeze_gc``). A scheduler holds a large, long-lived object graph
-(model wrappers, radix tree, request pools): every gen-2 collection walks all of it (400-430 ms
-measured upstream with 1.1M objects, #30693), and a pause on one DP rank stalls every rank.
+Stock 0.5.23 freezes once after the HTTP server's warm-up request (``http_server._wait_and_warmup`` ->
+``_freeze_gc_after_server_warmup`` -> ``POST /freeze_gc`` -> ``gc.freeze()`` in the tokenizer manager, every
+scheduler and the detokenizer; PR #34999, probed by ``upstream.py``'s ``stock-gc-freeze-after-warmup``), with
+no ``gc.collect()`` first; the offline ``Engine`` path never freezes on its own; graph capture freezes and
+then *unfreezes* everything (``base_cuda_graph_runner.freeze_gc``), stock's warm-up freeze included. A
+scheduler holds a large, long-lived object graph (model wrappers, radix tree, request pools): unfrozen,
+every gen-2 collection walks all of it (400-430 ms measured upstream with 1.1M objects, #30693), and a pause
+on one DP rank stalls every rank. What this module adds to stock's freeze: the Engine path, a collection
+before the freeze, the re-freeze after a capture, the gen-2 pacer and the pause metrics (docs/lifecycle.md;
+``bench gc`` measures it against stock's own freeze).
 
 When warm-up is over — the process is serving (scheduler: its event loop runs, i.e. after model
 load and any graph capture; detokenizer: its loop runs; main: the server answered SGLang's
@@ -23,7 +29,8 @@ After the freeze, :class:`Gen2Pacer` keeps full (gen-2) collections at the pace 
 without it. CPython 3.11 runs a full collection only when the objects promoted into gen 2 since
 the last one exceed a quarter of the objects that survived it; frozen objects do not count as
 survivors, so after freezing a 1 M-object heap that rule compares new survivors with the small
-unfrozen rest and full collections came ~3x as often (``bench gc``: 42 vs 13 over the same time),
+unfrozen rest and full collections came ~3x as often (``bench gc``: 42 vs 13 over the same time; with
+stock's own freeze, 2.4x as many per serving step),
 each walking the live per-request objects. The pacer counts the promotions itself (young objects
 minus collected, at each gen-1 collection) and holds ``threshold2`` high until gen 2 really grew by
 a quarter of (frozen + surviving) objects: the pre-freeze bound on uncollected garbage.

@@ -88,7 +88,9 @@ SETTINGS = [
         flag01,
         True,
         "1: gc.freeze() once after warm-up in every scheduler, the detokenizer and the main process "
-        "(tokenizer), and export gen-2 collection pauses per dp_rank. 0: stock (freeze only on /freeze_gc).",
+        "(tokenizer) after a gc.collect(), re-freeze after a later graph capture unfroze the heap, pace gen-2 "
+        "collections after the freeze, and export gen-2 collection pauses per dp_rank. 0: stock (the HTTP server "
+        "freezes once after its warm-up request, without a collection first; the offline Engine only on Engine.freeze_gc()).",
         feature=GC_FREEZE,
     ),
     Setting(
