@@ -76,11 +76,15 @@ def test_profile_passes_with_the_deployment_switches(checks):
     bound = {f["name"] for f in result["features"] if f["status"] == "bound"}
     assert {"dp2-native-exchange", "dspark-masks", "dspark-result-materializer", "prefill-graph-dp"} <= bound
 
+    assert prof["notes"] == list(DSV4_DSPARK_DP2.notes) and len(prof["notes"]) == 1
+    rc, out, _ = checks["partial_table"]
+    assert f"NOTE: {DSV4_DSPARK_DP2.notes[0]}" in out.splitlines(), out[-3000:]
+    assert "NOTE: TBO prefill graphs do not apply to DeepSeek V4 on sglang 0.5.23" in out
+
     if not _cuda():
-        rc, out, _ = checks["partial_table"]
         assert rc == 0
         assert (
-            "profile dsv4-dspark-dp2 (scheduler role): PARTIAL (--skip-cuda-features): 16 feature(s) as needed, "
+            "profile dsv4-dspark-dp2 (scheduler role): PARTIAL (--skip-cuda-features): 17 feature(s) as needed, "
             "not checked (CUDA only): dsv4-sparse-prefill-pool, dsv4-inplace-q-norm-rope, dsv4-planner-guards" in out
         ), out[-2000:]
 
@@ -100,7 +104,7 @@ def test_profile_fails_naming_the_feature_whose_switch_is_missing(checks, missin
             f"(unset, it is skipped as unavailable): export {missing}=1"
         )
     assert lines == [want], out[-3000:]
-    assert "profile dsv4-dspark-dp2 (scheduler role): FAILED: 15 feature(s) as needed, 1 not" in out
+    assert "profile dsv4-dspark-dp2 (scheduler role): FAILED: 16 feature(s) as needed, 1 not" in out
 
 
 def test_profile_fails_naming_a_default_feature_switched_off(checks):
@@ -130,6 +134,38 @@ def test_profile_names_the_dsv4_features_that_do_not_bind(checks):
             "is failed, the profile needs it bound: enabled by DSPARK_HARDEN_DSV4_" in ln and "needs CUDA" in ln
             for ln in lines
         ), lines
+
+
+def test_the_tbo_note_is_true_of_the_live_code():
+    """What the profile's TBO note says, re-checked on sglang 0.5.23 and the plugin (no subprocess): the full
+    prefill runner calls the attention backend's ``init_forward_metadata_out_graph`` at capture and at every
+    replay, and DSV4's raises NotImplementedError for an EXTEND batch before reading anything else; the
+    plugin's TBO opt-in serves the full backend only (breakable stays refused). A release that changes either
+    turns this red: then the note (and docs/deploy-dsv4-dspark-dp2.md, "Trade-offs") must change."""
+    import inspect
+    import types
+
+    from sglang.srt.layers.attention.deepseek_v4_backend import DeepseekV4AttnBackend
+    from sglang.srt.model_executor.forward_batch_info import ForwardMode
+    from sglang.srt.model_executor.runner import prefill_cuda_graph_runner as pg
+
+    from dspark_harden.prefill_graph import tbo
+
+    assert "TBO prefill graphs do not apply to DeepSeek V4" in DSV4_DSPARK_DP2.notes[0]
+    runner = inspect.getsource(pg.PrefillCudaGraphRunner)
+    assert runner.count("attn_backend.init_forward_metadata_out_graph(") == 2  # capture and replay (full)
+    backend = object.__new__(DeepseekV4AttnBackend)
+    with pytest.raises(NotImplementedError, match="unsupported forward_mode=<ForwardMode.EXTEND"):
+        DeepseekV4AttnBackend.init_forward_metadata_out_graph(
+            backend, types.SimpleNamespace(forward_mode=ForwardMode.EXTEND), in_capture=True
+        )
+    ns = types.SimpleNamespace
+
+    def args(backend):
+        return ns(enable_two_batch_overlap=True, cuda_graph_config=ns(prefill=ns(backend=backend)))
+
+    assert tbo.refusal(args("breakable"), allow_full=True) == tbo.REFUSAL_BREAKABLE
+    assert tbo.refusal(args("full"), allow_full=True) is None
 
 
 def test_profile_bad_input():

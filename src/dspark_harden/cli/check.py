@@ -168,6 +168,7 @@ def render_table(result: dict) -> str:
             + (f", not checked (CUDA only): {', '.join(prof['skipped'])}" if prof["skipped"] else "")
         )
         out.extend(f"PROFILE: {p}" for p in prof["problems"])
+        out.extend(f"NOTE: {n}" for n in prof.get("notes", ()))
     if result.get("hidden_test_features"):
         out.append(
             f"({len(result['hidden_test_features'])} test-only feature(s) not shown: "

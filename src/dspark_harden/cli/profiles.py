@@ -30,6 +30,9 @@ class Profile:
     role: str
     doc: str
     needs: tuple
+    #: what this stock release does not do for the deployment, whatever the features say (``check --profile``
+    #: prints each as a ``NOTE:`` line; tests/plugin/test_check_profile.py re-checks each on the live code)
+    notes: tuple = ()
 
     def env(self) -> dict:
         """The switches the profile needs exported, each as ``1`` (default-on ones too: only an explicit 1
@@ -129,6 +132,12 @@ DSV4_DSPARK_DP2 = Profile(
         Need("dflash-request-validation", F.UPSTREAM, why="DSpark requests validated as the DFlash family"),
         Need("dsv4-indexer-metadata-in-place", F.UPSTREAM, why="captured DSV4 indexer tensors refreshed in place"),
     ),
+    notes=(
+        "TBO prefill graphs do not apply to DeepSeek V4 on sglang 0.5.23: DSPARK_HARDEN_PREFILL_GRAPH_TBO=1 "
+        "covers only the full prefill backend, and stock DSV4 cannot capture or replay a full prefill graph "
+        "(DeepseekV4AttnBackend.init_forward_metadata_out_graph raises NotImplementedError for EXTEND); this "
+        "profile's breakable backend stays refused with --enable-two-batch-overlap: keep TBO off",
+    ),
 )
 
 PROFILES = {p.name: p for p in (DSV4_DSPARK_DP2,)}
@@ -150,6 +159,7 @@ def evaluate(profile: Profile, report: Optional[dict], skip_cuda: bool = False, 
             "problems": problems,
             "met": met,
             "skipped": skipped,
+            "notes": list(profile.notes),
         }
     for need in profile.needs:
         if need.cuda and skip_cuda:
@@ -190,4 +200,5 @@ def evaluate(profile: Profile, report: Optional[dict], skip_cuda: bool = False, 
         "problems": problems,
         "met": met,
         "skipped": skipped,
+        "notes": list(profile.notes),
     }
