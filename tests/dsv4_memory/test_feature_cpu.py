@@ -537,3 +537,44 @@ def test_guarded_planner_compiles_against_the_installed_stock_header(tmp_path):
     env = dict(os.environ, LD_LIBRARY_PATH=f"{cuda_lib}:{os.environ.get('LD_LIBRARY_PATH', '')}")
     proc = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, env=env)
     assert proc.returncode == 0 and "REFUSED True" in proc.stdout, (proc.stdout, proc.stderr[-4000:])
+
+
+@pytest.mark.forked
+def test_pool_refuses_the_megaattention_backend_at_its_init(monkeypatch):
+    """Issue 41: ``DSPARK_HARDEN_DSV4_SPARSE_PREFILL_POOL=1`` with the MegaAttention backend stops start-up
+    at the backend's construction. Real classes: ``DeepseekV4MegaAttnBackend`` defines no ``__init__`` of
+    its own, so constructing it runs ``DeepseekV4AttnBackend.__init__``, here wrapped by the feature's own
+    patch (its ``build``, what binding applies; the stock ``__init__`` under it is a stand-in setting the
+    attributes the reservation reads, as the real one needs a CUDA model runner). The standard backend,
+    constructed the same way, passes the refusal and reaches the reservation (which needs CUDA here)."""
+    from types import SimpleNamespace
+
+    from sglang.srt.layers.attention.deepseek_v4_backend import DeepseekV4AttnBackend
+    from sglang.srt.layers.attention.deepseek_v4_mega_backend import DeepseekV4MegaAttnBackend
+
+    from dspark_harden.dsv4_memory import pool as P
+
+    assert "__init__" not in DeepseekV4MegaAttnBackend.__dict__ and DeepseekV4MegaAttnBackend.mega_attn is True
+    assert DeepseekV4AttnBackend.mega_attn is False
+
+    def stock_init(self, model_runner, *args, **kwargs):  # stand-in for the CUDA-only stock constructor
+        self.head_dim_v, self.device, self.dsv4_prefill_backend = 512, "cpu", "auto"
+
+    patch = next(p for p in F.patches(Role.SCHEDULER, _settings(**{S.POOL: 1})) if p.target == S.BACKEND_INIT_TARGET)
+    monkeypatch.setattr(DeepseekV4AttnBackend, "__init__", patch.build(stock_init))
+    monkeypatch.setattr(F, "_local_heads", lambda model_runner: 64)
+    monkeypatch.setattr(F, "_uses_q8kv8", lambda backend: False)
+    monkeypatch.setattr(F, "prefill_graph_bucket_max", lambda: None)
+    monkeypatch.setattr(P, "POOL", None)
+    runner = SimpleNamespace(server_args=SimpleNamespace(chunked_prefill_size=4096, max_prefill_tokens=16384))
+
+    with pytest.raises(SparsePrefillPoolError) as refused:
+        DeepseekV4MegaAttnBackend(runner)
+    msg = str(refused.value)
+    assert "DSPARK_HARDEN_DSV4_SPARSE_PREFILL_POOL=1 with the DeepSeek V4 MegaAttention backend" in msg, msg
+    assert "flash_mla_mega_prefill" in msg and "turn the pool off or use the standard DSV4 attention backend" in msg
+    assert P.POOL is None  # nothing reserved
+
+    with pytest.raises(SparsePrefillPoolError, match="needs CUDA") as reached:
+        DeepseekV4AttnBackend(runner)
+    assert "MegaAttention" not in str(reached.value)
