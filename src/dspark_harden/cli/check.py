@@ -145,6 +145,8 @@ def render_table(result: dict) -> str:
         )
         rows.append((f["name"], f["status"], switch, targets[0] if targets else (f["detail"] or "-")))
         rows.extend(("", "", "", t) for t in targets[1:])
+        if targets and f["detail"] and f["status"] == F.BOUND:  # what a bound feature says of itself (e.g. the GPU)
+            rows.append(("", "", "", f["detail"]))
     widths = [max(len(r[i]) for r in rows) for i in range(3)]
     lines = ["  ".join(c.ljust(w) for c, w in zip(r[:3], widths)) + "  " + r[3] for r in rows]
     lines.insert(1, "-" * min(120, sum(widths) + 20))

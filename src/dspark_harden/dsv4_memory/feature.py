@@ -6,8 +6,10 @@ naming the reason). Patches, fingerprinted against sglang 0.5.23:
 * ``flash_mla_interface.flash_mla_sparse_fwd`` (wrap): the call runs inside the private memory pool
   reserved for the largest sparse-prefill shape (:mod:`.pool`); the DSV4 backend imports the
   function from the module at every call, so the module attribute is the one it uses;
-* ``DeepseekV4AttnBackend.__init__`` (wrap): reserve that pool once per process, after the weights
-  are loaded and before graph capture (the attention backend is created between the two);
+* ``DeepseekV4AttnBackend.__init__`` (wrap, bound with any of the three, owned by the first enabled one):
+  reserve that pool once per process, after the weights are loaded and before graph capture (the
+  attention backend is created between the two), then run each enabled feature's start-up self-test on
+  the device (:mod:`.selftest`);
 * ``MQALayer._compute_q_b`` (wrap): the ``q_head_norm`` path runs ``fused_q_norm_rope`` in place
   (:mod:`.qnorm`); every other branch calls stock;
 * ``CompressorPrefillPlan.generate`` / ``CompressorDecodePlan.generate`` (wrap): the device-side guarded
@@ -225,11 +227,28 @@ def _build_backend_init(settings: Any):
     def build(stock):
         def __init__(self, model_runner, *args, **kwargs):
             stock(self, model_runner, *args, **kwargs)
-            reserve_for_backend(self, model_runner, settings)
+            if settings[S.POOL]:
+                reserve_for_backend(self, model_runner, settings)
+            from .selftest import run_for_backend
+
+            run_for_backend(self, model_runner, settings)
 
         return __init__
 
     return build
+
+
+def _backend_init_owner(settings: Any) -> Optional[str]:
+    """The feature the ``DeepseekV4AttnBackend.__init__`` wrap is bound for: the first enabled of the three
+    (the pool's reservation and every enabled feature's self-test run there; a target binds once)."""
+    return next(
+        (
+            f
+            for f, switch in ((S.POOL_FEATURE, S.POOL), (S.QNORM_FEATURE, S.QNORM), (S.GUARDS_FEATURE, S.GUARDS))
+            if settings[switch]
+        ),
+        None,
+    )
 
 
 def _build_sparse_fwd(stock):
@@ -300,16 +319,23 @@ def patches(role: Role, settings: Any) -> list:
                 retire_when="SGLang's DSV4 backend passes reserved outputs to sparse_mla_q8kv8_prefill_fwd",
                 **common,
             ),
+        ]
+    owner = _backend_init_owner(settings)
+    if owner is not None:
+        out.append(
             Patch(
                 target=S.BACKEND_INIT_TARGET,
                 kind=Kind.WRAP,
                 build=_build_backend_init(settings),
                 fingerprint=S.BACKEND_INIT_FINGERPRINT,
-                why="reserve the sparse-prefill pool after the weights load and before graph capture",
-                retire_when="as the flash_mla_sparse_fwd patch",
-                **common,
-            ),
-        ]
+                feature=owner,
+                roles={Role.SCHEDULER},
+                why="reserve the sparse-prefill pool (when on) after the weights load and before graph capture, and "
+                "run each enabled DSV4 feature's start-up self-test on the device there (its kernels are "
+                "per-architecture code proven on sm_90 only)",
+                retire_when="the pool's and the other patches' conditions; the self-tests go with their features",
+            )
+        )
     if settings[S.QNORM]:
         out.append(
             Patch(
@@ -371,12 +397,26 @@ def dspark_patches(role, settings):
     return patches(role, settings)
 
 
+#: what each feature's start-up self-test proves on the device (:mod:`.selftest`), for ``check``
+SELF_TESTS = {
+    S.POOL_FEATURE: "a pooled sparse-prefill call into NaN-filled reserved blocks = a fresh allocation, bit for bit",
+    S.QNORM_FEATURE: "in-place Q norm + RoPE = out of place, bit for bit, at a live layer's heads",
+    S.GUARDS_FEATURE: "guarded plans = stock's bit for bit, and a crafted out-of-bounds plan caught",
+}
+
+
 @hookimpl
 def dspark_process_bound(role, settings, report):
-    """Say what the bound features reserve / save (``dspark-harden check`` shows it)."""
+    """Say what the bound features reserve / save, what each proves at start-up, and the compute capabilities
+    the DSV4 GPU suites ran on against this host's GPU (``dspark-harden check`` shows it)."""
     from .pool import reservation_bytes
     from .qnorm import saved_bytes
 
+    if not any(f.name in SELF_TESTS and f.status in ("bound", "disabled", "unavailable") for f in report.features):
+        return
+    from .selftest import host_device_line
+
+    device_line = host_device_line()
     for feat in report.features:
         if feat.status not in ("bound", "disabled", "unavailable"):
             continue
@@ -396,3 +436,6 @@ def dspark_process_bound(role, settings, report):
                 + ", ".join(f"{t // 1024}k tokens {saved_bytes(t, 128)} bytes" for t in (4096, 8192, 16384))
                 + ")"
             )
+        if feat.name in SELF_TESTS:
+            tail = f"start-up self-test: {SELF_TESTS[feat.name]}; {device_line}"
+            feat.detail = f"{feat.detail}; {tail}" if feat.detail else tail

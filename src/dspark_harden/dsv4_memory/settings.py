@@ -47,6 +47,24 @@ ONLINE_PLAN_SOURCES = {
     "sglang.kernels.ops.attention.dsv4.compress:CompressorDecodePlan.generate_online": "51573ed900c53730",
 }
 
+#: The compute capabilities each DSV4 GPU suite has run on, and the cards (tests/gpu/RUN.md records every run):
+#: what the start-up self-test's refusal and ``dspark-harden check`` compare the local device with. H100 and
+#: H200 are both sm_90; nothing has run on Blackwell (sm_100 / sm_103) yet. An empty entry: not yet run.
+GPU_RUNS = {
+    "tests/gpu/test_dsv4_memory_gpu.py": {"sm_90": ("NVIDIA H200",)},
+    "tests/gpu/test_dsv4_selftest_gpu.py": {},
+}
+
+
+def proven_ccs() -> dict:
+    """``{"sm_90": ("NVIDIA H200", ...)}``: every compute capability some DSV4 GPU suite ran on, with its cards."""
+    out: dict = {}
+    for runs in GPU_RUNS.values():
+        for cc, cards in runs.items():
+            out[cc] = tuple(sorted(set(out.get(cc, ())) | set(cards)))
+    return dict(sorted(out.items()))
+
+
 SETTINGS = [
     Setting(
         POOL,
