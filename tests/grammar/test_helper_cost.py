@@ -70,17 +70,35 @@ def test_expensive_or_claimed_keys_are_published_at_their_first_compile(hf_token
 
     other = tmp_path / "claims-cache"
     other.mkdir()
+    # LOAD_RATIO 1e9: every handoff pays, the claim is kept (issue 40 item 4 decides per key)
     claimed = persistent_backend(
         hf_tokenizer,
         other,
         DSPARK_HARDEN_GRAMMAR_DISK_PERSIST_MIN_COMPILE_S="1000",
         DSPARK_HARDEN_GRAMMAR_DISK_CLAIMS="1",
+        DSPARK_HARDEN_GRAMMAR_DISK_LOAD_RATIO="1e9",
     )
     svc2 = service_for(claimed)
     _resolve(svc2, ("json", SCHEMA))
     pc = claimed.grammar_compiler
-    assert pc.claim_outcomes["claimed"] == 1 and not pc._deferred
+    assert pc.claim_outcomes["claimed"] == 1 and pc.claim_outcomes["local"] == 0 and not pc._deferred
     assert _entry_exists(pc, "json", SCHEMA), "a claimed key was deferred: its waiters would wait for nothing"
+
+    # a claim given up as local (no handoff pays at LOAD_RATIO 1e-9) has no waiter: the key is deferred like
+    # any cheap one-use key
+    third = tmp_path / "local-cache"
+    third.mkdir()
+    local = persistent_backend(
+        hf_tokenizer,
+        third,
+        DSPARK_HARDEN_GRAMMAR_DISK_PERSIST_MIN_COMPILE_S="1000",
+        DSPARK_HARDEN_GRAMMAR_DISK_CLAIMS="1",
+        DSPARK_HARDEN_GRAMMAR_DISK_LOAD_RATIO="1e-9",
+    )
+    _resolve(service_for(local), ("json", SCHEMA))
+    pc = local.grammar_compiler
+    assert pc.claim_outcomes["claimed"] == 1 and pc.claim_outcomes["local"] == 1 and len(pc._deferred) == 1
+    assert not _entry_exists(pc, "json", SCHEMA)
 
 
 def test_deferred_keys_are_bounded_by_count_and_bytes(hf_tokenizer, cache_dir, monkeypatch):

@@ -87,7 +87,7 @@ def _record(res: Resolution) -> None:
 
 @dataclass(frozen=True)
 class Policy:
-    load_ratio: float = 0.7
+    load_ratio: float = 0.5
     max_entry_bytes: int = 256 << 20
 
     def __post_init__(self) -> None:
