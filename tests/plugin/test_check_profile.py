@@ -14,8 +14,19 @@ import pytest
 from dspark_harden.cli.profiles import DSV4_DSPARK_DP2
 
 CUDA_ONLY = sorted(n.feature for n in DSV4_DSPARK_DP2.needs if n.cuda)
-SWITCHES = {n.switch: "1" for n in DSV4_DSPARK_DP2.needs if n.switch and not n.cuda}  # a host without CUDA exports
+# a host without CUDA exports these (the operator's choice, prefill graphs, is not among them)
+SWITCHES = {n.switch: "1" for n in DSV4_DSPARK_DP2.needs if n.switch and not n.cuda and not n.choice}
 OPT_IN = ["DSPARK_HARDEN_DSPARK_MASKS", "DSPARK_HARDEN_DSPARK_RESULTS", "SGLANG_DSPARK_DP2_SHM_MLP_SYNC"]
+PG, PG_SWITCH = "prefill-graph-dp", "DSPARK_HARDEN_PREFILL_GRAPH"
+# the launch arguments of docs/deploy-dsv4-dspark-dp2.md's recipe without prefill graphs (the model paths do
+# not exist here: the check judges them as given, before resolution, and says so); with prefill graphs: + PREFILL
+LAUNCH = [
+    "--model-path", "/models/DeepSeek-V4-Flash", "--tp-size", "2", "--dp-size", "2", "--enable-dp-attention",
+    "--enable-dp-lm-head", "--speculative-algorithm", "DSPARK",
+    "--speculative-draft-model-path", "/models/DeepSeek-V4-Flash-DSpark", "--grammar-backend", "xgrammar",
+    "--enable-dp-attention-local-control-broadcast", "--enable-metrics", "--host", "0.0.0.0", "--port", "30000",
+]  # fmt: skip
+PREFILL = ["--cuda-graph-backend-prefill", "breakable"]
 
 
 def _cuda() -> bool:
@@ -33,17 +44,27 @@ def _env(**extra) -> dict:
 def _cases() -> dict:
     """Every profile check this module asserts on: name -> (env, extra args)."""
     cuda = _cuda()
+    # with CUDA the full profile (the DSV4 switches on too); without, everything else, and the verdict says
+    # what was left out
+    base, skip = (DSV4_DSPARK_DP2.env(), ()) if cuda else (SWITCHES, ("--skip-cuda-features",))
     cases = {
-        # with CUDA the full profile (the DSV4 switches on too); without, everything else, and the verdict
-        # says what was left out
-        "passes": (_env(**DSV4_DSPARK_DP2.env()), ("--json",))
-        if cuda
-        else (_env(**SWITCHES), ("--json", "--skip-cuda-features")),
-        "partial_table": (_env(**SWITCHES), ("--skip-cuda-features",)),
-        "default_off": (_env(**{**SWITCHES, "DSPARK_HARDEN_PREFILL_GRAPH": "0"}), ("--skip-cuda-features",)),
+        "passes": (_env(**base), ("--json", *skip)),
+        "partial_table": (_env(**SWITCHES, **{PG_SWITCH: "1"}), ("--skip-cuda-features",)),
+        # a default feature switched off fails the profile; the optional one switched off does not
+        "default_off": (
+            _env(**{**SWITCHES, "DSPARK_HARDEN_GRAMMAR": "0", PG_SWITCH: "0"}),
+            ("--skip-cuda-features",),
+        ),
         "dsv4_not_bound": (_env(**(SWITCHES if cuda else DSV4_DSPARK_DP2.env())), ()),
+        # the recipe's two launch commands: without prefill graphs, and with them (switch exported)
+        "launch_without": (_env(**base), ("--json", *skip, "--", *LAUNCH)),
+        "launch_with": (_env(**base, **{PG_SWITCH: "1"}), ("--json", *skip, "--", *LAUNCH, *PREFILL)),
+        # half a choice: the flag without the switch (binds by default: not fail-closed), the switch without
+        # the flag (the explicit switch fails)
+        "launch_with_unexported": (_env(**base), (*skip, "--", *LAUNCH, *PREFILL)),
+        "launch_switch_without_flag": (_env(**base, **{PG_SWITCH: "1"}), (*skip, "--", *LAUNCH)),
     }
-    for missing in OPT_IN + ["DSPARK_HARDEN_PREFILL_GRAPH"]:
+    for missing in OPT_IN:
         cases[f"missing:{missing}"] = (
             _env(**{k: v for k, v in SWITCHES.items() if k != missing}),
             ("--skip-cuda-features",),
@@ -63,23 +84,34 @@ def checks() -> dict:
     return {name: (p.returncode, p.stdout, p.stderr) for name, p in zip(cases, done)}
 
 
+def _optional_line(out: str) -> list:
+    return [ln for ln in out.splitlines() if ln.startswith("OPTIONAL: ")]
+
+
 def test_profile_passes_with_the_deployment_switches(checks):
     assert CUDA_ONLY == ["dsv4-inplace-q-norm-rope", "dsv4-planner-guards", "dsv4-sparse-prefill-pool"]
-    assert set(OPT_IN) < set(SWITCHES) and "DSPARK_HARDEN_PREFILL_GRAPH" in SWITCHES
+    assert set(OPT_IN) < set(SWITCHES) and PG_SWITCH not in SWITCHES and PG_SWITCH not in DSV4_DSPARK_DP2.env()
     rc, out, err = checks["passes"]
     result = json.loads(out)
     prof = result["profile"]
     assert rc == 0 and result["ok"] and prof["ok"] and prof["problems"] == [], (out[-3000:], err[-2000:])
     assert prof["role"] == "scheduler"
-    assert sorted(prof["met"]) == sorted(n.feature for n in DSV4_DSPARK_DP2.needs if not n.cuda or _cuda())
+    # prefill graphs not chosen (switch unset, no launch arguments): optional, not a problem
+    want = sorted(n.feature for n in DSV4_DSPARK_DP2.needs if (not n.cuda or _cuda()) and not n.choice)
+    assert sorted(prof["met"]) == want and PG not in prof["met"]
+    assert prof["optional"] == [
+        f"{PG} not chosen ({PG_SWITCH} is not exported as 1 and no launch arguments were given (check ... -- "
+        f"ARGS)): {DSV4_DSPARK_DP2.needs[[n.feature for n in DSV4_DSPARK_DP2.needs].index(PG)].choice}"
+    ]
     assert sorted(prof["skipped"]) == ([] if _cuda() else CUDA_ONLY)
     bound = {f["name"] for f in result["features"] if f["status"] == "bound"}
-    assert {"dp2-native-exchange", "dspark-masks", "dspark-result-materializer", "prefill-graph-dp"} <= bound
+    assert {"dp2-native-exchange", "dspark-masks", "dspark-result-materializer", PG} <= bound
 
     assert prof["notes"] == list(DSV4_DSPARK_DP2.notes) and len(prof["notes"]) == 1
-    rc, out, _ = checks["partial_table"]
+    rc, out, _ = checks["partial_table"]  # prefill graphs chosen by the switch: judged like any need
     assert f"NOTE: {DSV4_DSPARK_DP2.notes[0]}" in out.splitlines(), out[-3000:]
     assert "NOTE: TBO prefill graphs do not apply to DeepSeek V4 on sglang 0.5.23" in out
+    assert _optional_line(out) == [], out[-3000:]
 
     if not _cuda():
         assert rc == 0
@@ -89,31 +121,76 @@ def test_profile_passes_with_the_deployment_switches(checks):
         ), out[-2000:]
 
 
-@pytest.mark.parametrize("missing", OPT_IN + ["DSPARK_HARDEN_PREFILL_GRAPH"])
+def test_prefill_graphs_are_the_operators_choice_judged_against_the_launch_arguments(checks):
+    """The recipe's two launch commands through ``check --profile dsv4-dspark-dp2 -- ARGS``: without
+    ``--cuda-graph-backend-prefill breakable`` prefill-graph-dp is unavailable (stock's DSV4 default) and the
+    profile passes saying what is lost and gained; with it (and the switch exported) it must bind and counts as
+    needed. Half a choice fails: the flag without the switch, or the switch without the flag."""
+    need = next(n for n in DSV4_DSPARK_DP2.needs if n.feature == PG)
+    assert "lost: prefill CUDA graphs" in need.choice and "gained: no c4-indexer scratch" in need.choice
+    n_all = len([n for n in DSV4_DSPARK_DP2.needs if not n.cuda or _cuda()])
+
+    rc, out, err = checks["launch_without"]
+    result = json.loads(out)
+    prof, feats = result["profile"], {f["name"]: f for f in result["features"]}
+    assert rc == 0 and result["ok"] and prof["ok"] and prof["problems"] == [], (out[-3000:], err[-2000:])
+    assert result["launch"]["argv"] == LAUNCH and result["launch"]["resolution"].startswith("not resolvable")
+    assert feats[PG]["status"] == "unavailable" and "prefill CUDA graphs are not enabled" in feats[PG]["detail"]
+    assert PG not in prof["met"] and len(prof["met"]) == n_all - 1
+    assert len(prof["optional"]) == 1 and prof["optional"][0].startswith(
+        f"{PG} not chosen (the launch arguments leave it unavailable: prefill CUDA graphs are not enabled"
+    )
+    assert prof["optional"][0].endswith(need.choice)
+
+    rc, out, err = checks["launch_with"]
+    result = json.loads(out)
+    prof, feats = result["profile"], {f["name"]: f for f in result["features"]}
+    assert rc == 0 and result["ok"] and prof["ok"] and prof["problems"] == [], (out[-3000:], err[-2000:])
+    assert result["launch"]["argv"] == LAUNCH + PREFILL
+    assert feats[PG]["status"] == "bound" and PG in prof["met"] and len(prof["met"]) == n_all
+    assert prof["optional"] == []
+
+    rc, out, _ = checks["launch_with_unexported"]
+    assert rc == 1
+    assert [ln for ln in out.splitlines() if ln.startswith("PROFILE: ")] == [
+        f"PROFILE: {PG} ({need.why}) binds by default, but {PG_SWITCH} is not exported as 1: only an explicit 1 "
+        f"makes startup refuse when the server's arguments leave the feature unavailable (unset, it is skipped "
+        f"as unavailable): export {PG_SWITCH}=1"
+    ], out[-3000:]
+    assert _optional_line(out) == []
+
+    rc, out, _ = checks["launch_switch_without_flag"]
+    lines = [ln for ln in out.splitlines() if ln.startswith("PROFILE: ")]
+    assert rc == 1 and len(lines) == 1, out[-3000:]
+    assert lines[0].startswith(f"PROFILE: {PG} ({need.why}) is failed, the profile needs it bound: ")
+    assert "prefill CUDA graphs are not enabled" in lines[0]
+    assert lines[0].endswith(f"(it is the operator's choice in this profile: leave {PG_SWITCH} unset to go without it)")
+
+
+@pytest.mark.parametrize("missing", OPT_IN)
 def test_profile_fails_naming_the_feature_whose_switch_is_missing(checks, missing):
     rc, out, err = checks[f"missing:{missing}"]
     need = next(n for n in DSV4_DSPARK_DP2.needs if n.switch == missing)
     assert rc == 1, out[-2000:]
     lines = [ln for ln in out.splitlines() if ln.startswith("PROFILE: ")]
-    if missing in OPT_IN:  # opt-in: not bound at all
-        want = f"PROFILE: {need.feature} ({need.why}) is disabled ({missing}=0): export {missing}=1"
-    else:  # on by default: bound, but startup would skip it as unavailable instead of refusing
-        want = (
-            f"PROFILE: {need.feature} ({need.why}) binds by default, but {missing} is not exported as 1: only "
-            f"an explicit 1 makes startup refuse when the server's arguments leave the feature unavailable "
-            f"(unset, it is skipped as unavailable): export {missing}=1"
-        )
+    want = f"PROFILE: {need.feature} ({need.why}) is disabled ({missing}=0): export {missing}=1"
     assert lines == [want], out[-3000:]
-    assert "profile dsv4-dspark-dp2 (scheduler role): FAILED: 16 feature(s) as needed, 1 not" in out
+    assert (
+        "profile dsv4-dspark-dp2 (scheduler role): FAILED: 15 feature(s) as needed, 1 not, 1 optional not chosen" in out
+    )
 
 
 def test_profile_fails_naming_a_default_feature_switched_off(checks):
+    """A default-on feature switched off fails the profile; the optional one switched off is only reported."""
     rc, out, _ = checks["default_off"]
     assert rc == 1
-    assert (
-        "PROFILE: prefill-graph-dp (one DP decision for prefill CUDA graphs, no rank-local eager fallback) is "
-        "disabled (DSPARK_HARDEN_PREFILL_GRAPH=0): export DSPARK_HARDEN_PREFILL_GRAPH=1"
-    ) in out
+    assert [ln for ln in out.splitlines() if ln.startswith("PROFILE: ")] == [
+        "PROFILE: grammar-service (canonical keys, bounded LRU, one compile per key, persistent cache) is "
+        "disabled (DSPARK_HARDEN_GRAMMAR=0): export DSPARK_HARDEN_GRAMMAR=1"
+    ], out[-3000:]
+    need = next(n for n in DSV4_DSPARK_DP2.needs if n.feature == PG)
+    assert _optional_line(out) == [f"OPTIONAL: {PG} not chosen ({PG_SWITCH}=0): {need.choice}"], out[-3000:]
+    assert "FAILED: 15 feature(s) as needed, 1 not, 1 optional not chosen" in out
 
 
 def test_profile_names_the_dsv4_features_that_do_not_bind(checks):
@@ -210,7 +287,13 @@ def test_deploy_page_names_every_variable_and_exports_every_profile_switch():
     exported = dict(re.findall(r"^export ([A-Z_0-9]+)=(\S+)", text, re.M))
     assert {k: exported.get(k) for k in DSV4_DSPARK_DP2.env()} == DSV4_DSPARK_DP2.env()
     assert exported["SGLANG_PLUGINS"] == "dspark_harden"
-    assert "dspark-harden check --profile dsv4-dspark-dp2" in text
+    # the operator's choice is not exported by the recipe: it says how to choose it (switch and flag together)
+    assert PG_SWITCH not in exported
+    assert f"export {PG_SWITCH}=1" in text and " ".join(PREFILL) in text
+    assert 'dspark-harden check --profile dsv4-dspark-dp2 -- "${ARGS[@]}"' in text
+    # the launch arguments this module checks are the recipe's
+    recipe = text[text.index("ARGS=(") : text.index(")", text.index("ARGS=("))]
+    assert recipe.split()[1:] == LAUNCH, recipe
 
 
 def test_deploy_page_metrics_exist():

@@ -167,9 +167,11 @@ def render_table(result: dict) -> str:
         out.append(
             f"profile {prof['name']} ({prof['role']} role): {state}: {len(prof['met'])} feature(s) as needed"
             + (f", {len(prof['problems'])} not" if prof["problems"] else "")
+            + (f", {len(prof['optional'])} optional not chosen" if prof.get("optional") else "")
             + (f", not checked (CUDA only): {', '.join(prof['skipped'])}" if prof["skipped"] else "")
         )
         out.extend(f"PROFILE: {p}" for p in prof["problems"])
+        out.extend(f"OPTIONAL: {o}" for o in prof.get("optional", ()))
         out.extend(f"NOTE: {n}" for n in prof.get("notes", ()))
     if result.get("hidden_test_features"):
         out.append(

@@ -22,6 +22,11 @@ class Need:
     switch: Optional[str] = None  # what enables it (None: an upstream probe); the profile needs it exported as 1
     cuda: bool = False  # binds only on a CUDA host
     why: str = ""
+    #: non-empty: the operator's choice, not a requirement. What the deployment loses without the feature and
+    #: gains (printed as an ``OPTIONAL:`` line when it is not chosen). Chosen = the launch arguments given to
+    #: ``check -- ...`` let it bind, or, without them, its switch is exported as 1; chosen, it is judged like
+    #: any other need (bound, switch exported as 1)
+    choice: str = ""
 
 
 @dataclass(frozen=True)
@@ -36,8 +41,9 @@ class Profile:
 
     def env(self) -> dict:
         """The switches the profile needs exported, each as ``1`` (default-on ones too: only an explicit 1
-        makes startup refuse when the server's arguments leave the feature unavailable)."""
-        return {n.switch: "1" for n in self.needs if n.switch}
+        makes startup refuse when the server's arguments leave the feature unavailable); an operator's choice
+        (``Need.choice``) is exported only by the operator who chooses it."""
+        return {n.switch: "1" for n in self.needs if n.switch and not n.choice}
 
 
 DSV4_DSPARK_DP2 = Profile(
@@ -85,13 +91,21 @@ DSV4_DSPARK_DP2 = Profile(
             cuda=True,
             why="bounds checks of the DSV4 compress planner",
         ),
-        # on by default; exported as 1 all the same (fail closed at startup)
+        # the operator's choice: stock 0.5.23 turns the breakable prefill graph off for DSV4 by default (the c4
+        # indexer scratch pinned in the capture pool OOMs, arg_groups/cuda_graph_hook.py); chosen with
+        # --cuda-graph-backend-prefill breakable, and then exported as 1 like the rest
         Need(
             "prefill-graph-dp",
             F.BOUND,
             "DSPARK_HARDEN_PREFILL_GRAPH",
             why="one DP decision for prefill CUDA graphs, no rank-local eager fallback",
+            choice="lost: prefill CUDA graphs and their one DP decision (prefill runs eager on both ranks, stock's "
+            "DSV4 default; the replay gain for DSV4 is not measured); gained: no c4-indexer scratch pinned in the "
+            "capture pool and a sparse-prefill reservation of the chunk instead of max(chunk, largest prefill bucket) "
+            "(docs/deploy-dsv4-dspark-dp2.md, 'Prefill CUDA graphs: a choice'). To choose it: export "
+            "DSPARK_HARDEN_PREFILL_GRAPH=1 and launch with --cuda-graph-backend-prefill breakable",
         ),
+        # on by default; exported as 1 all the same (fail closed at startup)
         Need(
             "dspark-draft-graph-memory",
             F.BOUND,
@@ -147,8 +161,9 @@ def evaluate(profile: Profile, report: Optional[dict], skip_cuda: bool = False, 
     """Judge one role's raw check report (``_check_child``'s) against ``profile`` and the environment the
     check ran with: a problem per need not met, naming the feature, what it is and what to do."""
     environ = os.environ if environ is None else environ
-    problems, met, skipped = [], [], []
+    problems, met, skipped, optional = [], [], [], []
     feats = {f["name"]: f for f in (report or {}).get("features", [])}
+    launched = bool((report or {}).get("launch"))  # `check -- <launch arguments>`: judged against them
     if report is None or not report.get("plugin_loaded"):
         errors = "; ".join((report or {}).get("errors", [])) or "no report"
         problems.append(f"the {profile.role} role did not load the plugin ({errors}): no feature of the profile bound")
@@ -159,6 +174,7 @@ def evaluate(profile: Profile, report: Optional[dict], skip_cuda: bool = False, 
             "problems": problems,
             "met": met,
             "skipped": skipped,
+            "optional": optional,
             "notes": list(profile.notes),
         }
     for need in profile.needs:
@@ -174,6 +190,11 @@ def evaluate(profile: Profile, report: Optional[dict], skip_cuda: bool = False, 
             continue
         status, detail = feat["status"], feat.get("detail") or ""
         what = f"{need.feature} ({need.why})"
+        if need.choice:
+            unchosen = _not_chosen(need, status, detail, launched, environ)
+            if unchosen:
+                optional.append(f"{need.feature} not chosen ({unchosen}): {need.choice}")
+                continue
         if status == need.status:
             if need.switch and environ.get(need.switch) != "1":
                 problems.append(
@@ -191,7 +212,13 @@ def evaluate(profile: Profile, report: Optional[dict], skip_cuda: bool = False, 
         else:
             bad = [f"{t['target']}: {t['detail']}" for t in feat.get("targets", []) if not t.get("bound")]
             problems.append(
-                f"{what} is {status}, the profile needs it {need.status}: " + ("; ".join(bad) if bad else detail)
+                f"{what} is {status}, the profile needs it {need.status}: "
+                + ("; ".join(bad) if bad else detail)
+                + (
+                    f" (it is the operator's choice in this profile: leave {need.switch} unset to go without it)"
+                    if need.choice
+                    else ""
+                )
             )
     return {
         "name": profile.name,
@@ -200,5 +227,20 @@ def evaluate(profile: Profile, report: Optional[dict], skip_cuda: bool = False, 
         "problems": problems,
         "met": met,
         "skipped": skipped,
+        "optional": optional,
         "notes": list(profile.notes),
     }
+
+
+def _not_chosen(need: Need, status: str, detail: str, launched: bool, environ) -> Optional[str]:
+    """Why the operator has not chosen ``need`` (``None``: chosen, judged like any need). Against launch
+    arguments the feature's own verdict decides: ``unavailable`` (the arguments do not enable it) or switched
+    off is not chosen, while ``bound`` (they enable it) or ``failed`` (its switch is 1 and they do not) is.
+    Without them the check child binds every feature, so the switch decides: exported as 1 or not."""
+    if status == F.UNAVAILABLE:
+        return f"{'the launch arguments leave it unavailable' if launched else 'unavailable'}: {detail}"
+    if status == F.DISABLED:
+        return f"{need.switch}=0"
+    if status == F.BOUND and not launched and environ.get(need.switch) != "1":
+        return f"{need.switch} is not exported as 1 and no launch arguments were given (check ... -- ARGS)"
+    return None
