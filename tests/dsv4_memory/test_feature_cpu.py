@@ -41,6 +41,7 @@ def test_declared_fingerprints_match_the_installed_sources():
         (S.DECODE_PLAN_TARGET, S.DECODE_PLAN_FINGERPRINT),
         (S.METADATA_TARGET, S.METADATA_FINGERPRINT),
         (S.METADATA_OUT_GRAPH_TARGET, S.METADATA_OUT_GRAPH_FINGERPRINT),
+        *S.RESULT_SYNC_TARGETS.items(),
     ]:
         assert source_fingerprint(target) == fp, target
     patched = F.patches(Role.SCHEDULER, _settings(**{S.POOL: 1, S.QNORM: 1, S.GUARDS: 1}))
@@ -54,6 +55,7 @@ def test_declared_fingerprints_match_the_installed_sources():
             S.DECODE_PLAN_TARGET,
             S.METADATA_TARGET,
             S.METADATA_OUT_GRAPH_TARGET,
+            *S.RESULT_SYNC_TARGETS,
         ]
     )
     assert F.patches(Role.SCHEDULER, _settings()) == [] and F.patches(Role.MAIN, _settings(**{S.POOL: 1})) == []

@@ -14,7 +14,8 @@ The planner turns (request pool indices, sequence and extend lengths, ``req_to_t
 
 Every plan -- eager, captured, replayed -- runs the device-side guarded planner (:mod:`.planner_device`):
 those reads are checked on the GPU, no device sync, errors reported through a pinned mirror the host
-reads before every plan and at every forward-metadata build. On the host, before the launch and for
+reads before every plan, at every forward-metadata build, and at each step's result sync before any of
+its tokens is appended or streamed (:func:`build_result_check`). On the host, before the launch and for
 free, the wrappers refuse what needs no device read (:func:`prefill_problems` / :func:`decode_problems`
 with ``device_data=False``: shapes, ratios, nesting, and the lengths when they are host tensors).
 ``DSPARK_HARDEN_DSV4_PLANNER_GUARDS_SYNC=1`` adds the device-data checks before every eager launch
@@ -382,5 +383,36 @@ def build_metadata_report(stock: Callable) -> Callable:
 
             planner_device.report(planner_device.ensure_state())
         return stock(self, forward_batch, *args, **kwargs)
+
+    return wrapper
+
+
+AT_RESULT_SYNC = "read at this step's result sync: none of its tokens was appended or streamed"
+
+
+def build_result_check(stock: Callable) -> Callable:
+    """Wrap a result processor stock calls once per step after the forward
+    (``SchedulerBatchResultProcessor.process_batch_result_prefill`` / ``_decode``, the PD prefill server's
+    ``process_batch_result_disagg_prefill``): wait for the step's result first -- ``result.copy_done``
+    when set (overlap scheduling: the event recorded behind the step's result copy; stock's own
+    ``synchronize()`` a few lines later then returns at once), else the current stream (non-overlap:
+    the forward ran on it; stock's ``.tolist()`` of the device tokens waits for the same) -- then read the
+    device guard's mirror (:mod:`.planner_device`), exact for every plan queued before the step's result,
+    and raise before stock appends or streams a token of the step. Before the first guard state exists no
+    guarded plan has run: stock alone, no wait added."""
+    import functools
+
+    from . import planner_device as guard  # no CUDA call at import
+
+    @functools.wraps(stock)
+    def wrapper(self, batch, result, *args, **kwargs):
+        if guard.guarding():
+            done = getattr(result, "copy_done", None)
+            if done is not None:
+                done.synchronize()
+            else:
+                guard.sync_current_streams()
+            guard.report_all(AT_RESULT_SYNC)
+        return stock(self, batch, result, *args, **kwargs)
 
     return wrapper

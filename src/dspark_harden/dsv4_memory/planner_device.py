@@ -12,9 +12,12 @@ host mirror, so a plan captured in a CUDA graph keeps publishing on every replay
 :func:`check_pending` reads the mirror (a plain host memory read: no sync, no device call) and raises
 :class:`~.common.PlannerBoundsError` naming each reason whose count grew since the last report. The
 planner wrappers call it before every plan and the DSV4 backend wrappers at every forward-metadata build
-(eager forwards and graph replays alike), so a violation fails the server at most a step or two after the
-plan that hit it: the batches planned in between ran with clamped, invalid plan entries, which is why the
-error says to fail them. :func:`check` synchronizes first (tests, shutdown).
+(eager forwards and graph replays alike): what the GPU has published by then. The result-processor
+wrappers (:func:`.planner.build_result_check`) read it once more at the step's result sync, after the
+wait stock does anyway for the step's result copy (every kernel queued before that copy, the step's plans
+and their mirror publication included, has completed: the mirror is exact for the step) and before stock
+appends or streams a token of it (:func:`report_all`): a violation fails the step that planned it, before
+its tokens are released. :func:`check` synchronizes first (tests, shutdown).
 
 The state (counters, mirror and the mirror's device address, queried once with
 ``cudaHostGetDevicePointer``) is created once per device outside any graph capture (:func:`ensure_state`,
@@ -120,8 +123,9 @@ def check_pending(device: Any = None) -> None:
         report(st)
 
 
-def report(st: GuardState) -> None:
-    """:func:`check_pending` for a state already looked up (the per-step metadata wrapper's one lookup)."""
+def report(st: GuardState, when: str = "") -> None:
+    """:func:`check_pending` for a state already looked up (the per-step metadata wrapper's one lookup);
+    ``when`` is appended to the message (where the report was read)."""
     now = [int(v) for v in st.view]
     if now == st.reported:
         return
@@ -130,9 +134,31 @@ def report(st: GuardState) -> None:
     raise PlannerBoundsError(
         "DSV4 compress plan (device-side guard) would have indexed past an allocation since the last check: "
         + "; ".join(f"{why} (x{n})" for why, n in grew)
-        + " -- the plans concerned were clamped in bounds (or planned empty) and are not valid: fail the batch "
-        "(DSPARK_HARDEN_DSV4_PLANNER_GUARDS)"
+        + " -- the plans concerned were clamped in bounds (or planned empty) and are not valid: fail the batch"
+        + (f" ({when})" if when else "")
+        + " (DSPARK_HARDEN_DSV4_PLANNER_GUARDS)"
     )
+
+
+def guarding() -> bool:
+    """True once a guard state exists in this process (a guarded plan may have run)."""
+    return bool(_STATES)
+
+
+def report_all(when: str = "") -> None:
+    """:func:`report` of every guard state of this process (a scheduler process has one device)."""
+    for st in list(_STATES.values()):
+        report(st, when)
+
+
+def sync_current_streams() -> None:
+    """Wait for the work queued so far on the current stream of each guarded device: what stock's
+    ``.tolist()`` of a device result waits for on the non-overlap path, where the forward ran on that
+    stream and no ``copy_done`` event exists."""
+    import torch
+
+    for idx in list(_STATES):
+        torch.cuda.current_stream(idx).synchronize()
 
 
 def check(device: Any = None) -> None:

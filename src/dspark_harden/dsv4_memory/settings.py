@@ -35,6 +35,17 @@ METADATA_OUT_GRAPH_TARGET = (
     "sglang.srt.layers.attention.deepseek_v4_backend:DeepseekV4AttnBackend.init_forward_metadata_out_graph"
 )
 METADATA_OUT_GRAPH_FINGERPRINT = "524e43e8dc2c557c"
+# the planner guards' check at the step's result sync: the result processors stock calls after the
+# forward, which wait for the step's result copy before they append and stream its tokens
+_BRP = "sglang.srt.managers.scheduler_components.batch_result_processor:SchedulerBatchResultProcessor."
+RESULT_SYNC_TARGETS = {
+    _BRP + "process_batch_result_prefill": "1aea9fd7d974f1bb",
+    _BRP + "process_batch_result_decode": "038c21b9d5a79038",
+    # PD prefill server (--disaggregation-mode prefill): its own result processor on the Scheduler mixin
+    "sglang.srt.disaggregation.prefill:SchedulerDisaggregationPrefillMixin.process_batch_result_disagg_prefill": (
+        "25c3f6d4f0bfc1f6"
+    ),
+}
 # the kernel sources the guarded planner copies (c_plan.cuh) or documents as reading no req_to_token /
 # full_to_state (c128_online_v2.cuh, generate_online): sha256 (first 16 hex) of the installed file under
 # sglang/kernels/jit/csrc, and of the two Python generate_online methods
@@ -110,7 +121,8 @@ SETTINGS = [
         "1: every DSV4 compress plan (CompressorPrefillPlan.generate / CompressorDecodePlan.generate), eager, "
         "captured or replayed, runs a device-side guarded planner (bit-identical to stock for in-bounds "
         "inputs, no device sync): an index past an allocation is clamped and counted on the GPU, and the "
-        "host raises a named error at the next plan or forward-metadata build (shape and host-length "
+        "host raises a named error at the step's result sync, before any token of that step is appended or "
+        "streamed (or earlier, at the next plan or forward-metadata build; shape and host-length "
         "problems are refused before the launch). generate_online reads no req_to_token / full_to_state "
         "entry and is left to stock. Needs CUDA and nvcc (SGLang's JIT). 0: stock.",
         feature=GUARDS_FEATURE,
