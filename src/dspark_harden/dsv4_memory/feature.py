@@ -15,7 +15,10 @@ naming the reason). Patches, fingerprinted against sglang 0.5.23:
 * ``CompressorPrefillPlan.generate`` / ``CompressorDecodePlan.generate`` (wrap): the device-side guarded
   planners (:mod:`.planner_device`) with the free host checks before the launch (:mod:`.planner`);
   ``DeepseekV4AttnBackend.init_forward_metadata`` / ``init_forward_metadata_out_graph`` (wrap): the guard's
-  report read (no sync) at every forward-metadata build, eager and graph replay.
+  report read (no sync) at every forward-metadata build, eager and graph replay;
+  ``SchedulerBatchResultProcessor.process_batch_result_prefill`` / ``_decode`` and the PD prefill server's
+  ``process_batch_result_disagg_prefill`` (wrap): the report read again at the step's result sync (after the
+  wait for the step's result copy), before stock appends or streams a token of the step.
 """
 
 from __future__ import annotations
@@ -132,7 +135,8 @@ def dspark_features():
             switch=S.GUARDS,
             available=_guards_available,
             description="every DSV4 compress plan (eager, captured, replayed) through a device-side guarded planner: "
-            "no device sync, out-of-bounds indices clamped and reported at the next plan or forward-metadata build",
+            "no device sync, out-of-bounds indices clamped and the step failed at its result sync, before its tokens "
+            "are released",
             **common,
         ),
     ]
@@ -289,6 +293,12 @@ def _build_metadata_report(stock):
     return build_metadata_report(stock)
 
 
+def _build_result_check(stock):
+    from .planner import build_result_check
+
+    return build_result_check(stock)
+
+
 def patches(role: Role, settings: Any) -> list:
     if role is not Role.SCHEDULER:
         return []
@@ -389,6 +399,20 @@ def patches(role: Role, settings: Any) -> list:
                 (S.METADATA_OUT_GRAPH_TARGET, S.METADATA_OUT_GRAPH_FINGERPRINT),
             )
         ]
+        out += [
+            Patch(
+                target=target,
+                kind=Kind.WRAP,
+                build=_build_result_check,
+                fingerprint=fp,
+                why="the guard's report reaches the host a step or two after the plan that hit it; the step's "
+                "result sync (the copy stock waits for before appending and streaming its tokens) is the first "
+                "point where the mirror is exact for the step: read it there, before the tokens are released",
+                retire_when="c_plan.cuh validates its inputs on every path",
+                **common,
+            )
+            for target, fp in S.RESULT_SYNC_TARGETS.items()
+        ]
     return out
 
 
@@ -414,9 +438,14 @@ def dspark_process_bound(role, settings, report):
 
     if not any(f.name in SELF_TESTS and f.status in ("bound", "disabled", "unavailable") for f in report.features):
         return
+    from ..core import roles
     from .selftest import host_device_line
 
-    device_line = host_device_line()
+    # the host's GPU line (an nvidia-smi run) is for `dspark-harden check` only: a serving process -- every
+    # SGLang process of an image with the plugin installed, DSV4 or not -- spawns nothing for it (a bound
+    # feature's self-test names the device and compute capability itself)
+    in_server = roles.CONTEXT is not None and roles.CONTEXT.server_args is not None
+    device_line = "" if in_server else host_device_line()
     for feat in report.features:
         if feat.status not in ("bound", "disabled", "unavailable"):
             continue
@@ -437,5 +466,5 @@ def dspark_process_bound(role, settings, report):
                 + ")"
             )
         if feat.name in SELF_TESTS:
-            tail = f"start-up self-test: {SELF_TESTS[feat.name]}; {device_line}"
+            tail = f"start-up self-test: {SELF_TESTS[feat.name]}" + (f"; {device_line}" if device_line else "")
             feat.detail = f"{feat.detail}; {tail}" if feat.detail else tail
