@@ -363,3 +363,36 @@ def test_check_reports_the_self_tests_and_the_compute_capabilities_the_gpu_suite
     bound["targets"] = [{"target": S.Q_B_TARGET, "role": "scheduler", "bound": True, "detail": "wrap"}]
     lines = render_table({**merge([rep]), "features": [bound], "problems": []}).splitlines()
     assert lines[-1].strip() == "X on sm_90" and S.Q_B_TARGET in lines[-2]
+
+
+def test_a_serving_process_never_runs_nvidia_smi_only_check_does(tmp_path, monkeypatch):
+    """Guest in every process: the host-GPU line of the DSV4 features' details comes from ``nvidia-smi``,
+    which ``check`` runs; a serving process (any SGLang process of an image with the plugin installed, DSV4
+    or not) must not spawn it at bind. A planted ``nvidia-smi`` on PATH records each run."""
+    from dspark_harden.core import roles
+
+    marker = tmp_path / "ran"
+    smi = tmp_path / "bin" / "nvidia-smi"
+    smi.parent.mkdir()
+    smi.write_text(f"#!/bin/sh\necho run >> {marker}\necho 'Planted GPU, 10.0'\n")
+    smi.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{smi.parent}:{os.environ['PATH']}")
+
+    def report():
+        names = (S.POOL_FEATURE, S.QNORM_FEATURE, S.GUARDS_FEATURE)
+        return SimpleNamespace(
+            features=[SimpleNamespace(name=n, status="unavailable", detail="not DSV4") for n in names]
+        )
+
+    serving = report()
+    ctx = roles.ProcessContext(Role.SCHEDULER, server_args=SimpleNamespace())
+    monkeypatch.setattr(roles, "CONTEXT", ctx)
+    F.dspark_process_bound(role=Role.SCHEDULER, settings=_settings(), report=serving)
+    assert not marker.exists(), "a serving process ran nvidia-smi at bind"
+    assert all("this host" not in f.detail and "start-up self-test" in f.detail for f in serving.features)
+
+    checked = report()
+    monkeypatch.setattr(roles, "CONTEXT", None)
+    F.dspark_process_bound(role=Role.SCHEDULER, settings=_settings(), report=checked)
+    assert marker.read_text().count("run") == 1  # check: one run for all three features
+    assert all("this host: Planted GPU sm_100 (NOT among them" in f.detail for f in checked.features)
