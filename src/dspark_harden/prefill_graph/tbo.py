@@ -143,7 +143,8 @@ REFUSAL_BREAKABLE = (
     "DSPARK_HARDEN_PREFILL_GRAPH_TBO=1 covers the full prefill backend only: two-batch overlap with a "
     "breakable prefill CUDA graph stays refused (stock's disable_breakable_cudagraph_if_incompatible "
     "turns breakable prefill graphs off under TBO, and the TBO children's breakable capture/replay "
-    "metadata hooks are not fanned out). Use --cuda-graph-backend-prefill full."
+    "metadata hooks are not fanned out). Use --cuda-graph-backend-prefill full (not for DeepSeek V4 on "
+    "0.5.23: its full prefill replay raises NotImplementedError for EXTEND; there, TBO prefill graphs do not apply)."
 )
 
 
