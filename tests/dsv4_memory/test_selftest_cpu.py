@@ -32,7 +32,7 @@ def _refused(info, feature: str, what: str) -> str:
     assert f"start-up self-test of feature {feature} failed on cpu (no CUDA compute capability)" in msg, msg
     assert what in msg, msg
     assert f"set {ST.SWITCHES[feature]}=0 to run stock SGLang's path" in msg, msg
-    assert "the DSV4 GPU suites have run on sm_90 (NVIDIA H200)" in msg, msg
+    assert "the DSV4 GPU suites have run on sm_90 (NVIDIA H100 80GB HBM3, NVIDIA H200)" in msg, msg
     return msg
 
 
@@ -278,10 +278,13 @@ def test_refusal_names_feature_device_and_whether_any_gpu_suite_ran_on_its_capab
         "dspark-harden: start-up self-test of feature dsv4-inplace-q-norm-rope failed on NVIDIA B300 (sm_103, cuda:1): "
         "in place differs."
     )
-    assert "the DSV4 GPU suites have run on sm_90 (NVIDIA H200); sm_103 is never run by any DSV4 GPU suite" in msg
+    assert (
+        "the DSV4 GPU suites have run on sm_90 (NVIDIA H100 80GB HBM3, NVIDIA H200); sm_103 is never run by any DSV4 GPU suite"
+        in msg
+    )
     assert "set DSPARK_HARDEN_DSV4_INPLACE_Q_NORM_ROPE=0" in msg
     assert "sm_90 is among them" in ST.refusal(S.GUARDS_FEATURE, "NVIDIA H100 (sm_90, cuda:0)", "sm_90", "x")
-    assert S.proven_ccs() == {"sm_90": ("NVIDIA H200",)}
+    assert S.proven_ccs() == {"sm_90": ("NVIDIA H100 80GB HBM3", "NVIDIA H200")}
 
 
 # --- wiring ---------------------------------------------------------------------------------------
@@ -354,7 +357,10 @@ def test_check_reports_the_self_tests_and_the_compute_capabilities_the_gpu_suite
     for name in (S.POOL_FEATURE, S.QNORM_FEATURE, S.GUARDS_FEATURE):
         detail = feats[name]["detail"]
         assert f"start-up self-test: {F.SELF_TESTS[name]}" in detail, detail
-        assert "DSV4 GPU suites ran on sm_90 (NVIDIA H200); this host: no NVIDIA GPU (no nvidia-smi)" in detail
+        assert (
+            "DSV4 GPU suites ran on sm_90 (NVIDIA H100 80GB HBM3, NVIDIA H200); this host: no NVIDIA GPU (no nvidia-smi)"
+            in detail
+        )
     assert feats[S.GUARDS_FEATURE]["detail"].startswith(f"{S.GUARDS}=0; start-up self-test: guarded plans")
     table = render_table(merge([rep]))
     assert "this host: no NVIDIA GPU" in table

@@ -63,7 +63,8 @@ ONLINE_PLAN_SOURCES = {
 #: H200 are both sm_90; nothing has run on Blackwell (sm_100 / sm_103) yet. An empty entry: not yet run.
 GPU_RUNS = {
     "tests/gpu/test_dsv4_memory_gpu.py": {"sm_90": ("NVIDIA H200",)},
-    "tests/gpu/test_dsv4_selftest_gpu.py": {},
+    "tests/gpu/test_dsv4_selftest_gpu.py": {"sm_90": ("NVIDIA H100 80GB HBM3",)},
+    "tests/gpu/test_dsv4_result_sync_gpu.py": {"sm_90": ("NVIDIA H100 80GB HBM3",)},
 }
 
 
