@@ -573,7 +573,7 @@ class Persister:
     def handoff_estimate(self, memory_bytes: int) -> float:
         """Predicted seconds for another process to get a compiled grammar of ``memory_bytes`` from
         the disk instead of compiling it: serialize + durable write + read + deserialize, scaled
-        from this process's measured publications (the helper's optimistic prediction until one)."""
+        from this process's measured publications (HANDOFF_S_PER_MEMORY_BYTE and no write until one)."""
         with self._lock:
             return max(0, int(memory_bytes)) * self._handoff_per_byte + self._handoff_write_s
 
