@@ -52,7 +52,10 @@ DP2_SHARED_STALENESS_S = 15.0
 #   observability traffic's schema waits on rank 0's claim until the entry is published. The bounds cover
 #   the helper's first start-up on a loaded host: the claim wait, our compile timeout (the wait may use
 #   half of it) and stock's poll-count timeout (SGLANG_GRAMMAR_MAX_POLL_ITERATIONS x 5 ms, 50 s by
-#   default) are raised to 300 s and more;
+#   default) are raised to 300 s and more; the disk policy is pinned to serialized entries
+#   (DSPARK_HARDEN_GRAMMAR_DISK_LOAD_RATIO=1e9, as the claims tests do): with per-key claims a claimant
+#   whose handoff is predicted dearer than its compile gives the claim up (outcome `local`), and on a
+#   loaded host that prediction decided whether rank 1 loaded from disk at all (CI of stop 45);
 # - stock /health in its liveness-only mode (SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION=0), the
 #   configuration in which stock cannot see a stopped scheduler (the ingress tests compare), and a
 #   shorter /health_scheduler staleness.
@@ -65,6 +68,7 @@ DP2_SHARED_CONFIG = DP2_CONFIG.with_env(
     DSPARK_HARDEN_GRAMMAR_DISK_DIR="{workdir}/grammar-disk",
     DSPARK_HARDEN_GRAMMAR_DISK_CLAIMS="1",
     DSPARK_HARDEN_GRAMMAR_DISK_CLAIM_WAIT="300",
+    DSPARK_HARDEN_GRAMMAR_DISK_LOAD_RATIO="1e9",
     DSPARK_HARDEN_GRAMMAR_COMPILE_TIMEOUT="900",
     SGLANG_GRAMMAR_MAX_POLL_ITERATIONS="200000",
     SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION="0",
