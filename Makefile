@@ -3,6 +3,9 @@ VENV ?= $(HOME)/.cache/dspark-harden/venv
 export DSPARK_VENV := $(VENV)
 PYTHON := $(VENV)/bin/python
 PYTEST_ARGS ?=
+# pytest-xdist: two workers on the 2-core CI machine; every module that starts a SGLang server runs in one
+# group on one worker, the other modules one unit each, in the collection order (docs/testing.md)
+XDIST_ARGS ?= -n 2 --dist loadgroup --no-loadscope-reorder
 
 .PHONY: install demo test check test-fast lint gpu-test clean wheel
 
@@ -15,11 +18,11 @@ demo: install
 
 ## the whole test suite (starts every process it needs: SGLang servers, Prometheus)
 test: install
-	$(PYTHON) -m pytest -ra -p no:cacheprovider --timeout=1800 --durations=30 tests $(PYTEST_ARGS)
+	$(PYTHON) -m pytest -ra -p no:cacheprovider --timeout=1800 --durations=30 $(XDIST_ARGS) tests $(PYTEST_ARGS)
 
 ## quick: no real server
 test-fast: install
-	$(PYTHON) -m pytest -ra -m "not server" tests $(PYTEST_ARGS)
+	$(PYTHON) -m pytest -ra -m "not server" $(XDIST_ARGS) tests $(PYTEST_ARGS)
 
 ## the linters alone (ruff check + format, clang-format, gcc warnings + analyzer; make test runs them too)
 lint: install

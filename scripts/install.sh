@@ -13,7 +13,7 @@ SGLANG_REQ="sglang==0.5.23"
 # grafana-foundation-sdk (Grafana's dashboards-as-code SDK, pinned: the shipped dashboard JSON is its output)
 # ruff, clang-format: the linters (pinned: tests/packaging/test_lint.py runs them in make test)
 # build: `python -m build` (the sdist + abi3 wheel; tests/packaging builds and installs it, docs/install.md)
-EXTRA_REQS=("ruff==0.17.6" "clang-format==23.1.5" cffi pyzmq prometheus-client filelock "pluggy>=1.5" packaging "pytest>=8,<9" "pytest-forked>=1.6" pytest-timeout jsonschema numpy "setuptools>=77" wheel "build>=1.2" "hypothesis>=6.100,<6.170.10" "hypothesis-jsonschema==0.23.1" "grafana-foundation-sdk==1769699998!10.1.0")
+EXTRA_REQS=("ruff==0.17.6" "clang-format==23.1.5" cffi pyzmq prometheus-client filelock "pluggy>=1.5" packaging "pytest>=8,<9" "pytest-forked>=1.6" pytest-timeout "pytest-xdist>=3.6,<4" jsonschema numpy "setuptools>=77" wheel "build>=1.2" "hypothesis>=6.100,<6.170.10" "hypothesis-jsonschema==0.23.1" "grafana-foundation-sdk==1769699998!10.1.0")
 # the grammar tests' real-world schema corpus: the JSON Schema Test Suite from the npm registry
 NPM_PREFIX="${DSPARK_HARDEN_NPM_PREFIX:-$HOME/.cache/dspark-harden/npm}"
 NPM_CORPUS="json-schema-test-suite@0.0.10"
@@ -27,7 +27,7 @@ venv_complete() {
   "$VENV/bin/python" - <<'PY' >/dev/null 2>&1 || return 1
 import importlib.metadata as md
 assert md.version("sglang") == "0.5.23"
-import sglang, torch, xgrammar, zmq, cffi, pluggy, filelock, prometheus_client, pytest, pytest_forked  # noqa
+import sglang, torch, xgrammar, zmq, cffi, pluggy, filelock, prometheus_client, pytest, pytest_forked, xdist  # noqa
 import hypothesis, hypothesis_jsonschema  # noqa
 import grafana_foundation_sdk  # noqa
 import build  # noqa

@@ -38,6 +38,9 @@ def pytest_configure(config):
     import torch
 
     torch.set_num_threads(1)
+    # a pytest-xdist worker runs execnet's I/O thread(s) from before the first test: the harness's own,
+    # never a test's (the fork guard below leaves them out; a forked child never uses the channel)
+    _HARNESS_THREADS.update(_other_threads())
 
 
 _PYTEST_PID = os.getpid()
@@ -193,9 +196,14 @@ def _sglang_patch_guard(item, nextitem):
     )
 
 
+_HARNESS_THREADS: set = set()  # idents of the threads alive at pytest_configure (pytest-xdist's execnet I/O)
+
+
 def _other_threads() -> dict:
     main = threading.main_thread()
-    return {t.ident: t for t in threading.enumerate() if t is not main and t.is_alive()}
+    return {
+        t.ident: t for t in threading.enumerate() if t is not main and t.is_alive() and t.ident not in _HARNESS_THREADS
+    }
 
 
 # how long the threads alive in the pytest process get to end before a fork is reported as taken with them
@@ -237,7 +245,12 @@ _FORKS_WITH_THREADS: list = []  # (forked test, [thread descriptions]) for the t
 _MODULE_SECONDS: dict = {}  # test module -> [setup+call+teardown seconds, tests]
 
 
+_FORK_HAZARD = "dspark_forked_with_threads"
+
+
 def pytest_runtest_logreport(report):
+    if report.when == "setup":
+        _FORKS_WITH_THREADS.extend((report.nodeid, v) for k, v in report.user_properties if k == _FORK_HAZARD)
     module = report.nodeid.split("::", 1)[0]
     entry = _MODULE_SECONDS.setdefault(module, [0.0, 0])
     entry[0] += report.duration
@@ -271,8 +284,8 @@ def pytest_runtest_protocol(item, nextitem):
         for t in live
         if t.is_alive()
     )
-    if _FORKED_WITH:
-        _FORKS_WITH_THREADS.append((item.nodeid, list(_FORKED_WITH)))
+    if _FORKED_WITH:  # to the terminal summary through the report (pytest-xdist: from the worker)
+        item.user_properties.append((_FORK_HAZARD, list(_FORKED_WITH)))
     return None
 
 
@@ -300,6 +313,20 @@ def _shared_names(item) -> list[str]:
     return [n for n in shared.SHARED_CONFIGS if n in names]
 
 
+#: the pytest-xdist group of every module that starts a real SGLang server (docs/testing.md): one worker runs
+#: them all, one after another in the serial order below (the machine-wide server lock would make a second
+#: worker wait on it anyway; shared servers keep their order and are started once), while the other workers
+#: take the remaining modules, one module per unit (module-scoped fixtures run once)
+SERVER_GROUP = "sglang-servers"
+
+
+def _uses_server(item) -> bool:
+    return bool(_shared_names(item)) or bool(
+        {"sglang_server", "module_sglang_server"} & set(getattr(item, "fixturenames", ()))
+    )
+
+
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own hook reads the xdist_group marks
 def pytest_collection_modifyitems(session, config, items):
     order = list(shared.SHARED_CONFIGS)
 
@@ -314,11 +341,20 @@ def pytest_collection_modifyitems(session, config, items):
 
     items[:] = [item for _, item in sorted(enumerate(items), key=key)]
     gpu_items = []
+    server_modules = set()
     for item in items:
-        if _shared_names(item) or {"sglang_server", "module_sglang_server"} & set(getattr(item, "fixturenames", ())):
+        if _uses_server(item):
             item.add_marker(pytest.mark.server)
+            server_modules.add(item.nodeid.split("::", 1)[0])
         if item.get_closest_marker("gpu"):
             gpu_items.append(item)
+    if config.pluginmanager.hasplugin("xdist") and config.getoption("dist", "no") == "loadgroup":
+        # the server group first (the longest unit: the other worker fills in beside it), then every
+        # other module as its own unit in collection order
+        for item in items:
+            module = item.nodeid.split("::", 1)[0]
+            item.add_marker(pytest.mark.xdist_group(SERVER_GROUP if module in server_modules else module))
+        items.sort(key=lambda item: item.nodeid.split("::", 1)[0] not in server_modules)  # stable
     if gpu_items:
         import torch
 
