@@ -28,6 +28,11 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "server: starts a real SGLang server on CPU (slow)")
     config.addinivalue_line("markers", "gpu: needs CUDA (run on the device machine)")
     config.addinivalue_line("markers", "shared_order(n): position inside a shared server's group (default 0)")
+    config.addinivalue_line(
+        "markers",
+        "host_exclusive: compares host-wide state (all of /dev/shm) before and after; no test of another "
+        "pytest-xdist worker runs meanwhile",
+    )
     config.pluginmanager.register(_SGLangPatchGuard(), "dspark-sglang-patch-guard")
     # The pytest process forks (pytest-forked) after earlier tests ran torch ops in it. Once a
     # multi-threaded op has started torch's OpenMP pool in this process, a forked child deadlocks in
@@ -270,8 +275,60 @@ def pytest_terminal_summary(terminalreporter):
             terminalreporter.line(f"{nodeid}: {'; '.join(threads)}")
 
 
-@pytest.hookimpl(tryfirst=True)
+class _HostLock:
+    """Readers-writer lock between the pytest-xdist workers of one run (``flock(2)`` on two files of a
+    directory named by the run's id): every test holds it shared for its whole protocol (setup, which runs
+    module fixtures, call, teardown); a ``host_exclusive`` test holds it exclusively. Such a test compares
+    all of /dev/shm (or all of a prefix) before and after a server or engine lives: in the first two-worker
+    CI run a multiprocessing semaphore and an SGLang message queue that tests of the other worker were using
+    meanwhile read as the server's leftovers. Writer preference through a turnstile: a waiting exclusive
+    test holds ``turnstile``, so the other worker's next test waits instead of starving it. A serial run
+    takes no lock."""
+
+    def __init__(self, run_id: str):
+        import tempfile
+
+        d = os.path.join(tempfile.gettempdir(), f"dspark-harden-pytest-{run_id}")
+        os.makedirs(d, exist_ok=True)
+        self.turnstile = os.open(os.path.join(d, "turnstile"), os.O_RDWR | os.O_CREAT, 0o600)
+        self.main = os.open(os.path.join(d, "host"), os.O_RDWR | os.O_CREAT, 0o600)
+
+    @contextlib.contextmanager
+    def held(self, exclusive: bool):
+        import fcntl
+
+        fcntl.flock(self.turnstile, fcntl.LOCK_EX)
+        try:
+            fcntl.flock(self.main, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
+        finally:
+            if not exclusive:
+                fcntl.flock(self.turnstile, fcntl.LOCK_UN)
+        try:
+            yield
+        finally:
+            fcntl.flock(self.main, fcntl.LOCK_UN)
+            if exclusive:
+                fcntl.flock(self.turnstile, fcntl.LOCK_UN)
+
+
+_HOST_LOCK: list = []  # [the run's _HostLock] in a pytest-xdist worker
+
+
+@pytest.hookimpl(hookwrapper=True, tryfirst=True)
 def pytest_runtest_protocol(item, nextitem):
+    run_id = os.environ.get("PYTEST_XDIST_TESTRUNUID")
+    if not run_id or os.getpid() != _PYTEST_PID:
+        _before_fork(item)
+        yield
+        return
+    if not _HOST_LOCK:
+        _HOST_LOCK.append(_HostLock(run_id))
+    with _HOST_LOCK[0].held(item.get_closest_marker("host_exclusive") is not None):
+        _before_fork(item)
+        yield
+
+
+def _before_fork(item) -> None:
     _FORKED_WITH.clear()
     if os.getpid() != _PYTEST_PID or item.get_closest_marker("forked") is None:
         return None
@@ -313,10 +370,11 @@ def _shared_names(item) -> list[str]:
     return [n for n in shared.SHARED_CONFIGS if n in names]
 
 
-#: the pytest-xdist group of every module that starts a real SGLang server (docs/testing.md): one worker runs
+#: the pytest-xdist group of every module that starts a real SGLang server (a ``server`` or ``host_exclusive``
+#: item; docs/testing.md): one worker runs
 #: them all, one after another in the serial order below (the machine-wide server lock would make a second
-#: worker wait on it anyway; shared servers keep their order and are started once), while the other workers
-#: take the remaining modules, one module per unit (module-scoped fixtures run once)
+#: worker wait on it anyway; shared servers keep their order and are started once), while the other worker
+#: takes the remaining modules, one module per unit (module-scoped fixtures run once)
 SERVER_GROUP = "sglang-servers"
 
 
@@ -345,12 +403,13 @@ def pytest_collection_modifyitems(session, config, items):
     for item in items:
         if _uses_server(item):
             item.add_marker(pytest.mark.server)
+        if item.get_closest_marker("server") or item.get_closest_marker("host_exclusive"):
             server_modules.add(item.nodeid.split("::", 1)[0])
         if item.get_closest_marker("gpu"):
             gpu_items.append(item)
     if config.pluginmanager.hasplugin("xdist") and config.getoption("dist", "no") == "loadgroup":
-        # the server group first (the longest unit: the other worker fills in beside it), then every
-        # other module as its own unit in collection order
+        # the server group first (the longest unit: the other worker takes the other modules beside it),
+        # then every other module as its own unit in collection order
         for item in items:
             module = item.nodeid.split("::", 1)[0]
             item.add_marker(pytest.mark.xdist_group(SERVER_GROUP if module in server_modules else module))

@@ -17,7 +17,8 @@ import pytest
 from dspark_harden.dp2.native import shm_name_for
 from tests.harness.server import DP2_CONFIG, SGLangServer
 
-pytestmark = pytest.mark.server
+# host_exclusive: no dspark_dp2_ segment may be left on the host after its server (no test of another pytest-xdist worker runs meanwhile, tests/conftest.py)
+pytestmark = [pytest.mark.server, pytest.mark.host_exclusive]
 
 SESSION = f"e2e-{os.getpid()}-{uuid.uuid4().hex[:8]}"
 CONFIG = DP2_CONFIG.with_env(SGLANG_DSPARK_DP2_SHM_MLP_SYNC="1", SGLANG_DSPARK_DP2_SHM_SESSION_ID=SESSION)

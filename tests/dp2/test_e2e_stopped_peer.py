@@ -24,7 +24,8 @@ import requests
 
 from tests.harness.server import DP2_CONFIG, SGLangServer
 
-pytestmark = pytest.mark.server
+# host_exclusive: no dspark_dp2_ segment may be left on the host after its server (no test of another pytest-xdist worker runs meanwhile, tests/conftest.py)
+pytestmark = [pytest.mark.server, pytest.mark.host_exclusive]
 
 PERIOD_MS = 3000
 STOP_MS = 40000

@@ -477,3 +477,46 @@ def test_sglang_patch_left_in_the_pytest_process_fails_and_is_restored():
     for attr in ("normalize", "planted_by_a_test", "verify"):
         assert f"sglang.srt.sampling.sampling_params.SamplingParams.{attr}" in line, line
     assert "integration._patch_leak_probe left" in line and "test_leaves_a_method_deleted" in line, line
+
+
+def test_host_exclusive_test_runs_alone_between_two_xdist_workers(tmp_path):
+    """The conftest's readers-writer lock between pytest-xdist workers (the suite's own conftest and
+    Makefile arguments, a pytest of its own over three probe modules that sleep and record when they ran):
+    no other test runs while a ``host_exclusive`` one does, while plain tests of the two workers do run at
+    the same time (the control: the workers are concurrent, so the gap around the exclusive test is the
+    lock's doing). Fails if the lock is not taken, taken shared, or released early."""
+    root = Path(__file__).resolve().parents[2]
+    out = tmp_path / "windows.jsonl"
+    probes = [f"tests/integration/_host_lock_probe_{x}.py" for x in "abc"]
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "-n",
+            "2",
+            "--dist",
+            "loadgroup",
+            "--no-loadscope-reorder",
+            *probes,
+        ],
+        cwd=root,
+        env={**os.environ, "DSPARK_HOST_LOCK_PROBE_OUT": str(out)},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0 and "9 passed" in proc.stdout, proc.stdout[-4000:] + proc.stderr[-2000:]
+    runs = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(runs) == 9 and len({r["worker"] for r in runs}) == 2, runs
+    (ex,) = [r for r in runs if r["name"] == "exclusive"]
+
+    def overlap(a, b):
+        return a["start"] < b["end"] and b["start"] < a["end"]
+
+    assert not [r["name"] for r in runs if r is not ex and overlap(r, ex)], runs
+    plain = [r for r in runs if r is not ex]
+    assert any(overlap(a, b) for a in plain for b in plain if a["worker"] != b["worker"]), runs

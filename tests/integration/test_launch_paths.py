@@ -21,7 +21,8 @@ from tests.harness.server import PLUGIN_ACTIVE_RE, SGLangServer
 from tests.integration.test_server_plugin import answer_bounded_json, assert_plugin_in_every_role
 from tests.lifecycle import drills as D
 
-pytestmark = [pytest.mark.server, pytest.mark.timeout(1200)]
+# host_exclusive: each launch's /dev/shm diff spans its server's life (no test of another pytest-xdist worker runs meanwhile, tests/conftest.py)
+pytestmark = [pytest.mark.server, pytest.mark.timeout(1200), pytest.mark.host_exclusive]
 
 
 def test_sglang_serve_binds_every_role_answers_json_and_exits_clean():

@@ -23,7 +23,8 @@ import pytest
 
 from dspark_harden.devtools import matrix
 
-pytestmark = [pytest.mark.server, pytest.mark.timeout(1200)]
+# host_exclusive: each configuration's /dev/shm diff spans its server's life (no test of another pytest-xdist worker runs meanwhile, tests/conftest.py)
+pytestmark = [pytest.mark.server, pytest.mark.timeout(1200), pytest.mark.host_exclusive]
 
 FIXTURE = Path(__file__).parent / "data" / "matrix_stock.json"
 CI_CONFIG = "dp2-llguidance"

@@ -37,7 +37,8 @@ def two_port_bases() -> list:
     raise RuntimeError("no second free port range")
 
 
-pytestmark = pytest.mark.server
+# host_exclusive: its /dev/shm diff spans two offline Engines' lives (no test of another pytest-xdist worker runs meanwhile, tests/conftest.py)
+pytestmark = [pytest.mark.server, pytest.mark.host_exclusive]
 
 PROBE = textwrap.dedent("""
     import json, os, sys

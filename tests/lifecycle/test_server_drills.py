@@ -23,7 +23,8 @@ import pytest
 from tests.harness.server import SGLangServer
 from tests.lifecycle import drills as D
 
-pytestmark = pytest.mark.server
+# host_exclusive: each drill's /dev/shm diff spans its server's life (no test of another pytest-xdist worker runs meanwhile, tests/conftest.py)
+pytestmark = [pytest.mark.server, pytest.mark.host_exclusive]
 
 DRAIN_S = 10
 #: 12 short requests finish inside the drain window; the 4 long ones may not (then: a clear 503).

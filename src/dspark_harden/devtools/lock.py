@@ -3,7 +3,7 @@
 It is the same lock as ``flock /tmp/dspark-server.lock <command>`` (``flock(2)`` on the same file),
 so servers started by tests, by ``make demo`` and by hand all exclude each other. Re-entrant inside
 one process (a test that needs two servers at once — e.g. stock vs hardened — takes it once).
-In CI only one pytest runs, so the lock is simply uncontended.
+In CI every server test runs in one pytest-xdist worker (tests/conftest.py), so the lock is uncontended.
 
 - ``DSPARK_SERVER_LOCK``: lock file (default ``/tmp/dspark-server.lock``)
 - ``DSPARK_SERVER_LOCK_TIMEOUT``: seconds to wait for it before failing (default 3600)
