@@ -21,6 +21,10 @@ import pytest
 from dspark_harden.dp2 import native
 from dspark_harden.dp2.native import Channel, Dp2Error, shm_name_for
 
+# host_exclusive: every test checks that no dspark_dp2_ segment appeared on the host (a DP2 server of the other
+# pytest-xdist worker creates its own meanwhile: the second two-worker run; tests/conftest.py)
+pytestmark = pytest.mark.host_exclusive
+
 PEER = os.path.join(os.path.dirname(__file__), "peer.py")
 W = 11
 
