@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import faulthandler
 import os
+import shutil
 import sys
 import threading
 import time
@@ -46,6 +47,14 @@ def pytest_configure(config):
     # a pytest-xdist worker runs execnet's I/O thread(s) from before the first test: the harness's own,
     # never a test's (the fork guard below leaves them out; a forked child never uses the channel)
     _HARNESS_THREADS.update(_other_threads())
+    worker_input = getattr(config, "workerinput", None)
+    if worker_input is not None:
+        if _HostLock.KEY in worker_input:
+            _HOST_LOCK.append(_HostLock(worker_input[_HostLock.KEY]))
+    elif getattr(config.option, "numprocesses", None):  # a pytest-xdist controller
+        import tempfile
+
+        _HOST_LOCK_DIR.append(tempfile.mkdtemp(prefix="dspark-harden-pytest-"))
 
 
 _PYTEST_PID = os.getpid()
@@ -253,11 +262,15 @@ _MODULE_SECONDS: dict = {}  # test module -> [setup+call+teardown seconds, tests
 _FORK_HAZARD = "dspark_forked_with_threads"
 
 
+def _module(nodeid: str) -> str:
+    """The test module's path of a node id (the per-module table's and the xdist groups' key)."""
+    return nodeid.split("::", 1)[0]
+
+
 def pytest_runtest_logreport(report):
     if report.when == "setup":
         _FORKS_WITH_THREADS.extend((report.nodeid, v) for k, v in report.user_properties if k == _FORK_HAZARD)
-    module = report.nodeid.split("::", 1)[0]
-    entry = _MODULE_SECONDS.setdefault(module, [0.0, 0])
+    entry = _MODULE_SECONDS.setdefault(_module(report.nodeid), [0.0, 0])
     entry[0] += report.duration
     if report.when == "call" or (report.when == "setup" and report.skipped):
         entry[1] += 1
@@ -277,19 +290,20 @@ def pytest_terminal_summary(terminalreporter):
 
 class _HostLock:
     """Readers-writer lock between the pytest-xdist workers of one run (``flock(2)`` on two files of a
-    directory named by the run's id): every test holds it shared for its whole protocol (setup, which runs
-    module fixtures, call, teardown); a ``host_exclusive`` test holds it exclusively. Such a test compares
-    all of /dev/shm (or all of a prefix) before and after a server or engine lives: in the first two-worker
-    CI run a multiprocessing semaphore and an SGLang message queue that tests of the other worker were using
+    private directory the controller creates and removes, handed to its workers in ``workerinput``):
+    every test holds it shared for its whole protocol (setup, which runs module fixtures, call,
+    teardown); a ``host_exclusive`` test holds it exclusively. Such a test compares all of /dev/shm (or
+    all of a prefix) before and after a server or engine lives: in the first two-worker CI run a
+    multiprocessing semaphore and an SGLang message queue that tests of the other worker were using
     meanwhile read as the server's leftovers. Writer preference through a turnstile: a waiting exclusive
-    test holds ``turnstile``, so the other worker's next test waits instead of starving it. A serial run
-    takes no lock."""
+    test holds ``turnstile``, so the other worker's next test waits instead of starving it. Only real
+    workers take it (``workerinput``, which a pytest started inside a test does not inherit, unlike the
+    environment: a serial pytest inside a worker's test taking the turnstile behind a waiting exclusive
+    test would deadlock the run). A serial run takes no lock; a dead worker's locks go with it."""
 
-    def __init__(self, run_id: str):
-        import tempfile
+    KEY = "dspark_host_lock_dir"
 
-        d = os.path.join(tempfile.gettempdir(), f"dspark-harden-pytest-{run_id}")
-        os.makedirs(d, exist_ok=True)
+    def __init__(self, d: str):
         self.turnstile = os.open(os.path.join(d, "turnstile"), os.O_RDWR | os.O_CREAT, 0o600)
         self.main = os.open(os.path.join(d, "host"), os.O_RDWR | os.O_CREAT, 0o600)
 
@@ -311,19 +325,25 @@ class _HostLock:
                 fcntl.flock(self.turnstile, fcntl.LOCK_UN)
 
 
-_HOST_LOCK: list = []  # [the run's _HostLock] in a pytest-xdist worker
+_HOST_LOCK: list = []  # [this worker's _HostLock] in a pytest-xdist worker (pytest_configure)
+_HOST_LOCK_DIR: list = []  # [the directory] in a pytest-xdist controller
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_configure_node(node):
+    """pytest-xdist controller, per worker: hand it the run's lock directory."""
+    node.workerinput[_HostLock.KEY] = _HOST_LOCK_DIR[0]
+
+
+def pytest_unconfigure(config):
+    for d in _HOST_LOCK_DIR:
+        shutil.rmtree(d, ignore_errors=True)
 
 
 @pytest.hookimpl(hookwrapper=True, tryfirst=True)
 def pytest_runtest_protocol(item, nextitem):
-    run_id = os.environ.get("PYTEST_XDIST_TESTRUNUID")
-    if not run_id or os.getpid() != _PYTEST_PID:
-        _before_fork(item)
-        yield
-        return
-    if not _HOST_LOCK:
-        _HOST_LOCK.append(_HostLock(run_id))
-    with _HOST_LOCK[0].held(item.get_closest_marker("host_exclusive") is not None):
+    exclusive = item.get_closest_marker("host_exclusive") is not None
+    with _HOST_LOCK[0].held(exclusive) if _HOST_LOCK else contextlib.nullcontext():
         _before_fork(item)
         yield
 
@@ -370,11 +390,10 @@ def _shared_names(item) -> list[str]:
     return [n for n in shared.SHARED_CONFIGS if n in names]
 
 
-#: the pytest-xdist group of every module that starts a real SGLang server (a ``server`` or ``host_exclusive``
-#: item; docs/testing.md): one worker runs
-#: them all, one after another in the serial order below (the machine-wide server lock would make a second
-#: worker wait on it anyway; shared servers keep their order and are started once), while the other worker
-#: takes the remaining modules, one module per unit (module-scoped fixtures run once)
+#: the pytest-xdist group of every module with a ``server`` or ``host_exclusive`` item (docs/testing.md): one
+#: worker runs them all, one after another in the serial order below (the machine-wide server lock would make
+#: a second worker wait on it anyway; shared servers keep their order and are started once), while the other
+#: worker takes the remaining modules, one module per unit (module-scoped fixtures run once)
 SERVER_GROUP = "sglang-servers"
 
 
@@ -404,16 +423,16 @@ def pytest_collection_modifyitems(session, config, items):
         if _uses_server(item):
             item.add_marker(pytest.mark.server)
         if item.get_closest_marker("server") or item.get_closest_marker("host_exclusive"):
-            server_modules.add(item.nodeid.split("::", 1)[0])
+            server_modules.add(_module(item.nodeid))
         if item.get_closest_marker("gpu"):
             gpu_items.append(item)
     if config.pluginmanager.hasplugin("xdist") and config.getoption("dist", "no") == "loadgroup":
         # the server group first (the longest unit: the other worker takes the other modules beside it),
         # then every other module as its own unit in collection order
         for item in items:
-            module = item.nodeid.split("::", 1)[0]
+            module = _module(item.nodeid)
             item.add_marker(pytest.mark.xdist_group(SERVER_GROUP if module in server_modules else module))
-        items.sort(key=lambda item: item.nodeid.split("::", 1)[0] not in server_modules)  # stable
+        items.sort(key=lambda item: _module(item.nodeid) not in server_modules)  # stable
     if gpu_items:
         import torch
 

@@ -487,6 +487,8 @@ def test_host_exclusive_test_runs_alone_between_two_xdist_workers(tmp_path):
     lock's doing). Fails if the lock is not taken, taken shared, or released early."""
     root = Path(__file__).resolve().parents[2]
     out = tmp_path / "windows.jsonl"
+    tmpdir = tmp_path / "tmp"  # the run's lock directory is made here and removed at its end
+    tmpdir.mkdir()
     probes = [f"tests/integration/_host_lock_probe_{x}.py" for x in "abc"]
     proc = subprocess.run(
         [
@@ -504,7 +506,7 @@ def test_host_exclusive_test_runs_alone_between_two_xdist_workers(tmp_path):
             *probes,
         ],
         cwd=root,
-        env={**os.environ, "DSPARK_HOST_LOCK_PROBE_OUT": str(out)},
+        env={**os.environ, "DSPARK_HOST_LOCK_PROBE_OUT": str(out), "TMPDIR": str(tmpdir)},
         capture_output=True,
         text=True,
         timeout=600,
@@ -518,5 +520,6 @@ def test_host_exclusive_test_runs_alone_between_two_xdist_workers(tmp_path):
         return a["start"] < b["end"] and b["start"] < a["end"]
 
     assert not [r["name"] for r in runs if r is not ex and overlap(r, ex)], runs
+    assert not [p.name for p in tmpdir.iterdir() if p.name.startswith("dspark-harden-pytest-")]
     plain = [r for r in runs if r is not ex]
     assert any(overlap(a, b) for a in plain for b in plain if a["worker"] != b["worker"]), runs
