@@ -12,6 +12,7 @@ from __future__ import annotations
 import ast
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tarfile
@@ -38,11 +39,33 @@ def _native_modules() -> list:
     return mods
 
 
+def _checkout_copy(dest: str) -> str:
+    """The checkout's files as a clean clone has them (tracked and untracked-but-not-ignored, from git),
+    copied to ``dest``: the build runs there, so it neither reads a build/ or egg-info of the working
+    tree nor writes its release tree, egg-info and build/ into it while the other pytest-xdist worker's
+    tests read the editable install from it (a CI run failed in build_sdist on its own release tree's
+    README.md vanishing under it)."""
+    ls = subprocess.run(
+        ["git", "-C", ROOT, "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert ls.returncode == 0, f"the wheel test builds from the checkout's git file list: {ls.stderr}"
+    for rel in filter(None, ls.stdout.split("\0")):
+        src = os.path.join(ROOT, rel)
+        if os.path.isfile(src):  # a tracked file deleted in the working tree is not built
+            os.makedirs(os.path.join(dest, os.path.dirname(rel)), exist_ok=True)
+            shutil.copy2(src, os.path.join(dest, rel))
+    return dest
+
+
 @pytest.fixture(scope="module")
 def built(tmp_path_factory):
     out = tmp_path_factory.mktemp("dist")
+    src = _checkout_copy(str(tmp_path_factory.mktemp("checkout")))
     proc = subprocess.run(
-        [sys.executable, "-m", "build", "--no-isolation", "--outdir", str(out), ROOT],
+        [sys.executable, "-m", "build", "--no-isolation", "--outdir", str(out), src],
         capture_output=True,
         text=True,
         timeout=600,
