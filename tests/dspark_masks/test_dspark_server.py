@@ -1,7 +1,7 @@
 """A real DSpark server with the plugin (issue 23): ``python -m sglang.launch_server
 --speculative-algorithm DSPARK`` on the CPU test platform, tiny Qwen3 target + tiny random DSpark
 draft (``ensure_dspark_draft``), ``--dp-size 2 --tp-size 2 --enable-dp-attention --enable-dp-lm-head``,
-``DSPARK_HARDEN_DSPARK_MASKS=1`` and ``DSPARK_HARDEN_DSPARK_RESULTS=1`` (shared fixture
+``DSPARK_HARDEN_DSPARK_MASKS=1``, ``DSPARK_HARDEN_DSPARK_RESULTS=1`` and ``DSPARK_HARDEN_DSPARK_DRAFT_MASKS=1`` (shared fixture
 ``dspark_dp2_server``, one start per run).
 
 Every decode step runs the real ``DSparkWorkerV2`` (draft block forward, target verify) and every
@@ -34,6 +34,11 @@ SCHEMA = {
 REGEX = r"(yes|no|maybe)"
 STEPS = re.compile(r'^dspark_harden_dspark_mask_steps_total\{dp_rank="(\d)",outcome="(\w+)"\} ([0-9.e+]+)$', re.M)
 RESULTS = re.compile(r'^dspark_harden_dspark_results_total\{dp_rank="(\d)",outcome="(\w+)"\} ([0-9.e+]+)$', re.M)
+DRAFT = re.compile(
+    r"^dspark_harden_dspark_(draft_masked_tokens_total|draft_blocks_cut_total|accept_length_count|accept_length_sum)"
+    r'\{dp_rank="(\d)"(?:,kind="(\w+)")?\} ([0-9.e+]+)$',
+    re.M,
+)
 ENGINE = re.compile(r'^dspark_harden_dspark_mask_engine\{dp_rank="(\d)",engine="(\w+)"\} ([0-9.e+]+)$', re.M)
 
 
@@ -121,3 +126,48 @@ def test_every_decode_step_is_read_from_a_materialized_record(dspark_dp2_server,
     # (DSPARK_HARDEN_DSPARK_RESULTS_SWITCH_INTERVAL_US, default 200)
     switched = dspark_dp2_server.log_text().count("GIL switch interval 5000 µs -> 200 µs")
     assert 1 <= switched <= 2, switched
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_draft_masks_make_the_grammar_forced_positions_of_a_random_draft_accepted(dspark_dp2_server, rank):
+    """Grammar-aware drafting (issue 43) on the real server. The draft's weights are random: a free
+    request commits about one token per verify step (the bonus), and so would a constrained one with only
+    the verify masked. With the draft masked, every position the grammar forces (the schema's keys,
+    quotes, braces) is drafted as the one token allowed there, and the target, masked the same way,
+    accepts it: the JSON request commits clearly more than one token per verify step. Its rank counts
+    the masked draft positions and the accept lengths by kind; the other rank counts none of it. Fails
+    if the draft is not masked (the JSON request's ratio falls to the free request's), or the counters
+    miss or mislabel the rank."""
+    r, other = str(rank), str(1 - rank)
+
+    def snap() -> dict:
+        return {(n, k, kind or ""): float(v) for n, k, kind, v in DRAFT.findall(dspark_dp2_server.metrics_text())}
+
+    before = snap()
+    free = dspark_dp2_server.generate("Once upon a time", max_new_tokens=24, routed_dp_rank=rank)
+    mid = snap()
+    js = dspark_dp2_server.generate(
+        "Answer in JSON:", max_new_tokens=64, routed_dp_rank=rank, sampling_params={"json_schema": json.dumps(SCHEMA)}
+    )
+    after = snap()
+    jsonschema.validate(json.loads(js["text"]), SCHEMA)
+
+    def per_step(out):
+        m = out["meta_info"]
+        return m["completion_tokens"] / m["spec_verify_ct"]
+
+    assert per_step(free) < 1.3, free["meta_info"]
+    assert per_step(js) >= 1.5, (per_step(js), js["meta_info"], js["text"])
+
+    def delta(a, b, name, rank_label, kind=""):
+        return b.get((name, rank_label, kind), 0.0) - a.get((name, rank_label, kind), 0.0)
+
+    assert delta(before, mid, "draft_masked_tokens_total", r) == 0, "a free request's draft was masked"
+    assert delta(before, mid, "accept_length_count", r, "free") >= 1
+    assert delta(mid, after, "draft_masked_tokens_total", r) >= js["meta_info"]["spec_verify_ct"]
+    assert delta(mid, after, "accept_length_count", r, "constrained") >= 1
+    assert delta(mid, after, "accept_length_sum", r, "constrained") > delta(
+        mid, after, "accept_length_count", r, "constrained"
+    )
+    for name, kind in (("draft_masked_tokens_total", ""), ("accept_length_count", "constrained")):
+        assert delta(before, after, name, other, kind) == 0, (name, "counted on the other rank")

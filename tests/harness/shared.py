@@ -34,7 +34,12 @@ DSPARK_DP2_CONFIG = ServerConfig(
     ),
     # with the DSpark result materializer (DSpark + overlap scheduling, which stock keeps on for DSpark on
     # CPU): its consumers read every decode step's record on this server (tests/dspark_masks/test_dspark_server.py)
-    env=(("DSPARK_HARDEN_DSPARK_MASKS", "1"), ("DSPARK_HARDEN_DSPARK_RESULTS", "1")),
+    # and grammar-aware drafting (issue 43: tests/dspark_masks/test_dspark_server.py reads its counters)
+    env=(
+        ("DSPARK_HARDEN_DSPARK_MASKS", "1"),
+        ("DSPARK_HARDEN_DSPARK_RESULTS", "1"),
+        ("DSPARK_HARDEN_DSPARK_DRAFT_MASKS", "1"),
+    ),
 )
 
 #: /health_scheduler staleness of the shared DP2 server: short enough that the SIGSTOP test

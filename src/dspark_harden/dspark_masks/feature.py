@@ -19,16 +19,25 @@ from typing import Any
 from ..core.feature import Feature
 from ..core.hookspecs import hookimpl
 from ..core.patch import Kind, Patch, Role
-from .settings import ENGINE, ENGINES, FEATURE, SETTINGS, SWITCH, THREADS  # noqa: F401 - re-exported
+from .settings import (  # noqa: F401 - re-exported
+    DRAFT_FEATURE,
+    DRAFT_SWITCH,
+    ENGINE,
+    ENGINES,
+    FEATURE,
+    SETTINGS,
+    SWITCH,
+    THREADS,
+)
 
 logger = logging.getLogger("dspark_harden.dspark_masks")
 
 
 @hookimpl
 def dspark_metrics():
-    from .metrics import GROUP
+    from .metrics import DRAFT_GROUP, GROUP
 
-    return [GROUP]
+    return [GROUP, DRAFT_GROUP]
 
 
 @hookimpl
@@ -43,7 +52,16 @@ def dspark_features():
             default_on=False,
             available=_available,
             roles=frozenset({Role.SCHEDULER}),
-        )
+        ),
+        Feature(
+            name=DRAFT_FEATURE,
+            area="dspark-masks",
+            description="grammar-aware DSpark drafting: each draft step of a constrained request draws only "
+            "from the tokens its grammar allows after the block's earlier draft tokens",
+            switch=DRAFT_SWITCH,
+            default_on=False,
+            roles=frozenset({Role.SCHEDULER}),
+        ),
     ]
 
 
@@ -81,7 +99,54 @@ def dspark_settings():
 
 
 def patches(role: Role, settings: Any) -> list:
-    if role is not Role.SCHEDULER or not settings[SWITCH]:
+    if role is not Role.SCHEDULER:
+        return []
+    return _verify_patches(settings) + _draft_patches(settings)
+
+
+def _draft_patches(settings: Any) -> list:
+    if not settings[DRAFT_SWITCH]:
+        return []
+    from . import draft as D
+
+    common = dict(feature=DRAFT_FEATURE, roles={Role.SCHEDULER}, propagate=False)
+    why = "stock DSpark drafts freely and masks only the verify: on a constrained request every draft token the "
+    retire = "SGLang's DSpark path masks its draft steps with the request's grammar"
+    return [
+        Patch(
+            target=D.FORWARD_TARGET,
+            kind=Kind.WRAP,
+            build=D.wrap_forward_decode,
+            fingerprint=D.FORWARD_FINGERPRINT,
+            why=why + "grammar forbids is a certain rejection (this wrap: the grammar barrier before the draft, the "
+            "batch's grammars for it, accept lengths by request kind)",
+            retire_when=retire,
+            **common,
+        ),
+        Patch(
+            target=D.BLOCK_TARGET,
+            kind=Kind.WRAP,
+            build=D.wrap_markov_block,
+            fingerprint=D.BLOCK_FINGERPRINT,
+            why=why + "grammar forbids is a certain rejection (this wrap: one block's grammar rows, rolled back at "
+            "its end)",
+            retire_when=retire,
+            **common,
+        ),
+        Patch(
+            target=D.STEP_TARGET,
+            kind=Kind.WRAP,
+            build=D.wrap_draft_step,
+            fingerprint=D.STEP_FINGERPRINT,
+            why=why + "grammar forbids is a certain rejection (this wrap: each step's base logits masked)",
+            retire_when=retire,
+            **common,
+        ),
+    ]
+
+
+def _verify_patches(settings: Any) -> list:
+    if not settings[SWITCH]:
         return []
     from . import integration as I
 
@@ -143,6 +208,8 @@ def dspark_process_bound(role, settings, report):
 
     ctx = roles.CONTEXT
     args = getattr(ctx, "server_args", None) if ctx is not None else None
+    if settings[DRAFT_SWITCH] and args is not None:
+        _refuse_draft_masks(args, report, role)
     if not settings[SWITCH]:
         if args is not None and _first_scheduler(ctx) and stock_python_path_in_use(args):
             logger.warning(STOCK_PATH_WARNING)
@@ -181,6 +248,23 @@ def dspark_process_bound(role, settings, report):
     from .metrics import publish_engine
 
     M.when_ready(lambda: publish_engine(engine, ctx.dp_label if ctx is not None else "none"))
+
+
+def _refuse_draft_masks(args: Any, report: Any, role: Role) -> None:
+    """``DSPARK_HARDEN_DSPARK_DRAFT_MASKS=1`` on a server whose draft it cannot mask: refused here, in the
+    scheduler's bind (before the weights load), naming the precondition and the switch."""
+    from . import draft as D
+
+    problems = D.server_args_problems(args, DRAFT_SWITCH)
+    st = next((f for f in report.features if f.name == DRAFT_FEATURE), None)
+    if not problems or st is None or st.status != "bound":
+        return
+    from ..core.binder import BindError
+
+    st.status, st.detail = "failed", "; ".join(problems)
+    raise BindError(
+        f"dspark-harden refuses to start ({role.value}): [{DRAFT_FEATURE}] {DRAFT_SWITCH}=1: {st.detail}", report
+    )
 
 
 def server_device(args: Any) -> str:

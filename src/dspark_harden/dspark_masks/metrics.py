@@ -4,7 +4,7 @@ grammar), exported through :func:`dspark_harden.dspark_masks.feature.dspark_metr
 from __future__ import annotations
 
 from ..core.metrics import DP_RANK, Family, MetricGroup
-from .settings import FEATURE
+from .settings import DRAFT_FEATURE, DRAFT_SWITCH, FEATURE
 
 DSPARK_MASK_PHASES = ("barrier", "buffer_wait", "draft_copy_wait", "resolution", "traversal", "mask_upload", "total")
 DSPARK_MASK_OUTCOMES = ("masked", "thinking_only")
@@ -66,6 +66,50 @@ GROUP = MetricGroup(
     ),
     intro="Emitted by scheduler processes on every DSpark verify step whose batch has a grammar (the engine "
     "gauge once at start-up), only when `DSPARK_HARDEN_DSPARK_MASKS=1`. `dp_rank` is the scheduler's DP rank (`none` without DP). See "
+    "[dspark_masks.md](dspark_masks.md).",
+)
+
+
+DRAFT_GROUP = MetricGroup(
+    "DSpark grammar-aware drafting (feature `dspark-draft-masks`)",
+    (
+        Family(
+            "dspark_harden_dspark_draft_masked_tokens_total",
+            "counter",
+            "DSpark draft positions drawn under a grammar mask (one per constrained row and draft step while the "
+            "row's grammar is live).",
+            labels=("dp_rank",),
+            feature=DRAFT_FEATURE,
+            roles=("scheduler",),
+            precreate=((DP_RANK,),),
+            aggregation="`sum(rate(...))` for the fleet; per `dp_rank` to compare ranks.",
+        ),
+        Family(
+            "dspark_harden_dspark_draft_blocks_cut_total",
+            "counter",
+            "DSpark draft blocks in which a constrained row stopped being masked before the block's last step: "
+            "its draft ended the grammar (or left it), so the target rejects the rest of that row's block.",
+            labels=("dp_rank",),
+            feature=DRAFT_FEATURE,
+            roles=("scheduler",),
+            precreate=((DP_RANK,),),
+            aggregation="`sum(rate(...))`.",
+        ),
+        Family(
+            "dspark_harden_dspark_accept_length",
+            "histogram",
+            "Tokens committed per DSpark verify row (accepted draft tokens + the bonus token), by request kind: "
+            "constrained (a grammar) or free.",
+            labels=("dp_rank", "kind"),
+            buckets=(1, 2, 3, 4, 5, 6, 8, 12, 16),
+            feature=DRAFT_FEATURE,
+            roles=("scheduler",),
+            precreate=tuple((DP_RANK, k) for k in ("constrained", "free")),
+            aggregation="`sum by (kind) (rate(..._sum[5m])) / sum by (kind) (rate(..._count[5m]))` is the mean "
+            "accept length per kind.",
+        ),
+    ),
+    intro=f"Emitted by scheduler processes on DSpark decode steps, only when `{DRAFT_SWITCH}=1`. See "
     "[dspark_masks.md](dspark_masks.md).",
 )
 

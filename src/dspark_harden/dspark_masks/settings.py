@@ -10,6 +10,8 @@ SWITCH = "DSPARK_HARDEN_DSPARK_MASKS"
 ENGINE = "DSPARK_HARDEN_GRAMMAR_TRAVERSAL"
 THREADS = "DSPARK_HARDEN_GRAMMAR_TRAVERSAL_THREADS"
 ENGINES = ("auto", "native", "scalar", "threads", "level", "batch")
+DRAFT_FEATURE = "dspark-draft-masks"
+DRAFT_SWITCH = "DSPARK_HARDEN_DSPARK_DRAFT_MASKS"
 
 SETTINGS = [
     Setting(
@@ -37,5 +39,16 @@ SETTINGS = [
         "(the calling thread included), the Python pool of 'threads', xgrammar's "
         "BatchGrammarMatcher pool for 'level'/'batch'.",
         feature=FEATURE,
+    ),
+    Setting(
+        DRAFT_SWITCH,
+        flag01,
+        False,
+        "1: each DSpark draft step of a request with a grammar draws only from the tokens its grammar allows "
+        "after the block's earlier draft tokens (the verify mask of that chain row); requests without a grammar "
+        "are untouched. Needs --speculative-algorithm DSPARK and the eager proposal "
+        "(SGLANG_DSPARK_FOLDED_PROPOSAL=0 or --disable-cuda-graph on CUDA); refused at start-up otherwise. "
+        "0: stock (only the verify is masked).",
+        feature=DRAFT_FEATURE,
     ),
 ]

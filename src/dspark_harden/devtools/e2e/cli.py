@@ -66,6 +66,13 @@ def register(bench_subparsers) -> None:
         "--ablate is not combined with it)",
     )
     b.add_argument(
+        "--compare-draft-masks",
+        action="store_true",
+        help="with --speculative dspark: the plugin with the verify masked only against the plugin with the draft "
+        "masked too (DSPARK_HARDEN_DSPARK_DRAFT_MASKS=1), alternating rounds; accept length and output tok/s, "
+        "identical greedy outputs (docs/dspark_masks.md)",
+    )
+    b.add_argument(
         "--corpus",
         type=_positive_int,
         metavar="N",

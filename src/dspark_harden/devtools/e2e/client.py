@@ -210,6 +210,12 @@ def summarize(results: list, wall_s: float, entries: list[dict]) -> dict:
         # meta_info.spec_accept_length, pooled
         out["spec_verify_ct"] = verify
         out["accept_length_mean"] = round(sum(r.completion_tokens for r in results if r.ok) / verify, 4)
+        by_kind: dict = {}
+        for r in results:
+            if r.ok and r.spec_verify_ct:
+                t, v = by_kind.get(r.kind, (0, 0))
+                by_kind[r.kind] = (t + r.completion_tokens, v + r.spec_verify_ct)
+        out["accept_length_by_kind"] = {k: round(t / v, 4) for k, (t, v) in sorted(by_kind.items())}
     for name, series in (("e2e", e2e), ("ttft", ttft)):
         for q, label in ((0.5, "p50"), (0.95, "p95"), (0.99, "p99")):
             v = pct(series, q)

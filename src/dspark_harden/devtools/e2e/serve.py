@@ -379,6 +379,104 @@ def run(
     return report
 
 
+#: ``--compare-draft-masks``: the DSpark plugin server with the verify masked only, against the same server
+#: with the draft masked too (feature ``dspark-draft-masks``)
+DRAFT_MASKS_ENV = {"DSPARK_HARDEN_DSPARK_DRAFT_MASKS": "1"}
+
+
+def run_draft_masks(
+    entries: list[dict], *, rounds: int = 3, seq_requests: int = 18, details: Optional[str] = None, warmup: bool = True
+) -> dict:
+    """Two DSpark plugin servers (tiny Qwen3 + the tiny random draft, DP2): ``verify_only`` (stock drafting,
+    the verify masked) and ``draft_masks`` (``DSPARK_HARDEN_DSPARK_DRAFT_MASKS=1``), the sequential greedy gate
+    (identical outputs expected: the target decides every token) and ``rounds`` alternating rounds. Accept
+    length is tokens per verify step (the bonus token included), pooled over a round, per request kind too."""
+    from .. import tiny_models
+
+    if rounds < 1:
+        raise ValueError("--rounds must be >= 1")
+    tiny_models.ensure_dspark_draft()
+    seq = _trace.sequential_subset(entries, seq_requests)
+    workdir = Path(tempfile.mkdtemp(prefix="dsh-bench-draft-masks-", dir="/tmp"))
+    inner: dict = {"rounds": rounds, "trace": _trace.describe(entries)}
+    servers: dict[str, Pausable] = {}
+    _server._lock.acquire()
+    try:
+        for name, env in (("verify_only", None), ("draft_masks", DRAFT_MASKS_ENV)):
+            servers[name] = start(
+                plugin_config(str(workdir / f"grammar-{name}"), env, name=f"e2e-{name}", speculative="dspark")
+            )
+            servers[name].pause()
+        compare(servers["verify_only"], servers["draft_masks"], entries, seq, rounds, inner, details, warmup)
+        servers["draft_masks"].resume()
+        try:
+            draft_metrics = servers["draft_masks"].server.metrics_text()
+        finally:
+            servers["draft_masks"].pause()
+    finally:
+        for p in servers.values():
+            try:
+                p.stop()
+            except Exception as exc:  # noqa: BLE001
+                log(f"stopping {p.server.config.name}: {exc}")
+        _server._lock.release()
+
+    def side(agg: dict) -> dict:
+        kinds = sorted({k for r in agg["rounds"] for k in r.get("accept_length_by_kind", {})})
+        return {
+            "accept_length_mean": agg["median"].get("accept_length_mean"),
+            "accept_length_spread": agg["spread"].get("accept_length_mean"),
+            "accept_length_by_kind": {
+                k: _median_of(
+                    [r["accept_length_by_kind"][k] for r in agg["rounds"] if k in r.get("accept_length_by_kind", {})]
+                )
+                for k in kinds
+            },
+            "output_tok_s": agg["median"].get("output_tok_s"),
+            "output_tok_s_spread": agg["spread"].get("output_tok_s"),
+            "errors": agg["errors"],
+            "constrained_invalid": agg["constrained_invalid"],
+        }
+
+    vo, dm = side(inner["stock"]), side(inner["plugin"])
+    masked = sum(
+        float(v)
+        for v in re.findall(
+            r'^dspark_harden_dspark_draft_masked_tokens_total\{dp_rank="\d+"\} (\S+)$', draft_metrics, re.M
+        )
+    )
+    report = {
+        "method": {
+            "servers": "DP2 (--dp-size 2 --tp-size 2 --enable-dp-attention --enable-dp-lm-head), tiny Qwen3 + tiny "
+            "random-weight DSpark draft, both with the plugin and DSPARK_HARDEN_DSPARK_MASKS=1; draft_masks adds "
+            "DSPARK_HARDEN_DSPARK_DRAFT_MASKS=1",
+            "alternation": "verify_only, draft_masks, ...; the idle server's process group is SIGSTOPped",
+            "accept_length": "output tokens / verify steps (meta_info.spec_verify_ct), bonus token included, pooled per "
+            "round; medians over rounds",
+        },
+        "rounds": rounds,
+        "trace": inner["trace"],
+        "verify_only": vo,
+        "draft_masks": dm,
+        "ratio": {
+            "accept_length": _ratio(dm["accept_length_mean"], vo["accept_length_mean"]),
+            "output_tok_s": _ratio(dm["output_tok_s"], vo["output_tok_s"]),
+        },
+        "identical_sequential": inner["identical_sequential"],
+        "draft_masked_tokens": masked,
+    }
+    report["ok"] = bool(
+        report["identical_sequential"]["checked"]
+        and report["identical_sequential"]["identical"] == report["identical_sequential"]["checked"]
+        and not vo["errors"]
+        and not dm["errors"]
+        and not vo["constrained_invalid"]
+        and not dm["constrained_invalid"]
+        and masked > 0
+    )
+    return report
+
+
 def compare(
     stock: Pausable,
     plugin: Pausable,
@@ -610,6 +708,15 @@ def main(args) -> int:
                 file=sys.stderr,
             )
             return 2
+    if getattr(args, "compare_draft_masks", False):
+        if getattr(args, "speculative", None) != "dspark":
+            print("bench serve: --compare-draft-masks needs --speculative dspark", file=sys.stderr)
+            return 2
+        report = run_draft_masks(
+            entries, rounds=args.rounds, seq_requests=args.seq_requests, details=args.details, warmup=not args.no_warmup
+        )
+        print(json.dumps(report, indent=2) if args.json else human_draft_masks(report))
+        return 0 if report["ok"] else 1
     report = run(
         entries,
         rounds=args.rounds,
@@ -627,6 +734,22 @@ def main(args) -> int:
     else:
         print(human(report))
     return 0 if report["ok"] else 1
+
+
+def human_draft_masks(r: dict) -> str:
+    lines = [f"trace: {json.dumps(r['trace'])}"]
+    for name in ("verify_only", "draft_masks"):
+        m = r[name]
+        lines.append(
+            f"{name}: accept length {m['accept_length_mean']} (by kind {json.dumps(m['accept_length_by_kind'])}), "
+            f"{m['output_tok_s']} tok/s, errors {m['errors']}, invalid {m['constrained_invalid']}"
+        )
+    lines.append(f"ratio draft_masks/verify_only: {json.dumps(r['ratio'])}")
+    lines.append(
+        f"identical sequential: {json.dumps({k: r['identical_sequential'][k] for k in ('checked', 'identical')})}"
+    )
+    lines.append(f"draft positions masked: {r['draft_masked_tokens']}; ok: {r['ok']}")
+    return "\n".join(lines)
 
 
 def human(r: dict) -> str:
