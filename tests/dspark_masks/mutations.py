@@ -38,8 +38,8 @@ MUTS = [
     (
         "D4 the mask lands one step late (step k masked with row k-1)",
         "draft.py",
-        "        for row in self.alive:\n            self.grammars[row].fill_vocab_mask(self.bitmask, row)\n        _apply(",
-        "        if step == 0:\n            for row in self.alive:\n                self.grammars[row].fill_vocab_mask(self.bitmask, row)\n        _apply(",
+        "        _fill(self.grammars, self.alive, self.bitmask)\n",
+        "        if step == 0:\n            _fill(self.grammars, self.alive, self.bitmask)\n",
         GREEDY,
     ),
     (
@@ -48,6 +48,20 @@ MUTS = [
         "        _apply(logits, self.bitmask, self.alive, self.vocab_size)",
         "        _apply(logits, self.bitmask.roll(1, 0), self.alive, self.vocab_size)",
         GREEDY,
+    ),
+    (
+        "D6 the batched fill writes the first rows instead of the listed ones",
+        "draft.py",
+        "bitmask, indices=batch)",
+        "bitmask, indices=None)",
+        GREEDY,
+    ),
+    (
+        "D7 the folded proposal in the draft CUDA graph not refused",
+        "draft.py",
+        "    if spec == \"DSPARK\" and folded and not getattr(args, \"disable_cuda_graph\", False):",
+        "    if False:",
+        T + "::test_switch_on_a_server_it_cannot_mask_is_refused_at_startup_and_binds_where_it_can",
     ),
 ]
 

@@ -83,13 +83,20 @@ def requests(factory, bs, seed):
     return reqs
 
 
-def run(factory, bs, gamma, blocks, seed=0):
+def run(factory, bs, gamma, blocks, seed=0, host_only=False, batched=True, threads=2):
     from dspark_harden.dspark_masks import draft as D
 
+    if batched:
+        D._BATCHABLE[:] = [Grammar]  # the stand-in's fill_vocab_mask is the matcher call XGrammarGrammar makes
+        D.configure(threads)
+    else:
+        D._BATCHABLE[:] = [type(None)]
     timers = {"d2h_wait": 0.0, "host": 0.0, "mask_gpu": 0.0}
     orig_apply = D._apply
 
     def timed_apply(logits, bitmask, rows, vocab_size):
+        if host_only:
+            return None
         if DEV == "cpu":
             return orig_apply(logits, bitmask, rows, vocab_size)
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -143,7 +150,7 @@ def run(factory, bs, gamma, blocks, seed=0):
             per["host_ms"].append((timers["host"] * 1e3) / gamma)
             per["mask_gpu_ms"].append(gpu / gamma)
             # correctness: replay with plain xgrammar
-            for r, req in enumerate(reqs):
+            for r, req in enumerate([] if host_only else reqs):
                 g = req.grammar
                 if g is None:
                     if drafted[r].tolist() != plain_host[r].tolist():
@@ -191,6 +198,12 @@ def main():
     ap.add_argument("--vocab", type=int, default=32000, help="tokenizer the grammars are compiled for")
     ap.add_argument("--blocks", type=int, default=15)
     ap.add_argument("--gamma", type=int, default=7)
+    ap.add_argument("--threads", type=int, nargs="+", default=[2, 4, 8], help="batched fill threads to compare")
+    ap.add_argument(
+        "--host-only",
+        action="store_true",
+        help="the scheduler-thread part alone (accept + fill): no mask applied, drafted tokens not checked",
+    )
     a = ap.parse_args()
     from dspark_harden.dspark_masks.workload import NativeFactory
 
@@ -198,11 +211,14 @@ def main():
     if DEV == "cuda":
         print(json.dumps({"device": torch.cuda.get_device_name(), "cc": torch.cuda.get_device_capability()}))
     all_bad = []
-    run(factory, 8, a.gamma, 2)  # warm-up (kernels, allocator)
+    run(factory, 8, a.gamma, 2, host_only=a.host_only)  # warm-up (kernels, allocator)
     for bs in (64, 256):
-        res, bad = run(factory, bs, a.gamma, a.blocks)
-        print(json.dumps(res))
-        all_bad += bad
+        for fill in ["per-row"] + [f"batched x{t}" for t in a.threads]:
+            t = int(fill.split("x")[1]) if "x" in fill else 1
+            res, bad = run(factory, bs, a.gamma, a.blocks, host_only=a.host_only, batched=fill != "per-row", threads=t)
+            res["host_only"], res["fill"] = a.host_only, fill
+            print(json.dumps(res))
+            all_bad += bad
     if all_bad:
         print("WRONG DRAFT: " + "; ".join(all_bad[:10]), file=sys.stderr)
         sys.exit(3)

@@ -97,8 +97,7 @@ class _Block:
         g0 = self.grammars[self.alive[0]]
         if self.bitmask is None:
             self.bitmask = g0.allocate_vocab_mask(vocab_size=self.vocab_size, batch_size=logits.shape[0], device="cpu")
-        for row in self.alive:
-            self.grammars[row].fill_vocab_mask(self.bitmask, row)
+        _fill(self.grammars, self.alive, self.bitmask)
         _apply(logits, self.bitmask, self.alive, self.vocab_size)
         self.masked += len(self.alive)
 
@@ -107,6 +106,41 @@ class _Block:
             if n:
                 self.grammars[row].rollback(n)
                 self.accepted[row] = 0
+
+
+_BATCHABLE: list = []  # grammar classes whose fill_vocab_mask is exactly matcher.fill_next_token_bitmask(mask, row)
+_BATCH: list = []  # [xgrammar.BatchGrammarMatcher] of this process
+_THREADS = [2]
+
+
+def configure(threads: int) -> None:
+    """Threads of the batched mask fill (DSPARK_HARDEN_GRAMMAR_TRAVERSAL_THREADS)."""
+    _THREADS[0] = int(threads)
+    _BATCH.clear()
+
+
+def _fill(grammars: dict, rows: list, bitmask: torch.Tensor) -> None:
+    """Each row's grammar mask into its bitmask row: the rows whose grammar object is SGLang's
+    ``XGrammarGrammar`` in one ``BatchGrammarMatcher.batch_fill_next_token_bitmask`` over a native thread
+    pool (the same matcher call each ``fill_vocab_mask`` makes, per row), any other grammar object through
+    its own ``fill_vocab_mask``."""
+    if not _BATCHABLE:
+        from sglang.srt.constrained.xgrammar_backend import XGrammarGrammar
+
+        _BATCHABLE.append(XGrammarGrammar)
+    batch = [r for r in rows if type(grammars[r]) in _BATCHABLE]
+    if len(batch) > 1:
+        if not _BATCH:
+            import xgrammar as xgr
+
+            _BATCH.append(xgr.BatchGrammarMatcher(max_threads=_THREADS[0]))
+        _BATCH[0].batch_fill_next_token_bitmask([grammars[r].matcher for r in batch], bitmask, indices=batch)
+    else:
+        batch = []
+    done = set(batch)
+    for r in rows:
+        if r not in done:
+            grammars[r].fill_vocab_mask(bitmask, r)
 
 
 def _apply(logits: torch.Tensor, bitmask: torch.Tensor, rows: list, vocab_size: int) -> None:

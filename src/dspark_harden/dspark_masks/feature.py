@@ -109,6 +109,7 @@ def _draft_patches(settings: Any) -> list:
         return []
     from . import draft as D
 
+    D.configure(settings[THREADS])
     common = dict(feature=DRAFT_FEATURE, roles={Role.SCHEDULER}, propagate=False)
     why = "stock DSpark drafts freely and masks only the verify: on a constrained request every draft token the "
     retire = "SGLang's DSpark path masks its draft steps with the request's grammar"
