@@ -110,39 +110,35 @@ def _draft_patches(settings: Any) -> list:
     from . import draft as D
 
     D.configure(settings[THREADS])
-    common = dict(feature=DRAFT_FEATURE, roles={Role.SCHEDULER}, propagate=False)
     why = "stock DSpark drafts freely and masks only the verify: on a constrained request every draft token the "
-    retire = "SGLang's DSpark path masks its draft steps with the request's grammar"
+    why += "grammar forbids is a certain rejection (this wrap: {})"
     return [
         Patch(
-            target=D.FORWARD_TARGET,
+            target=target,
             kind=Kind.WRAP,
-            build=D.wrap_forward_decode,
-            fingerprint=D.FORWARD_FINGERPRINT,
-            why=why + "grammar forbids is a certain rejection (this wrap: the grammar barrier before the draft, the "
-            "batch's grammars for it, accept lengths by request kind)",
-            retire_when=retire,
-            **common,
-        ),
-        Patch(
-            target=D.BLOCK_TARGET,
-            kind=Kind.WRAP,
-            build=D.wrap_markov_block,
-            fingerprint=D.BLOCK_FINGERPRINT,
-            why=why + "grammar forbids is a certain rejection (this wrap: one block's grammar rows, rolled back at "
-            "its end)",
-            retire_when=retire,
-            **common,
-        ),
-        Patch(
-            target=D.STEP_TARGET,
-            kind=Kind.WRAP,
-            build=D.wrap_draft_step,
-            fingerprint=D.STEP_FINGERPRINT,
-            why=why + "grammar forbids is a certain rejection (this wrap: each step's base logits masked)",
-            retire_when=retire,
-            **common,
-        ),
+            build=build,
+            fingerprint=fingerprint,
+            why=why.format(what),
+            retire_when="SGLang's DSpark path masks its draft steps with the request's grammar",
+            feature=DRAFT_FEATURE,
+            roles={Role.SCHEDULER},
+            propagate=False,
+        )
+        for target, build, fingerprint, what in (
+            (
+                D.FORWARD_TARGET,
+                D.wrap_forward_decode,
+                D.FORWARD_FINGERPRINT,
+                "the grammar barrier before the draft, the batch's grammars for it, accept lengths by request kind",
+            ),
+            (
+                D.BLOCK_TARGET,
+                D.wrap_markov_block,
+                D.BLOCK_FINGERPRINT,
+                "one block's grammar rows, rolled back at its end",
+            ),
+            (D.STEP_TARGET, D.wrap_draft_step, D.STEP_FINGERPRINT, "each step's base logits masked"),
+        )
     ]
 
 

@@ -179,6 +179,17 @@ class Pausable:
         self.server.remove_workdir()
 
 
+def _stop_all(servers: dict) -> None:
+    """Stop every server of the run (a failure to stop one is logged, the others still stop), then release
+    the run's server lock."""
+    for p in servers.values():
+        try:
+            p.stop()
+        except Exception as exc:  # noqa: BLE001
+            log(f"stopping {p.server.config.name}: {exc}")
+    _server._lock.release()
+
+
 def start(config: _server.ServerConfig) -> Pausable:
     """Start ``config`` (the harness retries a start that lost a port race) and check that the
     plugin is active in it exactly when it should be."""
@@ -369,12 +380,7 @@ def run(
             servers.pop("plugin").stop()
             report["ablation"] = _ablate(entries, servers["stock"], workdir, report, ablate_only)
     finally:
-        for p in servers.values():
-            try:
-                p.stop()
-            except Exception as exc:  # noqa: BLE001
-                log(f"stopping {p.server.config.name}: {exc}")
-        _server._lock.release()
+        _stop_all(servers)
     report["ok"] = ok(report)
     return report
 
@@ -414,12 +420,7 @@ def run_draft_masks(
         finally:
             servers["draft_masks"].pause()
     finally:
-        for p in servers.values():
-            try:
-                p.stop()
-            except Exception as exc:  # noqa: BLE001
-                log(f"stopping {p.server.config.name}: {exc}")
-        _server._lock.release()
+        _stop_all(servers)
 
     def side(agg: dict) -> dict:
         kinds = sorted({k for r in agg["rounds"] for k in r.get("accept_length_by_kind", {})})
