@@ -187,8 +187,9 @@ def wrap_forward_decode(stock):
 
 
 class _AcceptLengths:
-    """Per verify row, the tokens committed (accepted draft + bonus), by request kind: copied to the host
-    without a sync (pinned, an event on CUDA) and counted at a later step once the copy is done."""
+    """Per verify row, the tokens committed (accepted draft + bonus), by request kind: counted at once off
+    CUDA; on CUDA copied to the host without a sync (pinned, an event) and counted at a later step of this
+    scheduler (idle steps included) once the copy is done."""
 
     def __init__(self):
         self.queue: list = []
@@ -196,19 +197,18 @@ class _AcceptLengths:
     def add(self, lens: Optional[torch.Tensor], constrained: list) -> None:
         if lens is None or lens.numel() != len(constrained):
             return
-        event = None
-        if lens.device.type == "cuda":
-            lens = lens.to("cpu", non_blocking=True)
-            event = torch.cuda.Event()
-            event.record()
-        else:
-            lens = lens.clone()
+        if lens.device.type != "cuda":  # computed synchronously: counted now
+            _observe_accept(lens.tolist(), constrained)
+            return
+        lens = lens.to("cpu", non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
         self.queue.append((lens, constrained, event))
         if len(self.queue) > 64:  # never read back (a stalled device): keep the newest only
             del self.queue[:-64]
 
     def flush(self) -> None:
-        while self.queue and (self.queue[0][2] is None or self.queue[0][2].query()):
+        while self.queue and self.queue[0][2].query():
             lens, constrained, _ = self.queue.pop(0)
             _observe_accept(lens.tolist(), constrained)
 
