@@ -59,7 +59,7 @@ MUTS = [
     (
         "D7 the folded proposal in the draft CUDA graph not refused",
         "draft.py",
-        "    if spec == \"DSPARK\" and folded and not getattr(args, \"disable_cuda_graph\", False):",
+        '    if spec == "DSPARK" and folded and not getattr(args, "disable_cuda_graph", False):',
         "    if False:",
         T + "::test_switch_on_a_server_it_cannot_mask_is_refused_at_startup_and_binds_where_it_can",
     ),

@@ -209,7 +209,9 @@ def _warnings(caplog, context, server_args, **ctx):
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="dspark_harden.dspark_masks"):
         F.dspark_process_bound(
-            role=Role.SCHEDULER, settings={F.SWITCH: False}, report=types.SimpleNamespace(features=[])
+            role=Role.SCHEDULER,
+            settings={F.SWITCH: False, F.DRAFT_SWITCH: False},
+            report=types.SimpleNamespace(features=[]),
         )
     return [r for r in caplog.records if r.levelno == logging.WARNING]
 

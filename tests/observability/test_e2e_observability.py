@@ -45,6 +45,8 @@ WINDOW = "10m"
 UNPROVABLE_ON_CPU = {
     "dspark-masks": "needs a DSpark server (Qwen3 tiny + a DSpark draft); its mask metrics are checked on the "
     "shared dspark_dp2_server by tests/dspark_masks/test_dspark_server.py, not on this server",
+    "dspark-draft-masks": "needs a DSpark server; its draft-mask counters and accept lengths are checked on the shared "
+    "dspark_dp2_server (switch on) by tests/dspark_masks/test_dspark_server.py, not on this server",
     "dspark-result-materializer": "needs a DSpark server with overlap scheduling (this server is not speculative); "
     "its outcome counters are checked on the shared dspark_dp2_server by tests/dspark_masks/test_dspark_server.py",
     "prefill-graph-dp": "prefill CUDA graphs are disabled on CPU (stock resolves the prefill graph backend to disabled)",
