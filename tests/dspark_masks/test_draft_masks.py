@@ -283,10 +283,13 @@ REFUSED = [  # server arguments, environment, what the refusal names
     (dict(device="cpu"), {}, "--speculative-algorithm is unset"),
     (dict(DSPARK, device="cuda"), {}, "SGLANG_DSPARK_FOLDED_PROPOSAL=0"),
     (dict(DSPARK, device="cpu", grammar_backend="none"), {}, "--grammar-backend none"),
+    # stock reads a value it cannot parse as its default (folded proposal on), and so does the check
+    (dict(DSPARK, device="cuda"), {"SGLANG_DSPARK_FOLDED_PROPOSAL": "maybe"}, "SGLANG_DSPARK_FOLDED_PROPOSAL=0"),
 ]
 BOUND = [
     (dict(DSPARK, device="cpu"), {}),
     (dict(DSPARK, device="cuda"), {"SGLANG_DSPARK_FOLDED_PROPOSAL": "0"}),
+    (dict(DSPARK, device="cuda"), {"SGLANG_DSPARK_FOLDED_PROPOSAL": "n"}),  # stock reads "n" as off too
     (dict(DSPARK, device="cuda", disable_cuda_graph=True), {}),
 ]
 

@@ -266,7 +266,7 @@ def _count(block: _Block) -> None:
 
 def server_args_problems(args: Any, switch: str) -> list[str]:
     """What makes a server one this feature cannot serve exactly (known from its arguments)."""
-    import os
+    from sglang.srt.environ import envs
 
     out = []
     spec = str(getattr(args, "speculative_algorithm", None) or "").upper()
@@ -276,7 +276,7 @@ def server_args_problems(args: Any, switch: str) -> list[str]:
         )
     if getattr(args, "grammar_backend", None) == "none":
         out.append(f"--grammar-backend none serves no grammar to mask the draft with; unset {switch}")
-    folded = os.environ.get("SGLANG_DSPARK_FOLDED_PROPOSAL", "1").strip().lower() not in ("0", "false", "no", "off")
+    folded = envs.SGLANG_DSPARK_FOLDED_PROPOSAL.get()  # stock's own reading (an invalid value: its default, on)
     if spec == "DSPARK" and folded and not getattr(args, "disable_cuda_graph", False):
         device = str(getattr(args, "device", None) or "cuda")
         if device.startswith("cuda"):

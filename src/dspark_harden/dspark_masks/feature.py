@@ -211,14 +211,12 @@ def dspark_process_bound(role, settings, report):
         if args is not None and _first_scheduler(ctx) and stock_python_path_in_use(args):
             logger.warning(STOCK_PATH_WARNING)
         return
-    st = next((f for f in report.features if f.name == FEATURE), None)
-    if st is None or st.status != "bound":
+    st = _bound(report, FEATURE)
+    if st is None:
         return
-    from ..core.binder import BindError
 
     def refuse(problem: str):
-        st.status, st.detail = "failed", problem
-        raise BindError(f"dspark-harden refuses to start ({role.value}): [{FEATURE}] {SWITCH}=1: {problem}", report)
+        _refuse(st, role, report, problem)
 
     if args is not None:
         problems = server_args_problems(args)
@@ -253,15 +251,23 @@ def _refuse_draft_masks(args: Any, report: Any, role: Role) -> None:
     from . import draft as D
 
     problems = D.server_args_problems(args, DRAFT_SWITCH)
-    st = next((f for f in report.features if f.name == DRAFT_FEATURE), None)
-    if not problems or st is None or st.status != "bound":
-        return
+    st = _bound(report, DRAFT_FEATURE)
+    if problems and st is not None:
+        _refuse(st, role, report, "; ".join(problems))
+
+
+def _bound(report: Any, name: str) -> Any:
+    """The feature's status in this bind's report when it bound, else None (nothing to check)."""
+    st = next((f for f in report.features if f.name == name), None)
+    return st if st is not None and st.status == "bound" else None
+
+
+def _refuse(st: Any, role: Role, report: Any, problem: str) -> None:
+    """Mark the bound feature failed with ``problem`` and stop the process's start-up, naming its switch."""
     from ..core.binder import BindError
 
-    st.status, st.detail = "failed", "; ".join(problems)
-    raise BindError(
-        f"dspark-harden refuses to start ({role.value}): [{DRAFT_FEATURE}] {DRAFT_SWITCH}=1: {st.detail}", report
-    )
+    st.status, st.detail = "failed", problem
+    raise BindError(f"dspark-harden refuses to start ({role.value}): [{st.name}] {st.switch}=1: {problem}", report)
 
 
 def server_device(args: Any) -> str:
