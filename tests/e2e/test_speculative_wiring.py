@@ -155,15 +155,25 @@ def test_a_schema_whose_grammar_admits_documents_the_validator_rejects_is_found(
 
 
 def test_accept_length_in_the_summary():
+    enum = {"type": "object", "properties": {"c": {"enum": ["red", "green"]}}, "required": ["c"]}
+    keys = {"type": "object", "properties": {"n": {"type": "string"}}, "required": ["n"]}
     entries = [
-        {"id": "a", "kind": "json", "check": None, "body": {"text": "x"}},
+        {"id": "a", "kind": "json", "check": {"type": "json_schema", "schema": enum}, "body": {"text": "x"}},
         {"id": "b", "kind": "plain", "check": None, "body": {"text": "y"}},
+        {"id": "c", "kind": "json", "check": {"type": "json_schema", "schema": keys}, "body": {"text": "z"}},
+        {"id": "d", "kind": "corpus", "check": {"type": "json_schema", "schema": {"type": "string"}}, "body": {"text": "w"}},
     ]
-    ra, rb = client.Result(id="a", kind="json", status=200), client.Result(id="b", kind="plain", status=200)
-    client._absorb(ra, entries[0], [{"meta_info": {"completion_tokens": 12, "spec_verify_ct": 6}, "output_ids": [1]}])
-    client._absorb(rb, entries[1], [{"meta_info": {"completion_tokens": 4, "spec_verify_ct": 4}, "output_ids": [2]}])
-    s = client.summarize([ra, rb], 1.0, entries)
-    assert s["spec_verify_ct"] == 10 and s["accept_length_mean"] == 1.6
+    results = []
+    for e, (tokens, verify) in zip(entries, [(12, 6), (4, 4), (9, 3), (5, 5)]):
+        r = client.Result(id=e["id"], kind=e["kind"], status=200)
+        client._absorb(
+            r, e, [{"meta_info": {"completion_tokens": tokens, "spec_verify_ct": verify}, "output_ids": [1]}]
+        )
+        results.append(r)
+    s = client.summarize(results, 1.0, entries)
+    assert s["spec_verify_ct"] == 18 and s["accept_length_mean"] == round(30 / 18, 4)
+    assert s["accept_length_by_kind"] == {"corpus": 1.0, "json": round(21 / 9, 4), "plain": 1.0}
+    assert s["accept_length_by_schema_shape"] == {"enum_const": 2.0, "fixed_keys": 3.0, "free": 1.0}
     assert "accept_length_mean" not in client.summarize(
         [client.Result(id="a", kind="json", status=200)], 1.0, entries[:1]
     )

@@ -13,7 +13,7 @@ import json
 import logging
 import threading
 from dataclasses import asdict, dataclass, field
-from typing import Any, Optional
+from typing import Any, NoReturn, Optional
 
 from packaging.specifiers import InvalidSpecifier, SpecifierSet
 from packaging.version import Version
@@ -41,6 +41,14 @@ class BindError(SystemExit):
 
     def __str__(self) -> str:
         return self.message
+
+
+def refuse(report: Any, role: Any, feature: str, problem: str, status: Any = None) -> NoReturn:
+    """Stop this process's start-up in a ``dspark_process_bound`` hook: ``[feature] problem``, the feature's
+    status (when given) marked failed with ``problem`` so ``check`` and the report say why."""
+    if status is not None:
+        status.status, status.detail = "failed", problem
+    raise BindError(f"dspark-harden refuses to start ({role.value}): [{feature}] {problem}", report)
 
 
 @dataclass

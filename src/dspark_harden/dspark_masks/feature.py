@@ -264,10 +264,9 @@ def _bound(report: Any, name: str) -> Any:
 
 def _refuse(st: Any, role: Role, report: Any, problem: str) -> None:
     """Mark the bound feature failed with ``problem`` and stop the process's start-up, naming its switch."""
-    from ..core.binder import BindError
+    from ..core.binder import refuse
 
-    st.status, st.detail = "failed", problem
-    raise BindError(f"dspark-harden refuses to start ({role.value}): [{st.name}] {st.switch}=1: {problem}", report)
+    refuse(report, role, st.name, f"{st.switch}=1: {problem}", st)
 
 
 def server_device(args: Any) -> str:

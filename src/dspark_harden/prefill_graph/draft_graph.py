@@ -282,7 +282,7 @@ def dspark_process_bound(role, settings, report):
 
     from sglang.srt.speculative.spec_tp_sync import SpecTpSync
 
-    from ..core.binder import BindError
+    from ..core.binder import refuse
     from ..core.patch import source_drift
 
     problem = None
@@ -294,8 +294,7 @@ def dspark_process_bound(role, settings, report):
     if problem is None and not one:
         problem = f"the live draft graph memory decision is still per rank: {live_detail}"
     if problem:
-        st.status, st.detail = "failed", problem
-        raise BindError(f"dspark-harden refuses to start ({role.value}): [{FEATURE}] {problem}", report)
+        refuse(report, role, FEATURE, problem, st)
     stock_one, stock_detail = probe_decision(inspect.unwrap(live), label="stock")
     st.detail = f"{live_detail}; " + (
         f"{stock_detail}: stock makes one decision now, this patch is unnecessary: retire it ({UPSTREAM})"

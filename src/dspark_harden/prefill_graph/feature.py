@@ -385,19 +385,14 @@ def dspark_process_bound(role, settings, report):
     st = _status(report)
     if st is None or st.status != "bound":
         return
-    from ..core.binder import BindError
+    from ..core.binder import refuse
 
     ctx = roles.CONTEXT
     factor = settings[S.PADDING]
     present, detail = probe_mirrored_sources()
     allow = settings["DSPARK_HARDEN_ALLOW_DRIFT"]
     if not present and "all" not in allow:
-        st.status, st.detail = "failed", detail
-        raise BindError(
-            f"dspark-harden refuses to start ({role.value}): [{FEATURE}] {detail} "
-            f"(DSPARK_HARDEN_ALLOW_DRIFT=all overrides)",
-            report,
-        )
+        refuse(report, role, FEATURE, f"{detail} (DSPARK_HARDEN_ALLOW_DRIFT=all overrides)", st)
     from .tbo import probe_prefill_tbo_unsupported
 
     unsupported, tbo_detail = probe_prefill_tbo_unsupported()
@@ -418,7 +413,7 @@ def dspark_process_bound(role, settings, report):
     if RUNTIME.tbo_graphs:
         problem = tbo_graph.bucket_problem(view)
         if problem:
-            raise BindError(f"dspark-harden refuses to start ({role.value}): [{FEATURE}] {problem}", report)
+            refuse(report, role, FEATURE, problem, st)
     if settings[S.VALIDATE]:
         validate.VALIDATOR = validate.Validator(
             schedule=validate.Schedule(settings[S.VALIDATE], settings[S.VALIDATE_FIRST]),

@@ -216,6 +216,13 @@ def summarize(results: list, wall_s: float, entries: list[dict]) -> dict:
                 t, v = by_kind.get(r.kind, (0, 0))
                 by_kind[r.kind] = (t + r.completion_tokens, v + r.spec_verify_ct)
         out["accept_length_by_kind"] = {k: round(t / v, 4) for k, (t, v) in sorted(by_kind.items())}
+        shapes = {e["id"]: schema_shape(e["check"]["schema"]) for e in entries if _json_check(e)}
+        by_shape: dict = {}
+        for r in results:
+            if r.ok and r.spec_verify_ct and r.id in shapes:
+                t, v = by_shape.get(shapes[r.id], (0, 0))
+                by_shape[shapes[r.id]] = (t + r.completion_tokens, v + r.spec_verify_ct)
+        out["accept_length_by_schema_shape"] = {k: round(t / v, 4) for k, (t, v) in sorted(by_shape.items())}
     for name, series in (("e2e", e2e), ("ttft", ttft)):
         for q, label in ((0.5, "p50"), (0.95, "p95"), (0.99, "p99")):
             v = pct(series, q)
@@ -229,6 +236,28 @@ def summarize(results: list, wall_s: float, entries: list[dict]) -> dict:
 
 
 _CHECKED: dict = {}
+
+
+def _json_check(entry: dict) -> bool:
+    check = entry.get("check") or {}
+    return check.get("type") == "json_schema" and isinstance(check.get("schema"), (dict, bool)) and "id" in entry
+
+
+def schema_shape(schema) -> str:
+    """What a JSON schema leaves a draft to guess, coarsely: ``enum_const`` (an enum or const anywhere: values
+    the grammar spells out once begun), ``fixed_keys`` (an object with required properties: keys, quotes and
+    braces forced), ``free`` (the rest: free strings, numbers, permissive schemas)."""
+    stack, required = [schema], False
+    while stack:
+        node = stack.pop()
+        if isinstance(node, list):
+            stack.extend(node)
+        elif isinstance(node, dict):
+            if "enum" in node or "const" in node:
+                return "enum_const"
+            required |= bool(node.get("required")) and isinstance(node.get("properties"), dict)
+            stack.extend(v for v in node.values() if isinstance(v, (dict, list)))
+    return "fixed_keys" if required else "free"
 
 
 def _has_check(entries: list[dict], rid: str) -> bool:

@@ -423,16 +423,15 @@ def run_draft_masks(
         _stop_all(servers)
 
     def side(agg: dict) -> dict:
-        kinds = sorted({k for r in agg["rounds"] for k in r.get("accept_length_by_kind", {})})
+        def by(field: str) -> dict:
+            keys = sorted({k for r in agg["rounds"] for k in r.get(field, {})})
+            return {k: _median_of([r[field][k] for r in agg["rounds"] if k in r.get(field, {})]) for k in keys}
+
         return {
             "accept_length_mean": agg["median"].get("accept_length_mean"),
             "accept_length_spread": agg["spread"].get("accept_length_mean"),
-            "accept_length_by_kind": {
-                k: _median_of(
-                    [r["accept_length_by_kind"][k] for r in agg["rounds"] if k in r.get("accept_length_by_kind", {})]
-                )
-                for k in kinds
-            },
+            "accept_length_by_kind": by("accept_length_by_kind"),
+            "accept_length_by_schema_shape": by("accept_length_by_schema_shape"),
             "output_tok_s": agg["median"].get("output_tok_s"),
             "output_tok_s_spread": agg["spread"].get("output_tok_s"),
             "errors": agg["errors"],
