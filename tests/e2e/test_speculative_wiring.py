@@ -161,7 +161,12 @@ def test_accept_length_in_the_summary():
         {"id": "a", "kind": "json", "check": {"type": "json_schema", "schema": enum}, "body": {"text": "x"}},
         {"id": "b", "kind": "plain", "check": None, "body": {"text": "y"}},
         {"id": "c", "kind": "json", "check": {"type": "json_schema", "schema": keys}, "body": {"text": "z"}},
-        {"id": "d", "kind": "corpus", "check": {"type": "json_schema", "schema": {"type": "string"}}, "body": {"text": "w"}},
+        {
+            "id": "d",
+            "kind": "corpus",
+            "check": {"type": "json_schema", "schema": {"type": "string"}},
+            "body": {"text": "w"},
+        },
     ]
     results = []
     for e, (tokens, verify) in zip(entries, [(12, 6), (4, 4), (9, 3), (5, 5)]):
