@@ -15,6 +15,13 @@ UNAVAILABLE = "unavailable"
 FAILED = "failed"
 
 
+def bound_status(report, name: str):
+    """The status of feature ``name`` in a bind report when it bound, else None (a report without
+    features, the feature absent, or not bound): what a ``dspark_process_bound`` hook checks first."""
+    st = next((f for f in getattr(report, "features", []) if f.name == name), None)
+    return st if st is not None and st.status == BOUND else None
+
+
 @dataclass(frozen=True)
 class Feature:
     """A switchable hardening.

@@ -15,7 +15,7 @@ import logging
 from typing import Any, Optional
 
 from ..core import roles
-from ..core.feature import Feature
+from ..core.feature import Feature, bound_status
 from ..core.hookspecs import hookimpl
 from ..core.patch import Kind, Patch, Role
 from . import session
@@ -187,13 +187,9 @@ def dspark_patches(role, settings):
     return patches
 
 
-def _feature_bound(report) -> bool:
-    return any(f.name == FEATURE and f.status == "bound" for f in getattr(report, "features", []))
-
-
 @hookimpl
 def dspark_process_bound(role, settings, report):
-    if role is not Role.SCHEDULER or not settings[S.SWITCH] or not _feature_bound(report):
+    if role is not Role.SCHEDULER or not settings[S.SWITCH] or bound_status(report, FEATURE) is None:
         return
     ctx = roles.CONTEXT
     if ctx is None or ctx.server_args is None:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from ..core.feature import Feature
+from ..core.feature import Feature, bound_status
 from ..core.hookspecs import hookimpl
 from ..core.patch import Kind, Patch, Role
 from .settings import (  # noqa: F401 - re-exported
@@ -211,17 +211,14 @@ def dspark_process_bound(role, settings, report):
         if args is not None and _first_scheduler(ctx) and stock_python_path_in_use(args):
             logger.warning(STOCK_PATH_WARNING)
         return
-    st = _bound(report, FEATURE)
+    st = bound_status(report, FEATURE)
     if st is None:
         return
-
-    def refuse(problem: str):
-        _refuse(st, role, report, problem)
 
     if args is not None:
         problems = server_args_problems(args)
         if problems:
-            refuse("; ".join(problems))
+            _refuse(st, role, report, "; ".join(problems))
     from . import integration as I
     from .jobs import TraversalError
 
@@ -229,11 +226,11 @@ def dspark_process_bound(role, settings, report):
     if device is not None:
         problem = I.pipeline_device_problem(device)
         if problem:
-            refuse(problem)
+            _refuse(st, role, report, problem)
     try:
         rt = I.runtime(device_type=device)
     except TraversalError as exc:
-        refuse(str(exc))
+        _refuse(st, role, report, str(exc))
     engine = rt.traverser.engine
     st.detail = (
         f"engine {engine} ({ENGINE}={rt.traverser.requested}, {rt.traverser.threads} thread(s)); mask pipeline: "
@@ -251,15 +248,9 @@ def _refuse_draft_masks(args: Any, report: Any, role: Role) -> None:
     from . import draft as D
 
     problems = D.server_args_problems(args, DRAFT_SWITCH)
-    st = _bound(report, DRAFT_FEATURE)
+    st = bound_status(report, DRAFT_FEATURE)
     if problems and st is not None:
         _refuse(st, role, report, "; ".join(problems))
-
-
-def _bound(report: Any, name: str) -> Any:
-    """The feature's status in this bind's report when it bound, else None (nothing to check)."""
-    st = next((f for f in report.features if f.name == name), None)
-    return st if st is not None and st.status == "bound" else None
 
 
 def _refuse(st: Any, role: Role, report: Any, problem: str) -> None:

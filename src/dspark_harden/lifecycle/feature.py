@@ -376,16 +376,12 @@ def dspark_patches(role, settings):
     return out
 
 
-def _bound(report, name: str) -> bool:
-    return any(f.name == name and f.status == F.BOUND for f in getattr(report, "features", []))
-
-
 @hookimpl
 def dspark_process_bound(role, settings, report):
     ctx = roles.CONTEXT
     if ctx is None or (ctx.server_args is None and role is not Role.MAIN):
         return  # self-check children: nothing runs
-    if _bound(report, S.SHUTDOWN):
+    if F.bound_status(report, S.SHUTDOWN) is not None:
         if role is Role.MAIN:
             from .main import MAIN
 
@@ -399,11 +395,11 @@ def dspark_process_bound(role, settings, report):
             from .scheduler import write_rank_record
 
             write_rank_record()
-    if _bound(report, S.HICACHE_GATE) and role is Role.SCHEDULER:
+    if F.bound_status(report, S.HICACHE_GATE) is not None and role is Role.SCHEDULER:
         from .hicache_gate import GATE
 
         GATE.armed = True
-    if _bound(report, S.GC_FREEZE) and role in (Role.MAIN, Role.SCHEDULER, Role.DETOKENIZER):
+    if F.bound_status(report, S.GC_FREEZE) is not None and role in (Role.MAIN, Role.SCHEDULER, Role.DETOKENIZER):
         from . import gc_freeze
 
         # metrics wait for the process's Prometheus mode inside the freezer (flush), the freeze does not

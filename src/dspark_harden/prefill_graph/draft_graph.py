@@ -29,7 +29,7 @@ import threading
 from typing import Any, Optional
 
 from ..core import roles
-from ..core.feature import Feature
+from ..core.feature import Feature, bound_status
 from ..core.hookspecs import hookimpl
 from ..core.patch import Kind, Patch, Role
 from ..core.settings import Setting, flag01
@@ -275,8 +275,8 @@ def dspark_patches(role, settings):
 @hookimpl
 def dspark_process_bound(role, settings, report):
     """Prove the fix on the live method and say whether stock still needs it; refuse otherwise."""
-    st = next((f for f in getattr(report, "features", []) if f.name == FEATURE), None)
-    if role is not Role.SCHEDULER or st is None or st.status != "bound":
+    st = bound_status(report, FEATURE)
+    if role is not Role.SCHEDULER or st is None:
         return
     import inspect
 

@@ -13,7 +13,7 @@ import logging
 from typing import Any, Optional
 
 from ..core import roles
-from ..core.feature import Feature
+from ..core.feature import Feature, bound_status
 from ..core.hookspecs import hookimpl
 from ..core.patch import Kind, Patch, Role
 from . import settings as S
@@ -374,16 +374,12 @@ def dspark_patches(role, settings):
     return patches(tbo=settings[S.TBO], validate=settings[S.VALIDATE] > 0)
 
 
-def _status(report):
-    return next((f for f in getattr(report, "features", []) if f.name == FEATURE), None)
-
-
 @hookimpl
 def dspark_process_bound(role, settings, report):
     if role is not Role.SCHEDULER:
         return
-    st = _status(report)
-    if st is None or st.status != "bound":
+    st = bound_status(report, FEATURE)
+    if st is None:
         return
     from ..core.binder import refuse
 

@@ -210,19 +210,9 @@ def summarize(results: list, wall_s: float, entries: list[dict]) -> dict:
         # meta_info.spec_accept_length, pooled
         out["spec_verify_ct"] = verify
         out["accept_length_mean"] = round(sum(r.completion_tokens for r in results if r.ok) / verify, 4)
-        by_kind: dict = {}
-        for r in results:
-            if r.ok and r.spec_verify_ct:
-                t, v = by_kind.get(r.kind, (0, 0))
-                by_kind[r.kind] = (t + r.completion_tokens, v + r.spec_verify_ct)
-        out["accept_length_by_kind"] = {k: round(t / v, 4) for k, (t, v) in sorted(by_kind.items())}
+        out["accept_length_by_kind"] = _pooled_accept(results, lambda r: r.kind)
         shapes = {e["id"]: schema_shape(e["check"]["schema"]) for e in entries if _json_check(e)}
-        by_shape: dict = {}
-        for r in results:
-            if r.ok and r.spec_verify_ct and r.id in shapes:
-                t, v = by_shape.get(shapes[r.id], (0, 0))
-                by_shape[shapes[r.id]] = (t + r.completion_tokens, v + r.spec_verify_ct)
-        out["accept_length_by_schema_shape"] = {k: round(t / v, 4) for k, (t, v) in sorted(by_shape.items())}
+        out["accept_length_by_schema_shape"] = _pooled_accept(results, lambda r: shapes.get(r.id))
     for name, series in (("e2e", e2e), ("ttft", ttft)):
         for q, label in ((0.5, "p50"), (0.95, "p95"), (0.99, "p99")):
             v = pct(series, q)
@@ -238,9 +228,21 @@ def summarize(results: list, wall_s: float, entries: list[dict]) -> dict:
 _CHECKED: dict = {}
 
 
+def _pooled_accept(results: list, group) -> dict:
+    """Output tokens per verify step, pooled over the answered speculative requests of each
+    ``group(result)`` (None: the request is left out)."""
+    sums: dict = {}
+    for r in results:
+        key = group(r) if r.ok and r.spec_verify_ct else None
+        if key is not None:
+            t, v = sums.get(key, (0, 0))
+            sums[key] = (t + r.completion_tokens, v + r.spec_verify_ct)
+    return {k: round(t / v, 4) for k, (t, v) in sorted(sums.items())}
+
+
 def _json_check(entry: dict) -> bool:
     check = entry.get("check") or {}
-    return check.get("type") == "json_schema" and isinstance(check.get("schema"), (dict, bool)) and "id" in entry
+    return check.get("type") == "json_schema" and isinstance(check.get("schema"), (dict, bool))
 
 
 def schema_shape(schema) -> str:
