@@ -45,7 +45,7 @@ def _populate(tok, cache_dir, n=4):
 def _recut(ns, path: str) -> None:
     """Cut the payload in half and recompute the checksum and the ledger: the envelope is valid."""
     data = open(path, "rb").read()
-    _magic, _fmt, kind, scope_b, key_b, _plen = disk._HEADER.unpack_from(data)
+    _magic, _fmt, kind, _compile_us, scope_b, key_b, _plen = disk._HEADER.unpack_from(data)
     payload = data[disk.HEADER_SIZE : -disk.TRAILER_SIZE]
     with open(path, "wb") as fh:
         fh.write(disk.encode_entry(scope_b.hex(), key_b.hex(), kind, payload[: len(payload) // 2]))

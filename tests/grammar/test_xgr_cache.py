@@ -126,18 +126,22 @@ def test_the_policy_decides_on_a_cold_compile(hf_tokenizer, cache_dir, limit, co
     assert len(outcomes) == 2, pc.persister.outcomes
     for o in outcomes:
         assert o["decision_basis"] == basis, o
-        assert 0 < o["decision_compile_s"] <= o["phases"]["measure_compile"] + 1e-9, o
+        assert 0 < o["decision_compile_s"] <= o["compile_cpu_s"] + 1e-9, o
+        assert 0 < o["recorded_compile_s"] <= o["phases"]["measure_compile"] + 1e-9, o
     assert not any(json.dumps(o).count("NaN") for o in outcomes)
     pc.close()
 
 
 def test_decision_ignores_a_serving_time_that_may_be_a_cache_hit():
-    # a cache-assisted serving compile (1 us) must not shrink the budget: the helper's cold CPU time counts
-    assert decision_compile_s(0.5, 0.2, {"compile_s": 1e-6, "compile_cold": False}) == ("helper", 0.2)
+    # (basis, decide_s, record_s): a cache-assisted serving compile (1 us) must not shrink the budget: the
+    # helper's cold CPU time counts
+    assert decision_compile_s(0.5, 0.2, {"compile_s": 1e-6, "compile_cold": False}) == ("helper", 0.2, 0.2)
     # paused helper (wall inflated): its CPU time, never the pauses
-    assert decision_compile_s(3.0, 0.2, {"compile_s": 1e-6, "compile_cold": False}) == ("helper", 0.2)
-    # cold serving compile: the lesser of it and the helper's wall time, as before the cache
-    assert decision_compile_s(0.5, 0.2, {"compile_s": 0.1, "compile_cold": True}) == ("serving", 0.1)
-    assert decision_compile_s(0.05, 0.04, {"compile_s": 0.1, "compile_cold": True}) == ("serving", 0.05)
+    assert decision_compile_s(3.0, 0.2, {"compile_s": 1e-6, "compile_cold": False}) == ("helper", 0.2, 0.2)
+    # a multi-threaded compile (wall below CPU): decided on its one-thread cost, the parallel wall recorded
+    assert decision_compile_s(0.06, 0.1, {"compile_s": 1e-6, "compile_cold": False}) == ("helper", 0.1, 0.06)
+    # cold serving compile: the lesser of it and the helper's, as before the cache
+    assert decision_compile_s(0.5, 0.2, {"compile_s": 0.1, "compile_cold": True}) == ("serving", 0.1, 0.1)
+    assert decision_compile_s(0.05, 0.04, {"compile_s": 0.1, "compile_cold": True}) == ("serving", 0.04, 0.04)
     # a job from before the field existed: cold
-    assert decision_compile_s(0.5, 0.2, {"compile_s": 0.1}) == ("serving", 0.1)
+    assert decision_compile_s(0.5, 0.2, {"compile_s": 0.1}) == ("serving", 0.1, 0.1)

@@ -73,7 +73,9 @@ from typing import Iterator, Optional
 
 FORMAT_VERSION = 1
 MAGIC = b"DSHXGC01"
-_HEADER = struct.Struct("<8sBB6x32s32sQ")
+# magic, format, kind, 2 pad bytes, compile_us (a serialized entry: the cold compile it replaces, in
+# microseconds, for the load-site demotion in xgr.py; 0 = not recorded), scope, key, payload length
+_HEADER = struct.Struct("<8sBB2xI32s32sQ")
 HEADER_SIZE = _HEADER.size  # 88
 TRAILER_SIZE = 32
 KIND_SERIALIZED = 1
@@ -87,6 +89,7 @@ MARKER_REASONS = {
     5: "memory_limit",
     6: "deadline",
     7: "helper_failed",
+    8: "slow_load_served",
 }
 REASON_CODES = {v: k for k, v in MARKER_REASONS.items()}
 
@@ -97,7 +100,9 @@ ENTRY_SUFFIX = ".xgc"
 TMP_PREFIX = ".tmp-"
 INTENT_NAME = "ledger.intent"
 DEFAULT_LOCK_TIMEOUT_S = 5.0
-POLICY_VERSION = "adaptive-marker-v2"  # v2: persisted by a memory-capped helper process, reasons 5..7
+# v2: persisted by a memory-capped helper process, reasons 5..7; v3: serialized entries record their compile
+# time, reason 8 (a serving process's load was slower than it: demoted)
+POLICY_VERSION = "adaptive-marker-v3"
 
 
 class GrammarCacheError(RuntimeError):
@@ -198,6 +203,7 @@ class Marker:
 class Entry:
     kind: int
     payload: bytes
+    compile_s: float = 0.0  # a serialized entry: the cold compile it replaces (0: not recorded)
 
     @property
     def marker(self) -> Optional[Marker]:
@@ -207,8 +213,11 @@ class Entry:
         return Marker(MARKER_REASONS[code], c, s, n)
 
 
-def encode_entry(scope_hex: str, key_hex: str, kind: int, payload: bytes) -> bytes:
-    header = _HEADER.pack(MAGIC, FORMAT_VERSION, kind, bytes.fromhex(scope_hex), bytes.fromhex(key_hex), len(payload))
+def encode_entry(scope_hex: str, key_hex: str, kind: int, payload: bytes, compile_s: float = 0.0) -> bytes:
+    compile_us = min(0xFFFFFFFF, max(0, round(compile_s * 1e6)))
+    header = _HEADER.pack(
+        MAGIC, FORMAT_VERSION, kind, compile_us, bytes.fromhex(scope_hex), bytes.fromhex(key_hex), len(payload)
+    )
     return header + payload + digest(header + payload)
 
 
@@ -235,7 +244,7 @@ def decode_entry(path: str, data: bytes, scope_hex: Optional[str], key_hex: Opti
     """Validate ``data`` read from ``path``; raise CorruptEntryError naming the file."""
     if len(data) < HEADER_SIZE + TRAILER_SIZE:
         raise CorruptEntryError(path, f"truncated: {len(data)} bytes, shorter than header + checksum")
-    magic, fmt, kind, scope_b, key_b, plen = _HEADER.unpack_from(data)
+    magic, fmt, kind, compile_us, scope_b, key_b, plen = _HEADER.unpack_from(data)
     if magic != MAGIC:
         raise CorruptEntryError(path, f"bad magic {magic!r} (not a dspark-harden grammar cache entry)")
     if fmt != FORMAT_VERSION:
@@ -253,7 +262,7 @@ def decode_entry(path: str, data: bytes, scope_hex: Optional[str], key_hex: Opti
         raise CorruptEntryError(path, f"foreign entry: written for scope {scope_b.hex()[:16]}…, not this namespace")
     if key_hex is not None and key_b.hex() != key_hex:
         raise CorruptEntryError(path, f"foreign entry: {_key_difference(key_b.hex(), key_hex)} (swapped?)")
-    entry = Entry(kind, bytes(view[HEADER_SIZE:-TRAILER_SIZE]))
+    entry = Entry(kind, bytes(view[HEADER_SIZE:-TRAILER_SIZE]), compile_us / 1e6)
     if kind == KIND_MARKER:
         if plen != _MARKER.size:
             raise CorruptEntryError(path, f"marker payload is {plen} bytes, expected {_MARKER.size}")

@@ -23,6 +23,7 @@ MARKER_REASONS = (
     "memory_limit",
     "deadline",
     "helper_failed",
+    "slow_load_served",
 )
 SKIP_REASONS = ("queue_full", "queued", "retries_exhausted", "cpu_budget")
 DISK_ERROR_OPS = ("publish", "prune", "helper", "lock_timeout", "protocol", "read")
@@ -197,7 +198,8 @@ FAMILIES = (
         "too_large (serialized entry above DSPARK_HARDEN_GRAMMAR_DISK_MAX_ENTRY_BYTES), serialize_failed, "
         "memory_limit (the persistence helper hit its address-space limit), deadline (the job used more than "
         "DSPARK_HARDEN_GRAMMAR_DISK_HELPER_DEADLINE CPU seconds), helper_failed (it "
-        "crashed the same way on every retry). Transient failures store no marker (disk_helper_transient_total).",
+        "crashed the same way on every retry), slow_load_served (a serialized entry this process loaded slower than "
+        "the cold compile recorded in it: demoted). Transient failures store no marker (disk_helper_transient_total).",
         labels=("dp_rank", "reason"),
         feature=FEATURE,
         roles=("scheduler",),

@@ -43,6 +43,7 @@ import os
 import queue
 import select
 import signal
+import stat
 import subprocess
 import sys
 import threading
@@ -631,23 +632,12 @@ class Persister:
 
     def _submit(self, key_hex: str, parts: list, compile_s: float, claim: Any, cold: bool = True) -> bool:
         with self._lock:
-            if self._stop.is_set():
-                return False
-            if key_hex in self._queued:
-                self.skipped["queued"] += 1
-                gm.inc_publish_skipped("queued")
-                return False
-            if self._pending - self._busy >= self.settings.queue_max:  # waiting or retrying, not running
-                self.skipped["queue_full"] += 1
-                gm.inc_publish_skipped("queue_full")
+            if not self._may_queue_locked(key_hex):
                 return False
             if self._cpu_budget_locked() <= 0.0:
                 self.skipped["cpu_budget"] += 1
                 gm.inc_publish_skipped("cpu_budget")
                 return False
-            if self._thread is None or not self._thread.is_alive():
-                self._thread = threading.Thread(target=self._run, name="dspark-grammar-persist", daemon=True)
-                self._thread.start()
             job = {
                 "key_hex": key_hex,
                 "parts": parts,
@@ -659,11 +649,51 @@ class Persister:
             if claim is not None:
                 job["claim"] = claim
                 self._claims[key_hex] = claim
-            self._q.put_nowait(job)
-            self._queued.add(key_hex)
-            self._pending += 1
-            gm.set_publish_queue(self._pending - self._busy)
+            self._enqueue_locked(job)
             return True
+
+    def demote(self, key_hex: str, data: bytes, compile_s: float, load_s: float) -> bool:
+        """Queue the replacement of the serialized entry ``data`` (as this process read it) by a
+        compile-locally marker (reason ``slow_load_served``): this process loaded it in ``load_s``
+        (CPU), more than the cold compile recorded in it (``compile_s``), so a restarted process
+        compiles it instead. Only those bytes are replaced (their size and checksum are compared under
+        the entry lock): an entry a peer replaced or removed meanwhile is left alone. No helper work."""
+        with self._lock:
+            if not self._may_queue_locked(key_hex):
+                return False
+            self._enqueue_locked(
+                {
+                    "key_hex": key_hex,
+                    "demote": (len(data), bytes(data[-disk.TRAILER_SIZE :])),
+                    "compile_s": compile_s,
+                    "load_s": load_s,
+                    "attempt": 0,
+                    "causes": [],
+                }
+            )
+            return True
+
+    def _may_queue_locked(self, key_hex: str) -> bool:
+        if self._stop.is_set():
+            return False
+        if key_hex in self._queued:
+            self.skipped["queued"] += 1
+            gm.inc_publish_skipped("queued")
+            return False
+        if self._pending - self._busy >= self.settings.queue_max:  # waiting or retrying, not running
+            self.skipped["queue_full"] += 1
+            gm.inc_publish_skipped("queue_full")
+            return False
+        return True
+
+    def _enqueue_locked(self, job: dict) -> None:
+        if self._thread is None or not self._thread.is_alive():
+            self._thread = threading.Thread(target=self._run, name="dspark-grammar-persist", daemon=True)
+            self._thread.start()
+        self._q.put_nowait(job)
+        self._queued.add(job["key_hex"])
+        self._pending += 1
+        gm.set_publish_queue(self._pending - self._busy)
 
     def _cpu_budget_locked(self) -> float:
         now = time.monotonic()
@@ -766,6 +796,20 @@ class Persister:
     def _one(self, job: dict) -> bool:
         """Run ``job``; True when its outcome is final, False when it was scheduled for a retry."""
         key_hex = job["key_hex"]
+        if "demote" in job:
+            res = self._publish_marker(
+                key_hex, "slow_load_served", job["compile_s"], {}, replace=job["demote"], load_s=job["load_s"]
+            )
+            if res.get("status") == "published":
+                logger.info(
+                    "dspark-harden: grammar cache entry %s loaded in %.1f ms of CPU here, more than the %.1f ms "
+                    "cold compile recorded in it: replaced by a compile-locally marker (slow_load_served)",
+                    self.ns.entry_path(key_hex),
+                    job["load_s"] * 1e3,
+                    job["compile_s"] * 1e3,
+                )
+            self._record(key_hex, res)
+            return True
         if os.path.lexists(self.ns.entry_path(key_hex)):
             self.outcomes[key_hex] = {"status": "exists"}
             return True
@@ -900,7 +944,17 @@ class Persister:
             gm.inc_disk_error("publish")
             logger.error("dspark-harden: publishing grammar cache entry %s failed: %s", key_hex, res.get("error"))
 
-    def _publish_marker(self, key_hex: str, reason: str, compile_s: float, res: dict) -> dict:
+    def _publish_marker(
+        self,
+        key_hex: str,
+        reason: str,
+        compile_s: float,
+        res: dict,
+        replace: Optional[tuple] = None,
+        load_s: float = 0.0,
+    ) -> dict:
+        """Publish a compile-locally marker for ``key_hex`` where nothing is published yet, or, with
+        ``replace`` = (size, checksum) of an entry, over that entry if the file still holds it."""
         lock = self.ns.entry_lock(key_hex)
         try:
             lock.acquire(blocking=False)
@@ -909,9 +963,12 @@ class Persister:
         except (disk.GrammarCacheError, OSError) as exc:
             return {"status": "publish_error", "error": str(exc)}
         try:
-            if os.path.lexists(self.ns.entry_path(key_hex)):
+            path = self.ns.entry_path(key_hex)
+            writable = _holds(path, *replace) if replace else not os.path.lexists(path)
+            if not writable:  # published meanwhile, or (replace) replaced or removed meanwhile
                 return {"status": "exists", **res}
-            marker = disk.Marker(reason, max(1, int(compile_s * 1e9)), 0, 0)
+            payload = replace[0] - disk.HEADER_SIZE - disk.TRAILER_SIZE if replace else 0
+            marker = disk.Marker(reason, max(1, int(compile_s * 1e9)), payload, int(load_s * 1e9))
             total, pruned = self.ns.publish(key_hex, disk.encode_marker(self.ns.scope_hex, key_hex, marker))
         except disk.GrammarCacheLockTimeout as exc:
             return {"status": "lock_timeout", "error": str(exc)}
@@ -927,3 +984,20 @@ class Persister:
             "pruned": pruned.removed if pruned else 0,
             "helper": res,
         }
+
+
+def _holds(path: str, size: int, checksum: bytes) -> bool:
+    """Whether the regular file at ``path`` is ``size`` bytes ending in ``checksum`` (an entry's trailer)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    except OSError:
+        return False
+    try:
+        st = os.fstat(fd)
+        return (
+            stat.S_ISREG(st.st_mode)
+            and st.st_size == size
+            and os.pread(fd, len(checksum), size - len(checksum)) == checksum
+        )
+    finally:
+        os.close(fd)

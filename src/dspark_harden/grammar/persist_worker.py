@@ -110,17 +110,27 @@ class LineReader:
         return line
 
 
-def decision_compile_s(wall_s: float, cpu_s: float, job: dict) -> tuple[str, float]:
-    """(basis, seconds): the compile time the store-or-marker decision compares a load against --
-    always a cold compile (this helper's compiler runs without xgrammar's cache: what a restarted
-    process pays). ``serving``: the serving process's compile, when it was cold too (the job says
-    ``compile_cold``), or this helper's wall time, whichever is less (as before the cache). ``helper``:
-    the serving compile may have reused xgrammar's cache, so only this helper's own compile counts,
-    its CPU time or wall time, whichever is less (the parent pauses this helper for request compiles:
-    its wall time can include the pauses, its CPU time cannot)."""
+def decision_compile_s(wall_s: float, cpu_s: float, job: dict) -> tuple[str, float, float]:
+    """(basis, decide_s, record_s) for this helper's compile (``wall_s``, ``cpu_s``: its CPU time over
+    all its threads), always a cold one (no xgrammar cache: what a restarted process pays).
+
+    ``decide_s``: what the store-or-marker decision compares the trial load against -- the compile's
+    one-thread cost. ``serving`` basis: the serving process's compile, when it was cold too (the job says
+    ``compile_cold``), or this helper's CPU time, whichever is less. ``helper``: the serving compile may
+    have reused xgrammar's cache, so this helper's CPU time alone (the parent pauses this helper for
+    request compiles: its wall time can include the pauses, its CPU time cannot).
+
+    ``record_s``: recorded in a serialized entry -- what a restarted serving process pays to compile the
+    grammar instead of loading it, which is what a load there is compared against (xgr.py demotes an
+    entry that loads slower). This helper compiles with the serving compiler's thread count, so its wall
+    time is that compile's (xgrammar spreads one grammar over its threads: ~0.6x the one-thread time on
+    two cores); its CPU time when it was paused for longer than that saved; the serving compile's own
+    wall time when that was cold and less."""
+    record = min(wall_s, cpu_s)
     if job.get("compile_cold", True):
-        return "serving", min(wall_s, float(job["compile_s"]))
-    return "helper", min(wall_s, cpu_s)
+        served = float(job["compile_s"])
+        return "serving", min(cpu_s, served), min(record, served)
+    return "helper", cpu_s, record
 
 
 class _Exists(Exception):
@@ -173,8 +183,9 @@ class Worker:
         m = disk.Marker(reason, max(1, int(compile_s * 1e9)), serialized, int(load_s * 1e9))
         return disk.encode_marker(self.ns.scope_hex, key_hex, m)
 
-    def decide(self, key_hex: str, cg: Any, compile_s: float) -> tuple[bytes, dict]:
-        """(entry bytes, facts) for a freshly compiled grammar; facts["stored"] is serialized|marker."""
+    def decide(self, key_hex: str, cg: Any, compile_s: float, record_s: float) -> tuple[bytes, dict]:
+        """(entry bytes, facts) for a freshly compiled grammar; facts["stored"] is serialized|marker.
+        ``compile_s``/``record_s``: decision_compile_s's decide_s/record_s."""
         from xgrammar import CompiledGrammar
 
         mem = int(cg.memory_size_bytes)
@@ -202,7 +213,7 @@ class Worker:
             return self.marker(key_hex, "too_large", compile_s, n), facts
         payload = text.encode("utf-8")
         del text
-        data = disk.encode_entry(self.ns.scope_hex, key_hex, disk.KIND_SERIALIZED, payload)
+        data = disk.encode_entry(self.ns.scope_hex, key_hex, disk.KIND_SERIALIZED, payload, record_s)
         del payload
         self.step("measure_load", key_hex)
         # the trial load is judged by its CPU time (this thread's): the work a load of this grammar needs,
@@ -242,12 +253,14 @@ class Worker:
                 compile_s = time.perf_counter() - tc
                 compile_cpu = time.process_time() - cc
                 facts_compile = {"measure_compile": compile_s}
-                basis, basis_s = decision_compile_s(compile_s, compile_cpu, job)
-                data, facts = self.decide(key_hex, cg, basis_s)
+                basis, basis_s, record_s = decision_compile_s(compile_s, compile_cpu, job)
+                data, facts = self.decide(key_hex, cg, basis_s, record_s)
                 del cg
                 facts["phases"].update(facts_compile)
                 facts["decision_basis"] = basis
                 facts["decision_compile_s"] = basis_s
+                facts["recorded_compile_s"] = record_s
+                facts["compile_cpu_s"] = compile_cpu
             self.step("write", key_hex)
         except _Exists:
             return {"status": "exists"}
