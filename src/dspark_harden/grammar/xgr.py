@@ -381,10 +381,10 @@ class PersistentCompiler:
 
     def _get(self, parts: list, fn: Callable[[], Any]):
         key_hex = disk.key_digest(parts)
-        t0 = time.perf_counter()
+        t0, cpu0 = time.perf_counter(), time.thread_time()
         got, skipped = self._read(key_hex, t0)
         if got is not None:
-            return self._from_entry(key_hex, parts, got, fn, t0)
+            return self._from_entry(key_hex, parts, got, fn, t0, cpu0=cpu0)
         if skipped is not None:
             tc = time.perf_counter()
             cg = self._compile(fn)
@@ -552,8 +552,17 @@ class PersistentCompiler:
         return None, None, waited
 
     def _from_entry(
-        self, key_hex: str, parts: list, got: tuple, fn: Callable[[], Any], t0: float, phases: Optional[dict] = None
+        self,
+        key_hex: str,
+        parts: list,
+        got: tuple,
+        fn: Callable[[], Any],
+        t0: float,
+        phases: Optional[dict] = None,
+        cpu0: Optional[float] = None,
     ):
+        """Serve a read entry. ``cpu0``: this thread's CPU time before the read (None after a claim wait:
+        not judged for demotion)."""
         path, data = got
         phases = dict(phases or {})
         phases["disk_read"] = time.perf_counter() - t0 - phases.get("claim_wait", 0.0)
@@ -571,7 +580,7 @@ class PersistentCompiler:
             phases["native_compile"] = time.perf_counter() - tc
             _record(Resolution("local_compile", time.perf_counter() - t0, phases, path, key_hex))
             return cg
-        td, td_cpu = time.perf_counter(), time.thread_time()
+        td = time.perf_counter()
         try:
             from xgrammar import CompiledGrammar
 
@@ -579,12 +588,13 @@ class PersistentCompiler:
         except Exception as exc:  # noqa: BLE001 - any rejection is a corrupt entry
             bad = disk.CorruptEntryError(path, f"xgrammar rejected the serialized grammar: {type(exc).__name__}: {exc}")
             return self._heal_and_compile(bad, key_hex, parts, data, fn, t0, phases)
-        load_cpu = time.thread_time() - td_cpu
         phases["deserialize"] = time.perf_counter() - td
-        if 0 < entry.compile_s < load_cpu:
-            # the helper's trial load ran in a small warm process; this one loaded slower than the cold
-            # compile the entry replaces (issue 40 item 5): the next restart compiles it instead. The
-            # load is judged by its CPU time (single-threaded), not by waiting for a core on a busy host
+        load_cpu = None if cpu0 is None else time.thread_time() - cpu0
+        if load_cpu is not None and 0 < entry.compile_s < load_cpu:
+            # the helper's trial load ran in a small warm process; this one's load (read, checksum,
+            # deserialize) cost more than the cold compile the entry replaces (issue 40 item 5): the next
+            # restart compiles it instead. Judged on this thread's CPU time (all of it single-threaded),
+            # not on waiting for a core on a busy host
             self.persister.demote(key_hex, data, entry.compile_s, load_cpu)
         _record(Resolution("disk", time.perf_counter() - t0, phases, path, key_hex))
         return cg
