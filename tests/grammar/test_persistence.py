@@ -58,7 +58,10 @@ def _worker(idx: int, root: str, max_bytes: int, ratio: float, barrier, q) -> No
             res = xgr.take_resolution()
             out[i] = (res.source, str(cg.grammar))
         pc.flush()
-        out["published"] = sorted(k for k, r in pc.persister.outcomes.items() if r.get("status") == "published")
+        done = [(k, r) for k, r in pc.persister.outcomes.items() if r.get("status") == "published"]
+        # a demotion (a load here slower than the compile recorded in the entry) replaces a publication
+        out["published"] = sorted(k for k, r in done if r.get("reason") != "slow_load_served")
+        out["demoted"] = sorted(k for k, r in done if r.get("reason") == "slow_load_served")
         pc.close()
         q.put((idx, out, None))
     except BaseException as exc:  # noqa: BLE001
@@ -112,16 +115,18 @@ def test_four_processes_64_grammars(hf_tokenizer, cache_dir):
     assert ns.temp_files() == []
     for e in ns.iter_entries():
         assert stat.S_IMODE(os.stat(e.path).st_mode) == 0o600
-    fifth = _compiler(hf_tokenizer, cache_dir)
-    for rx in regexes():
-        assert str(fifth.compile_regex(rx).grammar) == str(ref.compile_regex(rx).grammar)
-        assert xgr.take_resolution().source in ("disk", "local_compile")
+    demoted = [k for p in range(N_PROCS) for k in results[p]["demoted"]]
+    assert len(demoted) == len(set(demoted)) and set(demoted) <= set(published)  # each at most once
     markers = sum(
         1
         for e in ns.iter_entries()
         if disk.decode_entry(e.path, open(e.path, "rb").read(), None, None).kind == disk.KIND_MARKER
     )
-    assert fifth.native_compiles == markers  # only compile-locally markers compile again
+    fifth = _compiler(hf_tokenizer, cache_dir)
+    for rx in regexes():
+        assert str(fifth.compile_regex(rx).grammar) == str(ref.compile_regex(rx).grammar)
+        assert xgr.take_resolution().source in ("disk", "local_compile")
+    assert fifth.native_compiles == markers  # only compile-locally markers compile again (read before it ran)
     fifth.close()
 
 
