@@ -345,7 +345,12 @@ def pytest_runtest_protocol(item, nextitem):
     exclusive = item.get_closest_marker("host_exclusive") is not None
     with _HOST_LOCK[0].held(exclusive) if _HOST_LOCK else contextlib.nullcontext():
         _before_fork(item)
+        start = time.time()
         yield
+    timeline = os.environ.get("DSPARK_TEST_TIMELINE")
+    if timeline and os.getpid() == _PYTEST_PID:  # scripts/cpu_ledger.py maps process accounting onto tests
+        with open(timeline, "a") as f:
+            f.write(f"{os.getpid()}\t{start:.3f}\t{time.time():.3f}\t{item.nodeid}\n")
 
 
 def _before_fork(item) -> None:
