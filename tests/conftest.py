@@ -21,7 +21,7 @@ import time
 
 import pytest
 
-from tests.harness import shared
+from tests.harness import shared, warm
 from tests.harness.server import ServerConfig, SGLangServer
 
 
@@ -261,6 +261,15 @@ _MODULE_SECONDS: dict = {}  # test module -> [setup+call+teardown seconds, tests
 
 _FORK_HAZARD = "dspark_forked_with_threads"
 
+_WARM_STATS: list = []  # warm.stats_json() of this process, or of every pytest-xdist worker
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error):
+    stats = getattr(node, "workeroutput", {}).get("dspark_warm")
+    if stats:
+        _WARM_STATS.append(stats)
+
 
 def _module(nodeid: str) -> str:
     """The test module's path of a node id (the per-module table's and the xdist groups' key)."""
@@ -282,6 +291,10 @@ def pytest_terminal_summary(terminalreporter):
         terminalreporter.section(f"seconds per module (setup + call + teardown; {total:.0f} s in all)")
         for module, (seconds, n) in sorted(_MODULE_SECONDS.items(), key=lambda kv: -kv[1][0]):
             terminalreporter.line(f"{seconds:8.1f} s {n:4d} tests  {module}")
+    if _WARM_STATS:  # tests/harness/warm.py: subprocesses forked from the warm interpreter, and why not
+        terminalreporter.section("warm subprocesses")
+        for line in warm.summary_lines(_WARM_STATS):
+            terminalreporter.line(line)
     if _FORKS_WITH_THREADS:
         terminalreporter.section("forked tests forked while other threads ran (fork hazard)")
         for nodeid, threads in _FORKS_WITH_THREADS:
@@ -456,6 +469,11 @@ def pytest_runtest_teardown(item, nextitem):
 
 
 def pytest_sessionfinish(session, exitstatus):
+    out = getattr(session.config, "workeroutput", None)
+    if out is not None:  # a pytest-xdist worker: its warm-subprocess counts go to the controller
+        out["dspark_warm"] = warm.stats_json()
+    else:
+        _WARM_STATS.append(warm.stats_json())
     shared.stop_all()
     # a forked child still running here (pytest-timeout failed its test from the parent) would make
     # this process hang at exit in multiprocessing's join of its children

@@ -17,6 +17,7 @@ from types import SimpleNamespace
 import pytest
 
 from dspark_harden.dp2.harness import differences, init_worker, random_info, run_pair
+from tests.harness import warm
 
 ITERS = 10_000
 
@@ -70,7 +71,7 @@ def _mlp_worker(rank: int, port: int, session: str, iters: int) -> dict:
 
 @pytest.mark.timeout(1800)
 def test_hardened_all_gather_matches_stock_field_for_field():
-    results = run_pair(_mlp_worker, (ITERS,), timeout=1700)
+    results = run_pair(_mlp_worker, (ITERS,), timeout=1700, ctx=warm.mp_context())
     for rank, res in enumerate(results):
         assert res["iters"] >= 10_000
         assert res["mismatches"] == [], f"rank {rank}: {res['mismatches']}"
@@ -128,7 +129,7 @@ def _tier_worker(rank: int, port: int, session: str, iters: int) -> dict:
 
 @pytest.mark.timeout(1200)
 def test_hardened_verify_tier_gather_matches_stock():
-    results = run_pair(_tier_worker, (3000,), timeout=1100)
+    results = run_pair(_tier_worker, (3000,), timeout=1100, ctx=warm.mp_context())
     for rank, res in enumerate(results):
         assert res["mismatches"] == [], f"rank {rank}: {res['mismatches']}"
     assert "verify tier must be >= -1, got -2" in results[0]["refused"]
@@ -153,7 +154,7 @@ def _misuse_worker(rank: int, port: int, session: str) -> dict:
 
 @pytest.mark.timeout(900)
 def test_unservable_call_poisons_both_ranks():
-    r0, r1 = run_pair(_misuse_worker, (), timeout=800)
+    r0, r1 = run_pair(_misuse_worker, (), timeout=800, ctx=warm.mp_context())
     assert r0["second"].startswith("caller_error|") and "WORLD all-reduce path" in r0["second"], r0
     assert r1["second"].startswith("poisoned|") and "WORLD all-reduce path" in r1["second"], r1
 
@@ -187,7 +188,7 @@ def _stall_worker(rank: int, port: int, session: str) -> dict:
 
 @pytest.mark.timeout(900)
 def test_a_live_peer_stalling_past_the_timeout_does_not_fail_the_hot_path():
-    r0, r1 = run_pair(_stall_worker, (), timeout=800)
+    r0, r1 = run_pair(_stall_worker, (), timeout=800, ctx=warm.mp_context())
     assert r0["mismatches"] == [] and r1["mismatches"] == [], (r0, r1)
     assert r0["stalls"] >= 2 and r1["stalls"] == 0, (r0, r1)
 
@@ -231,7 +232,7 @@ def _odd_values_worker(rank: int, port: int, session: str, iters: int) -> dict:
 
 @pytest.mark.timeout(900)
 def test_hardened_all_gather_slow_path_values_and_interleaved_raw_exchanges_match():
-    results = run_pair(_odd_values_worker, (800,), timeout=800)
+    results = run_pair(_odd_values_worker, (800,), timeout=800, ctx=warm.mp_context())
     for rank, res in enumerate(results):
         assert res["mismatches"] == [], f"rank {rank}: {res['mismatches']}"
         assert res["raw_bad"] == [], f"rank {rank}: {res['raw_bad']}"

@@ -1,12 +1,14 @@
-"""Run Python snippets in a fresh interpreter (the way SGLang's spawned processes start)."""
+"""Run Python snippets as a fresh interpreter would (the way SGLang's spawned processes start): forked
+from the suite's warm interpreter where that is equivalent (tests/harness/warm.py), else fresh."""
 
 from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import textwrap
+
+from tests.harness import warm
 
 MARK = "@@RESULT@@"
 
@@ -30,10 +32,13 @@ def _py_result(proc) -> tuple[int, dict | None, str]:
     return proc.returncode, result, proc.stdout + proc.stderr
 
 
-def run_py(code: str, env: dict | None = None, timeout: float = 240.0) -> tuple[int, dict | None, str]:
-    """Run ``code`` in a new interpreter; it may call ``emit(obj)`` to return a JSON result."""
+def run_py(
+    code: str, env: dict | None = None, timeout: float = 240.0, fresh: bool = False
+) -> tuple[int, dict | None, str]:
+    """Run ``code`` in a new interpreter; it may call ``emit(obj)`` to return a JSON result.
+    ``fresh=True``: never forked warm (a snippet that inspects ``sys.modules``)."""
     argv, full_env = _py_command(code, env)
-    return _py_result(subprocess.run(argv, env=full_env, capture_output=True, text=True, timeout=timeout))
+    return _py_result(warm.run(argv, env=full_env, timeout=timeout, fresh=fresh))
 
 
 def run_pys(*snippets: tuple, timeout: float = 240.0) -> list:
@@ -45,12 +50,12 @@ def run_concurrently(commands: list, timeout: float = 300.0, parallel: int = 4) 
     """Run independent ``(argv, env)`` commands, ``parallel`` at a time, and return their
     ``CompletedProcess``es in order. Each is a fresh interpreter that spends most of its time importing
     SGLang on one core: run together they use both cores of a 2-core CI host instead of one after
-    another. Nothing timed is asserted, so a loaded host only makes them slower; ``timeout`` bounds each."""
+    another (forked warm where equivalent: tests/harness/warm.py). Nothing timed is asserted, so a loaded host only makes them slower; ``timeout`` bounds each."""
     from concurrent.futures import ThreadPoolExecutor
 
     def one(cmd):
         argv, env = cmd
-        return subprocess.run(argv, env=env, capture_output=True, text=True, timeout=timeout)
+        return warm.run(argv, env=env, timeout=timeout)
 
     with ThreadPoolExecutor(max_workers=max(1, parallel), thread_name_prefix="test-subprocess") as pool:
         return list(pool.map(one, commands))

@@ -29,6 +29,7 @@ def test_role_imports_only_what_it_needs(role):
         emit({"ok": rep.ok, "role": rep.role, "mods": sorted(m for m in sys.modules if m.startswith("sglang.srt"))})
         """,
         env={"SGLANG_PLUGINS": "dspark_harden", "DSPARK_HARDEN_ROLE": role},
+        fresh=True,  # what the role's process imported: the warm interpreter holds the scheduler's modules
     )
     assert rc == 0 and result["ok"] and result["role"] == role, out[-3000:]
     leaked = [m for m in HEAVY if m in result["mods"]]

@@ -18,6 +18,8 @@ import copy
 
 import pytest
 
+from tests.harness import warm
+
 pytestmark = pytest.mark.timeout(900)
 
 STEPS = 1500
@@ -171,7 +173,7 @@ def _idle_batch(eng, model_config):
 def test_both_ranks_decide_the_same_over_gloo_and_native_exchange():
     from dspark_harden.dp2 import harness
 
-    r0, r1 = harness.run_pair(_worker, (STEPS,))
+    r0, r1 = harness.run_pair(_worker, (STEPS,), ctx=warm.mp_context())
     assert r0["n_mismatch"] == 0 and r1["n_mismatch"] == 0, (r0["mismatches"], r1["mismatches"])
     assert r0["decisions"] == r1["decisions"]
     graph = sum(1 for verdict, _ in r0["decisions"] if verdict)
@@ -192,7 +194,7 @@ def test_tbo_prefill_graph_gate_is_the_same_on_both_ranks_over_gloo_and_native_e
     ranks alike."""
     from dspark_harden.dp2 import harness
 
-    r0, r1 = harness.run_pair(_worker, (TBO_STEPS, True))
+    r0, r1 = harness.run_pair(_worker, (TBO_STEPS, True), ctx=warm.mp_context())
     assert r0["n_mismatch"] == 0 and r1["n_mismatch"] == 0, (r0["mismatches"], r1["mismatches"])
     assert r0["gates"] == r1["gates"]
     assert all(g == n for g, n, _ in r0["gates"]), "gloo and native tables disagree on the TBO gate"

@@ -24,6 +24,7 @@ from dspark_harden.prefill_graph import config_digest as C
 from dspark_harden.prefill_graph import decision as D
 from dspark_harden.prefill_graph import feature
 from dspark_harden.prefill_graph import runner as R
+from tests.harness import warm
 
 # --- item 5: speculative workers and draft runners -------------------------------------------------
 
@@ -195,8 +196,8 @@ def test_no_native_pair_exchange_is_offered_before_dp2_is_configured():
 def test_both_ranks_compare_their_configuration_once_at_startup(transport):
     from dspark_harden.dp2 import harness
 
-    r0, r1 = harness.run_pair(_config_worker, ({0: 32, 1: 32}, transport))
+    r0, r1 = harness.run_pair(_config_worker, ({0: 32, 1: 32}, transport), ctx=warm.mp_context())
     assert r0 == r1 == {"ok": True}
-    r0, r1 = harness.run_pair(_config_worker, ({0: 32, 1: 16}, transport))
+    r0, r1 = harness.run_pair(_config_worker, ({0: 32, 1: 16}, transport), ctx=warm.mp_context())
     for r in (r0, r1):
         assert not r["ok"] and "request_slots: dp_rank 0 = 32, dp_rank 1 = 16" in r["message"], r

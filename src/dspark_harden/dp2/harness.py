@@ -116,10 +116,11 @@ def differences(stock: Any, hardened: Any) -> list:
     return out
 
 
-def run_pair(target: Callable, args: tuple, timeout: float = 600.0) -> list:
-    """Run ``target(rank, port, session, queue, *args)`` in two spawned processes; return both
-    ranks' results (rank order). Raises RuntimeError with the worker traceback on failure."""
-    ctx = mp.get_context("spawn")
+def run_pair(target: Callable, args: tuple, timeout: float = 600.0, ctx=None) -> list:
+    """Run ``target(rank, port, session, queue, *args)`` in two spawned processes (``ctx``: a
+    multiprocessing context, spawn by default); return both ranks' results (rank order). Raises
+    RuntimeError with the worker traceback on failure."""
+    ctx = ctx or mp.get_context("spawn")
     q = ctx.Queue()
     port, session = free_port(span=1), f"h-{os.getpid()}-{uuid.uuid4().hex[:12]}"
     procs = [ctx.Process(target=_entry, args=(target, r, port, session, q) + tuple(args)) for r in (0, 1)]

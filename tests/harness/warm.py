@@ -1,0 +1,265 @@
+"""Subprocesses of the suite forked from a warm interpreter instead of started fresh (issue 42).
+
+A snippet, CLI or helper subprocess of a test spends ~15 CPU-seconds importing SGLang before it does
+anything (10 s for ``sglang.srt.server_args``, 17 s for the scheduler's modules, on the 2-core CI
+host), and the suite starts a few hundred. :func:`run` runs such a command (``python -c``, ``python
+-m``, or a console script of this environment) in a child of a multiprocessing *forkserver* (stdlib)
+that imported SGLang's modules once (:data:`PRELOAD`, the modules SGLang calls ``load_plugins()`` from)
+and nothing of the plugin. The child takes the command's environment, directory, argv, standard streams
+(to files, read back), ``__main__``, multiprocessing identity and resource tracker of a fresh
+interpreter, runs the command, then the interpreter's exit sequence (non-daemon threads, atexit).
+
+What a fresh interpreter reads **at import** must be what the warm one read: a command runs warm only
+when its environment equals the warm interpreter's on every variable except the ones read after import
+(:data:`AFTER_IMPORT`: the plugin's own settings, which its modules read when they bind -- the warm
+interpreter never imports the plugin, which is checked --, and ``SGLANG_PLUGINS``, which SGLang's loader
+reads when ``load_plugins()`` runs). Any other difference (a platform switch, a ``TORCH_``/``OMP_``
+setting, ``TMPDIR``, ...) runs the command fresh, as does every command of a process other than the
+one that started the warm interpreter (a forked test), a command with another interpreter, and every
+command when ``DSPARK_TEST_FRESH=1``. The end-of-run section ``warm subprocesses`` counts both paths and
+names the variables that sent commands fresh.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+
+PRELOAD = (
+    "tests._warm_child",
+    "sglang.srt.entrypoints.engine",
+    "sglang.srt.entrypoints.http_server",
+    "sglang.srt.managers.scheduler",
+    "sglang.srt.managers.data_parallel_controller",
+    "sglang.srt.managers.detokenizer_manager",
+)
+AFTER_IMPORT = ("DSPARK_HARDEN_", "SGLANG_DSPARK_", "DSPARK_TESTFEATURE")
+AFTER_IMPORT_EXACT = ("SGLANG_PLUGINS", "PYTEST_CURRENT_TEST")
+
+STATS = {"warm": 0, "fresh": 0, "why_fresh": collections.Counter()}
+_LOCK = threading.Lock()
+_STATE: dict = {}  # owner pid, context, import env, fresh sys.path; or "disabled": reason
+
+
+def _after_import(key: str) -> bool:
+    return key.startswith(AFTER_IMPORT) or key in AFTER_IMPORT_EXACT
+
+
+def _differs(a: dict, b: dict) -> list:
+    return sorted(k for k in set(a) | set(b) if not _after_import(k) and a.get(k) != b.get(k))
+
+
+def _as_imported(env: dict, state: dict) -> dict:
+    """``env`` with the variables SGLang's import sets (to the value it sets them to) put back as they
+    were before the import: such a value came from an import of SGLang in the calling process, and a
+    fresh interpreter's import ends with the same."""
+    out = dict(env)
+    for k, v in state["import_set"].items():
+        if out.get(k) == v:
+            if k in state["env"]:
+                out[k] = state["env"][k]
+            else:
+                out.pop(k)
+    return out
+
+
+def _start() -> dict:
+    """The warm interpreter of this pytest process (started on first use, from the environment the
+    process started with; ``{"disabled": reason}`` when it cannot serve)."""
+    import multiprocessing as mp
+
+    if os.environ.get("DSPARK_TEST_FRESH") == "1":
+        return {"disabled": "DSPARK_TEST_FRESH=1"}
+    before = dict(os.environ)  # the warm interpreter starts with it (and imports under it)
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(list(PRELOAD))
+    r, w = ctx.Pipe(duplex=False)
+    from tests import _warm_child
+
+    p = ctx.Process(target=_warm_child.probe, args=(w,), name="warm-probe")
+    p.start()
+    w.close()
+    if not r.poll(600):
+        p.kill()
+        return {"disabled": "the warm interpreter did not answer its probe in 600 s"}
+    found = r.recv()
+    p.join()
+    if found["plugin_modules"]:
+        return {"disabled": f"importing SGLang imported the plugin's modules: {found['plugin_modules'][:5]}"}
+    if not found["sglang"]:
+        return {"disabled": "the warm interpreter could not import SGLang's scheduler"}
+    fresh = subprocess.run(
+        [sys.executable, "-c", "import json, sys; print(json.dumps(sys.path))"],
+        env=before,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+    after = found["env"]
+    return {
+        "pid": os.getpid(),
+        "ctx": ctx,
+        "env": before,
+        # what importing SGLang itself set in os.environ (cache directories): a fresh interpreter's import
+        # sets the same, so each job gets them on top of its own environment
+        "import_set": {k: v for k, v in after.items() if before.get(k) != v},
+        "import_unset": [k for k in before if k not in after],
+        "path": json.loads(fresh.stdout)[1:],
+    }
+
+
+def _state(env: dict) -> dict:
+    with _LOCK:
+        if not _STATE:
+            # start it only from an environment the rest of the run shares (not inside a test's
+            # monkeypatched one): until then commands run fresh
+            now = dict(os.environ)
+            if [k for k in _differs(now, _BASE_ENV) if k in _BASE_ENV or k.startswith(("SGLANG_", "DSPARK_"))]:
+                return {"disabled": "not started yet"}  # (variables an import added, as SGLang's does, count not)
+            _STATE.update(_start())
+        return _STATE
+
+
+_BASE_ENV = dict(os.environ)  # the environment this pytest process started with
+
+
+def _console_script(name: str):
+    from importlib.metadata import entry_points
+
+    base = os.path.basename(name)
+    for ep in entry_points(group="console_scripts"):
+        if ep.name == base:
+            return ep.value
+    return None
+
+
+def _split(argv: list):
+    """``(kind, target, args)`` of a command the warm interpreter can run, else ``None``."""
+    exe = argv[0]
+    if exe == sys.executable and len(argv) >= 3 and argv[1] in ("-c", "-m"):
+        return argv[1], argv[2], list(argv[3:])
+    if os.sep not in exe or os.path.dirname(exe) == os.path.dirname(sys.executable):
+        value = _console_script(exe)
+        if value:
+            return "ep", value, [os.path.join(os.path.dirname(sys.executable), os.path.basename(exe)), *argv[1:]]
+    return None
+
+
+def _fresh(why: str, argv, env, timeout, cwd) -> subprocess.CompletedProcess:
+    STATS["fresh"] += 1
+    STATS["why_fresh"][why] += 1
+    return subprocess.run(argv, env=env, capture_output=True, text=True, timeout=timeout, cwd=cwd)
+
+
+def run(
+    argv: list, env: dict | None = None, timeout: float | None = None, cwd=None, fresh: bool = False
+) -> subprocess.CompletedProcess:
+    """``subprocess.run(argv, env=env, capture_output=True, text=True, timeout=timeout, cwd=cwd)``,
+    forked from the warm interpreter when that is equivalent (module docstring). ``fresh=True``: a test
+    that inspects what the interpreter imported (``sys.modules``) always gets a fresh one."""
+    argv = [str(a) for a in argv]
+    env = dict(os.environ if env is None else env)
+    if fresh:
+        return _fresh("the test inspects the interpreter's imports (fresh=True)", argv, env, timeout, cwd)
+    split = _split(argv)
+    if split is None:
+        return _fresh("another interpreter or command", argv, env, timeout, cwd)
+    state = _state(env)
+    if "disabled" in state:
+        return _fresh(state["disabled"], argv, env, timeout, cwd)
+    if state["pid"] != os.getpid():
+        return _fresh("a forked test", argv, env, timeout, cwd)
+    differs = _differs(_as_imported(env, state), state["env"])
+    if differs:
+        return _fresh("environment differs in " + ", ".join(differs[:4]), argv, env, timeout, cwd)
+    kind, target, args = split
+    env = {k: v for k, v in {**env, **state["import_set"]}.items() if k not in state["import_unset"]}
+    path = (
+        ["" if kind == "-c" else os.path.abspath(cwd or os.getcwd())] if kind != "ep" else [os.path.dirname(args[0])]
+    ) + state["path"]
+    with tempfile.TemporaryDirectory(prefix="dsh-warm-") as d:
+        out, err = os.path.join(d, "out"), os.path.join(d, "err")
+        from tests import _warm_child
+
+        p = state["ctx"].Process(
+            target=_warm_child.run_job, args=(kind, target, args, env, cwd, out, err, path), name="warm-job"
+        )
+        p.start()
+        p.join(timeout)
+        timed_out = p.exitcode is None
+        if timed_out:
+            p.kill()
+            p.join()
+
+        def read(path_):
+            try:
+                with open(path_, encoding="utf-8", errors="replace") as f:
+                    return f.read()
+            except OSError:
+                return ""
+
+        stdout, stderr = read(out), read(err)
+    STATS["warm"] += 1
+    if timed_out:
+        raise subprocess.TimeoutExpired(argv, timeout, output=stdout, stderr=stderr)
+    return subprocess.CompletedProcess(argv, p.exitcode, stdout, stderr)
+
+
+class _Context:
+    """The part of a multiprocessing context ``run_pair``-style harnesses use (``Queue``, ``Process``):
+    processes forked from the warm interpreter, each started under its parent's environment of the
+    moment, as a spawned one is."""
+
+    def __init__(self, state: dict):
+        self._state = state
+        self._ctx = state["ctx"]
+
+    def Queue(self, *a, **kw):  # noqa: N802 - multiprocessing's name
+        return self._ctx.Queue(*a, **kw)
+
+    def Process(self, target=None, args=(), kwargs=None, **kw):  # noqa: N802 - multiprocessing's name
+        from tests import _warm_child
+
+        env = {**os.environ, **self._state["import_set"]}
+        STATS["warm"] += 1
+        return self._ctx.Process(target=_warm_child.call, args=(env, target, *args), kwargs=kwargs or {}, **kw)
+
+
+def mp_context():
+    """A context for ``dspark_harden.dp2.harness.run_pair(..., ctx=)`` and the like: the warm one when
+    this process's environment allows it (module docstring), else multiprocessing's spawn context."""
+    import multiprocessing as mp
+
+    state = _state(dict(os.environ))
+    why = state.get("disabled") or ("a forked test" if state["pid"] != os.getpid() else None)
+    if why is None:
+        # the target's module is unpickled, so imported, before the child takes its parent's environment:
+        # every variable must match here, the plugin's own too
+        env, base = _as_imported(dict(os.environ), state), state["env"]
+        differs = sorted(k for k in set(env) | set(base) if k != "PYTEST_CURRENT_TEST" and env.get(k) != base.get(k))
+        why = differs and "environment differs in " + ", ".join(differs[:4])
+    if why:
+        STATS["fresh"] += 1
+        STATS["why_fresh"][why] += 1
+        return mp.get_context("spawn")
+    return _Context(state)
+
+
+def stats_json() -> dict:
+    return {"warm": STATS["warm"], "fresh": STATS["fresh"], "why_fresh": dict(STATS["why_fresh"])}
+
+
+def summary_lines(all_stats: list) -> list:
+    """The end-of-run section: commands forked warm and started fresh (over every pytest process)."""
+    warm_n = sum(s["warm"] for s in all_stats)
+    why: collections.Counter = collections.Counter()
+    for s in all_stats:
+        why.update(s["why_fresh"])
+    lines = [f"{warm_n} command(s) forked from the warm interpreter, {sum(why.values())} started fresh"]
+    return lines + [f"  fresh: {n} x {reason}" for reason, n in why.most_common()]
