@@ -86,7 +86,7 @@ def run_job(kind: str, target: str, args: list, env: dict, cwd, out_path: str, e
     sys.modules["__main__"] = main
     sys.path[:] = list(path)
     code = 0
-    if (kind, target) in (("ep", "dspark_harden.cli:main"), ("-m", "dspark_harden.cli")):
+    if (kind, target) in (("ep", "dspark_harden.cli:main"), ("-m", "dspark_harden.cli"), ("-m", "dspark_harden")):
         _check_children_forked_here()
     try:
         if kind == "-c":

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import textwrap
 
@@ -14,6 +13,7 @@ import pytest
 from dspark_harden.core.settings import SettingsError, load_settings
 from dspark_harden.dp2 import settings as S
 from dspark_harden.dp2.feature import geometry_problems
+from tests.harness import warm
 
 
 def _args(**kw):
@@ -84,7 +84,7 @@ _BIND_SCRIPT = textwrap.dedent(
 def _bind(case: dict, env: dict) -> dict:
     e = {k: v for k, v in os.environ.items() if not k.startswith("SGLANG_DSPARK_DP2")}
     e.update(env)
-    r = subprocess.run(
+    r = warm.run(
         [sys.executable, "-c", _BIND_SCRIPT, json.dumps(case)], capture_output=True, text=True, env=e, timeout=600
     )
     lines = [ln for ln in r.stdout.splitlines() if ln.startswith("RESULT ")]

@@ -6,18 +6,18 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 
 import pytest
 
 from dspark_harden.grammar import disk
+from tests.harness import warm
 
 from .conftest import make_settings, persistent_backend
 
 
 def _cli(*args, env=None):
-    proc = subprocess.run(
+    proc = warm.run(
         [sys.executable, "-m", "dspark_harden", "grammar-cache", *args],
         capture_output=True,
         text=True,

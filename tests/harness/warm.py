@@ -158,11 +158,19 @@ def _fresh(why: str, argv, env, timeout, cwd) -> subprocess.CompletedProcess:
 
 
 def run(
-    argv: list, env: dict | None = None, timeout: float | None = None, cwd=None, fresh: bool = False
+    argv: list,
+    env: dict | None = None,
+    timeout: float | None = None,
+    cwd=None,
+    fresh: bool = False,
+    capture_output: bool = True,
+    text: bool = True,
 ) -> subprocess.CompletedProcess:
     """``subprocess.run(argv, env=env, capture_output=True, text=True, timeout=timeout, cwd=cwd)``,
     forked from the warm interpreter when that is equivalent (module docstring). ``fresh=True``: a test
     that inspects what the interpreter imported (``sys.modules``) always gets a fresh one."""
+    if not (capture_output and text):
+        raise ValueError("warm.run captures text output only (capture_output=True, text=True)")
     argv = [str(a) for a in argv]
     env = dict(os.environ if env is None else env)
     if fresh:

@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
+
+from tests.harness import warm
 
 
 def _check(*args, **env):
-    proc = subprocess.run(
+    proc = warm.run(
         [sys.executable, "-m", "dspark_harden", "check", "--json", *args],
         env={
             **{k: v for k, v in os.environ.items() if not k.startswith("DSPARK_HARDEN_")},

@@ -20,12 +20,12 @@ from __future__ import annotations
 import json
 import multiprocessing
 import os
-import subprocess
 import sys
 
 import pytest
 
 from dspark_harden.devtools.tiny_models import ensure_model
+from tests.harness import warm
 
 PG = "prefill-graph-dp"
 GRAMMAR = "grammar-service"
@@ -211,7 +211,7 @@ def test_check_judges_a_launch_command_before_it_starts():
     argv += ["--speculative-algorithm", "EAGLE", *_draft(), "--grammar-backend", "llguidance"]
     env = {k: v for k, v in os.environ.items() if not k.startswith("DSPARK_HARDEN_") and k != "SGLANG_PLUGINS"}
     cmd = [sys.executable, "-m", "dspark_harden", "check", "--json", "--role", "scheduler", "--", *argv]
-    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    r = warm.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]  # by default: unavailable, not a refusal
     result = json.loads(r.stdout)
     feats = {f["name"]: f for f in result["features"]}

@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 
 import pytest
 
 from dspark_harden.cli.profiles import DSV4_DSPARK_DP2
+from tests.harness import warm
 
 CUDA_ONLY = sorted(n.feature for n in DSV4_DSPARK_DP2.needs if n.cuda)
 # a host without CUDA exports these (the operator's choice, prefill graphs, is not among them)
@@ -246,21 +246,21 @@ def test_the_tbo_note_is_true_of_the_live_code():
 
 
 def test_profile_bad_input():
-    proc = subprocess.run(
+    proc = warm.run(
         [sys.executable, "-m", "dspark_harden", "check", "--profile", "nope"],
         capture_output=True,
         text=True,
         timeout=120,
     )
     assert proc.returncode == 2 and "invalid choice: 'nope' (choose from 'dsv4-dspark-dp2')" in proc.stderr
-    proc = subprocess.run(
+    proc = warm.run(
         [sys.executable, "-m", "dspark_harden", "check", "--role", "main", "--profile", "dsv4-dspark-dp2"],
         capture_output=True,
         text=True,
         timeout=120,
     )
     assert proc.returncode == 2 and "is judged in the scheduler role, which --role leaves out" in proc.stderr
-    proc = subprocess.run(
+    proc = warm.run(
         [sys.executable, "-m", "dspark_harden", "check", "--skip-cuda-features"],
         capture_output=True,
         text=True,

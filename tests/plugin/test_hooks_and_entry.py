@@ -6,7 +6,6 @@ import inspect
 import json
 import os
 import re
-import subprocess
 import sys
 from pathlib import Path
 
@@ -15,6 +14,7 @@ import pytest
 
 from dspark_harden.core import hookspecs
 from dspark_harden.core.manager import make_manager
+from tests.harness import warm
 
 from ._proc import run_concurrently, run_py
 
@@ -84,7 +84,7 @@ def test_other_plugin_selected_means_not_loaded_and_check_says_so():
         env={"SGLANG_PLUGINS": "someone_else"},
     )
     assert rc == 0 and result == {"loaded": False}, out[-2000:]
-    proc = subprocess.run(
+    proc = warm.run(
         [sys.executable, "-m", "dspark_harden", "check", "--json", "--role", "main"],
         env={**os.environ, "SGLANG_PLUGINS": "someone_else"},
         capture_output=True,
@@ -98,7 +98,7 @@ def test_other_plugin_selected_means_not_loaded_and_check_says_so():
 
 
 def test_check_json_against_real_sglang():
-    proc = subprocess.run(
+    proc = warm.run(
         [sys.executable, "-m", "dspark_harden", "check", "--json"],
         env={**os.environ, "SGLANG_PLUGINS": "dspark_harden"},
         capture_output=True,
@@ -148,7 +148,7 @@ def test_check_hides_test_only_features_unless_asked_or_failed():
 
 
 def test_bad_setting_makes_check_fail_naming_the_variable():
-    proc = subprocess.run(
+    proc = warm.run(
         [sys.executable, "-m", "dspark_harden", "check", "--json", "--role", "main"],
         env={**os.environ, "SGLANG_PLUGINS": "dspark_harden", "DSPARK_HARDEN_STRICT_EXTENSIONS": "yes"},
         capture_output=True,
@@ -163,7 +163,7 @@ def test_bad_setting_makes_check_fail_naming_the_variable():
 def test_env_lists_every_setting():
     from dspark_harden.core.manager import all_setting_specs
 
-    proc = subprocess.run(
+    proc = warm.run(
         [sys.executable, "-m", "dspark_harden", "env", "--json"], capture_output=True, text=True, timeout=120
     )
     rows = json.loads(proc.stdout)
@@ -173,7 +173,7 @@ def test_env_lists_every_setting():
 
 
 def test_patch_ledger_explains_every_patch():
-    proc = subprocess.run(
+    proc = warm.run(
         [sys.executable, "-m", "dspark_harden", "patches", "--json"], capture_output=True, text=True, timeout=120
     )
     rows = json.loads(proc.stdout)

@@ -23,6 +23,7 @@ import pytest
 from dspark_harden.cli import port_report
 from dspark_harden.core import porting
 from dspark_harden.core.patch import SUPPORTED_SGLANG
+from tests.harness import warm
 
 EDITED = "sglang.srt.managers.scheduler:Scheduler.run_batch"
 MIRRORED = "sglang.srt.model_executor.runner.prefill_cuda_graph_runner:PrefillCudaGraphRunner._has_inactive_dp_rank"
@@ -111,7 +112,7 @@ def test_port_report_names_exactly_the_changed_and_missing_targets_with_a_diff(o
 
 def test_port_report_cli_exit_status_and_bad_input(other_release, tmp_path):
     cmd = [sys.executable, "-m", "dspark_harden", "port-report"]
-    proc = subprocess.run(cmd + ["--sglang", other_release, "--no-diff"], capture_output=True, text=True, timeout=120)
+    proc = warm.run(cmd + ["--sglang", other_release, "--no-diff"], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 1, proc.stderr
     first = proc.stdout.splitlines()[0]
     assert first.startswith(
@@ -119,7 +120,7 @@ def test_port_report_cli_exit_status_and_bad_input(other_release, tmp_path):
     ) and first.endswith("(2 changed, 1 missing)")
     assert "====" not in proc.stdout  # --no-diff
 
-    proc = subprocess.run(cmd + ["--json"], capture_output=True, text=True, timeout=120)  # the installed 0.5.23
+    proc = warm.run(cmd + ["--json"], capture_output=True, text=True, timeout=120)  # the installed 0.5.23
     assert proc.returncode == 0, proc.stderr
     rep = json.loads(proc.stdout)
     assert (rep["changed"], rep["missing"], rep["rows"]) == (0, 0, [])
@@ -129,9 +130,9 @@ def test_port_report_cli_exit_status_and_bad_input(other_release, tmp_path):
         (tmp_path, "no SGLang package there"),
         (other_release + "/sglang-0.5.22.dist-info/METADATA", "not a directory"),
     ):
-        proc = subprocess.run(cmd + ["--sglang", str(path)], capture_output=True, text=True, timeout=120)
+        proc = warm.run(cmd + ["--sglang", str(path)], capture_output=True, text=True, timeout=120)
         assert proc.returncode == 2 and want in proc.stderr and proc.stdout == "", (path, proc.stderr)
-    proc = subprocess.run(
+    proc = warm.run(
         cmd + ["--sglang", other_release, "--baseline", other_release], capture_output=True, text=True, timeout=120
     )
     assert proc.returncode == 2 and "is not the supported release" in proc.stderr
@@ -142,7 +143,7 @@ def test_port_report_of_the_installed_other_release_without_a_baseline(other_rel
     (NOTE says how to get one), and --baseline to the supported release restores them."""
     env = _env(other_release)
     cmd = [sys.executable, "-m", "dspark_harden", "port-report", "--json"]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
+    proc = warm.run(cmd, env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 1, proc.stderr
     rep = json.loads(proc.stdout)
     assert rep["sglang"] == os.path.join(other_release, "sglang") and rep["baseline"] is None
@@ -150,7 +151,7 @@ def test_port_report_of_the_installed_other_release_without_a_baseline(other_rel
     assert all(r["diff"] is None for r in rep["rows"])
     assert rep["notes"] and "pass --baseline PATH" in rep["notes"][0]
     stock_root = os.path.dirname(os.path.dirname(importlib.util.find_spec("sglang").origin))
-    proc = subprocess.run(cmd + ["--baseline", stock_root], env=env, capture_output=True, text=True, timeout=120)
+    proc = warm.run(cmd + ["--baseline", stock_root], env=env, capture_output=True, text=True, timeout=120)
     rep = json.loads(proc.stdout)
     assert proc.returncode == 1 and rep["baseline_version"] == "0.5.23" and rep["notes"] == []
     assert all(r["diff"] for r in rep["rows"])
@@ -162,7 +163,7 @@ def _verdict(total: int) -> str:
 
 def test_out_of_range_check_opens_with_the_verdict_line(other_release):
     total = len(porting.fingerprinted_targets())
-    proc = subprocess.run(
+    proc = warm.run(
         [sys.executable, "-m", "dspark_harden", "check", "--role", "scheduler"],
         env=_env(other_release),
         capture_output=True,
@@ -196,7 +197,7 @@ def test_out_of_range_startup_refusal_opens_with_the_verdict_line(other_release)
     code = (
         "import sglang.srt.plugins as p; assert p.__file__.startswith(%r), p.__file__; p.load_plugins()" % other_release
     )
-    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    proc = warm.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 1, proc.stderr
     tail = proc.stderr.splitlines()
     i = tail.index(_verdict(total))  # printed by SystemExit (BindError), after the logged copies
