@@ -444,7 +444,12 @@ def pytest_collection_modifyitems(session, config, items):
             server_modules.add(_module(item.nodeid))
         if item.get_closest_marker("gpu"):
             gpu_items.append(item)
-    if config.pluginmanager.hasplugin("xdist") and config.getoption("dist", "no") == "loadgroup":
+    # the controller has --dist loadgroup; a worker has dist "no" and xdist's own ``loadgroup`` flag (the
+    # workers' collection is what the scheduler groups: without the marks there, every module was its own
+    # unit, the two workers each started the shared servers and waited on each other's server lock)
+    if config.pluginmanager.hasplugin("xdist") and (
+        config.getoption("dist", "no") == "loadgroup" or getattr(config.option, "loadgroup", False)
+    ):
         # the server group first (the longest unit: the other worker takes the other modules beside it),
         # then every other module as its own unit in collection order
         for item in items:

@@ -54,6 +54,58 @@ def _differs(a: dict, b: dict) -> list:
     return sorted(k for k in set(a) | set(b) if not _after_import(k) and a.get(k) != b.get(k))
 
 
+def _lost(state: dict):
+    """Why the warm interpreter can no longer serve (killed, or reaped by someone else: a test that
+    kills or reaps this process's children), else ``None``; a lost one stays off for the run."""
+    from multiprocessing import forkserver
+
+    pid, address = forkserver._forkserver._forkserver_pid, forkserver._forkserver._forkserver_address
+    try:
+        gone = pid is None or os.waitpid(pid, os.WNOHANG)[0] != 0
+    except ChildProcessError:
+        gone = True
+    if gone:
+        why = f"warm interpreter lost (pid {pid} exited or was reaped by another)"
+    elif address and not os.path.exists(address):
+        why = f"warm interpreter lost (its listener {address} was removed)"
+    else:
+        return None
+    with _LOCK:
+        _STATE.clear()
+        if _RESTARTS[0] < MAX_RESTARTS:  # a new one at the next command (the lost one is killed)
+            _RESTARTS[0] += 1
+            _new_forkserver(pid if not gone else None)
+        else:
+            _STATE["disabled"] = why
+        _LOST.append(why)
+        return why
+
+
+MAX_RESTARTS = 3
+_RESTARTS = [0]
+_LOST: list = []  # why each warm interpreter of this process was lost (the end-of-run section names them)
+
+
+def _new_forkserver(alive_pid) -> None:
+    """Forget the lost forkserver (multiprocessing keeps one per process) and the temporary directory
+    its listener lived in, so that the next command starts a new one. A test that tracks this process's
+    whole tree and removes what it left (tests/lifecycle/test_dying_holders.py) removes the listener."""
+    import signal
+    from multiprocessing import forkserver, process
+
+    if alive_pid:
+        try:
+            os.kill(alive_pid, signal.SIGKILL)
+            os.waitpid(alive_pid, 0)
+        except (ProcessLookupError, ChildProcessError):
+            pass
+    fs = forkserver.ForkServer()
+    forkserver._forkserver = fs
+    for name in ("ensure_running", "get_inherited_fds", "connect_to_new_process", "set_forkserver_preload"):
+        setattr(forkserver, name, getattr(fs, name))
+    process.current_process()._config.pop("tempdir", None)
+
+
 def _as_imported(env: dict, state: dict) -> dict:
     """``env`` with the variables SGLang's import sets (to the value it sets them to) put back as they
     were before the import: such a value came from an import of SGLang in the calling process, and a
@@ -183,6 +235,10 @@ def run(
         return _fresh(state["disabled"], argv, env, timeout, cwd)
     if state["pid"] != os.getpid():
         return _fresh("a forked test", argv, env, timeout, cwd)
+    if _lost(state):
+        state = _state(env)  # a new warm interpreter (or, past MAX_RESTARTS, why not)
+        if "disabled" in state:
+            return _fresh(state["disabled"], argv, env, timeout, cwd)
     differs = _differs(_as_imported(env, state), state["env"])
     if differs:
         return _fresh("environment differs in " + ", ".join(differs[:4]), argv, env, timeout, cwd)
@@ -198,7 +254,13 @@ def run(
         p = state["ctx"].Process(
             target=_warm_child.run_job, args=(kind, target, args, env, cwd, out, err, path), name="warm-job"
         )
-        p.start()
+        try:
+            p.start()
+        except (OSError, EOFError, ValueError) as exc:  # the warm interpreter is gone: fresh from now on
+            with _LOCK:
+                _STATE.clear()
+                _STATE["disabled"] = f"warm interpreter lost ({type(exc).__name__}: {exc})"
+            return _fresh(_STATE["disabled"], argv, env, timeout, cwd)
         p.join(timeout)
         timed_out = p.exitcode is None
         if timed_out:
@@ -245,6 +307,8 @@ def mp_context():
     import multiprocessing as mp
 
     state = _state(dict(os.environ))
+    if "disabled" not in state and state["pid"] == os.getpid() and _lost(state):
+        state = _state(dict(os.environ))
     why = state.get("disabled") or ("a forked test" if state["pid"] != os.getpid() else None)
     if why is None:
         # the target's module is unpickled, so imported, before the child takes its parent's environment:
@@ -260,7 +324,7 @@ def mp_context():
 
 
 def stats_json() -> dict:
-    return {"warm": STATS["warm"], "fresh": STATS["fresh"], "why_fresh": dict(STATS["why_fresh"])}
+    return {"warm": STATS["warm"], "fresh": STATS["fresh"], "why_fresh": dict(STATS["why_fresh"]), "lost": list(_LOST)}
 
 
 def summary_lines(all_stats: list) -> list:
@@ -270,4 +334,7 @@ def summary_lines(all_stats: list) -> list:
     for s in all_stats:
         why.update(s["why_fresh"])
     lines = [f"{warm_n} command(s) forked from the warm interpreter, {sum(why.values())} started fresh"]
+    lines += [
+        f"  lost (then restarted, at most {MAX_RESTARTS} times): {w}" for s in all_stats for w in s.get("lost", [])
+    ]
     return lines + [f"  fresh: {n} x {reason}" for reason, n in why.most_common()]
