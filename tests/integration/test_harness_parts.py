@@ -523,3 +523,34 @@ def test_host_exclusive_test_runs_alone_between_two_xdist_workers(tmp_path):
     assert not [p.name for p in tmpdir.iterdir() if p.name.startswith("dspark-harden-pytest-")]
     plain = [r for r in runs if r is not ex]
     assert any(overlap(a, b) for a in plain for b in plain if a["worker"] != b["worker"]), runs
+
+
+def test_warm_commands_run_as_a_fresh_interpreter_and_differing_imports_run_fresh(monkeypatch):
+    """tests/harness/warm.py: a command forked from the warm interpreter sees its own argv, environment,
+    exit code, stderr and a main-process identity, as a fresh one; an environment that differs in a
+    variable read at import (not the plugin's own) sends it fresh; ``fresh=True`` always does. Mutations:
+    ``_differs`` returning [] (every environment warm) -> the fresh count stays and this fails; the child
+    not taking the job's environment -> the DSPARK_HARDEN_ value is missing."""
+    from tests.harness import warm
+
+    code = (
+        "import os, sys, multiprocessing as mp\n"
+        "print(sys.argv[1:], os.environ.get('DSPARK_HARDEN_PROBE'), mp.current_process().name, mp.parent_process())\n"
+        "sys.stderr.write('to stderr\\n'); sys.exit(7)"
+    )
+    env = {**os.environ, "DSPARK_HARDEN_PROBE": "x1"}
+    before = dict(warm.STATS, why_fresh=dict(warm.STATS["why_fresh"]))
+    r = warm.run([sys.executable, "-c", code, "a", "b"], env=env, timeout=600)
+    assert (r.returncode, r.stdout.strip(), r.stderr) == (7, "['a', 'b'] x1 MainProcess None", "to stderr\n")
+    if "disabled" in warm._STATE or warm._STATE.get("pid") != os.getpid():
+        pytest.skip(f"no warm interpreter in this process: {warm._STATE.get('disabled')}")
+    assert warm.STATS["warm"] == before["warm"] + 1, warm.STATS
+    r = warm.run([sys.executable, "-c", code, "c"], env={**env, "SGLANG_SOME_IMPORT_SETTING": "1"}, timeout=600)
+    assert (r.returncode, r.stdout.strip()) == (7, "['c'] x1 MainProcess None")
+    assert warm.STATS["fresh"] == before["fresh"] + 1, warm.STATS
+    assert warm.STATS["why_fresh"]["environment differs in SGLANG_SOME_IMPORT_SETTING"] >= 1
+    r = warm.run([sys.executable, "-c", "raise ValueError('boom')"], env=env, timeout=600)
+    assert r.returncode == 1 and r.stderr.splitlines()[-1] == "ValueError: boom", r.stderr
+    assert 'File "<string>", line 1, in <module>' in r.stderr and "_warm_child" not in r.stderr, r.stderr
+    r = warm.run([sys.executable, "-c", code], env=env, timeout=600, fresh=True)
+    assert r.returncode == 7 and warm.STATS["fresh"] == before["fresh"] + 2
