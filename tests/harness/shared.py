@@ -50,8 +50,8 @@ DP2_SHARED_STALENESS_S = 15.0
 # The one plugin DP2 server of the run, shared by every module that only observes it (issue 42: one
 # start instead of one per module). Its environment is the union of what those modules need, each
 # setting harmless to the others:
-# - the opt-in native DP2 exchange (runs on CPU; its panels and counters are proven on this server, and
-#   tests/dp2/test_e2e.py serves through it), no session id: the main process derives one;
+# - the opt-in native DP2 exchange (runs on CPU; its panels and counters are proven on this server), no
+#   session id: the main process derives one;
 # - the third-party test feature (tests/support): its metric family must be exported like a built-in's;
 # - an empty grammar disk cache in the server's workdir, with host-wide claims: rank 1's lookup of the
 #   observability traffic's schema waits on rank 0's claim until the entry is published. The bounds cover

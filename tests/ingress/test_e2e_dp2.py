@@ -20,8 +20,6 @@ import time
 import pytest
 import requests
 
-from dspark_harden.dp2.native import shm_name_for
-from tests.dp2.test_e2e import SESSION_RE as _SESSION_RE
 from tests.harness.shared import DP2_SHARED_STALENESS_S as STALENESS_S
 
 pytestmark = pytest.mark.server
@@ -169,12 +167,7 @@ def test_sigstopped_scheduler_turns_health_scheduler_503_naming_it(server):
 
 
 @pytest.mark.shared_order(1)  # last user of the shared server: it shuts the server down
-@pytest.mark.host_exclusive  # no dspark_dp2_ segment may be left on the host after the server (no other worker runs)
 def test_zz_health_scheduler_503_while_shutting_down(server):
-    """... and the shutdown leaves no shared-memory segment of the native DP2 exchange: the check of
-    tests/dp2/test_e2e.py, whose server this is (its derived session id names the segments)."""
-    sessions = _SESSION_RE.findall(server.log_text())
-    assert len(sessions) == 1, server.log_tail(4000)
     os.kill(server.pid, signal.SIGTERM)
     answers = []
     deadline = time.monotonic() + 60
@@ -190,6 +183,3 @@ def test_zz_health_scheduler_503_while_shutting_down(server):
         time.sleep(0.1)
     assert (503, "shutting_down") in answers, answers
     assert server.wait_exit(120) is not None
-    for channel in ("mlp", "verify_tier"):
-        assert not os.path.exists("/dev/shm" + shm_name_for(sessions[0], channel))
-    assert not [n for n in os.listdir("/dev/shm") if n.startswith("dspark_dp2_")], os.listdir("/dev/shm")
