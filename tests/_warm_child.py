@@ -27,18 +27,21 @@ def probe(conn) -> None:
     conn.close()
 
 
+def _set_environ(env: dict) -> None:
+    os.environ.clear()
+    os.environ.update(env)
+
+
 def call(env: dict, target, *args):
     """A multiprocessing target run with the environment its parent had when it started the process
     (what a spawned child inherits; a forkserver child would get the warm interpreter's)."""
-    os.environ.clear()
-    os.environ.update(env)
+    _set_environ(env)
     return target(*args)
 
 
 def _fresh_process_state(env: dict, cwd, out_path: str, err_path: str) -> None:
     """Environment, directory, standard streams and multiprocessing identity of a fresh interpreter."""
-    os.environ.clear()
-    os.environ.update(env)
+    _set_environ(env)
     if cwd:
         os.chdir(cwd)
     null = os.open(os.devnull, os.O_RDONLY)
@@ -86,9 +89,9 @@ def run_job(kind: str, target: str, args: list, env: dict, cwd, out_path: str, e
     sys.modules["__main__"] = main
     sys.path[:] = list(path)
     code = 0
-    if (kind, target) in (("ep", "dspark_harden.cli:main"), ("-m", "dspark_harden.cli"), ("-m", "dspark_harden")):
-        _check_children_forked_here()
     try:
+        if (kind, target) in (("ep", "dspark_harden.cli:main"), ("-m", "dspark_harden.cli"), ("-m", "dspark_harden")):
+            _check_children_forked_here()
         if kind == "-c":
             sys.argv[:] = ["-c", *args]
             exec(compile(target, "<string>", "exec"), main.__dict__)  # noqa: S102 - the test's own snippet

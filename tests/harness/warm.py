@@ -23,6 +23,7 @@ names the variables that sent commands fresh.
 from __future__ import annotations
 
 import collections
+import functools
 import json
 import os
 import subprocess
@@ -30,14 +31,10 @@ import sys
 import tempfile
 import threading
 
-PRELOAD = (
-    "tests._warm_child",
-    "sglang.srt.entrypoints.engine",
-    "sglang.srt.entrypoints.http_server",
-    "sglang.srt.managers.scheduler",
-    "sglang.srt.managers.data_parallel_controller",
-    "sglang.srt.managers.detokenizer_manager",
-)
+from dspark_harden.cli import _check_child
+
+# the child module, then the modules SGLang calls load_plugins() from (the check child's own list)
+PRELOAD = ("tests._warm_child", *_check_child.PRELOAD)
 AFTER_IMPORT = ("DSPARK_HARDEN_", "SGLANG_DSPARK_", "DSPARK_TESTFEATURE")
 AFTER_IMPORT_EXACT = ("SGLANG_PLUGINS", "PYTEST_CURRENT_TEST")
 
@@ -50,35 +47,36 @@ def _after_import(key: str) -> bool:
     return key.startswith(AFTER_IMPORT) or key in AFTER_IMPORT_EXACT
 
 
-def _differs(a: dict, b: dict) -> list:
-    return sorted(k for k in set(a) | set(b) if not _after_import(k) and a.get(k) != b.get(k))
+def _differs(a: dict, b: dict, skip=_after_import) -> list:
+    return sorted(k for k in set(a) | set(b) if not skip(k) and a.get(k) != b.get(k))
 
 
-def _lost(state: dict):
-    """Why the warm interpreter can no longer serve (killed, or reaped by someone else: a test that
-    kills or reaps this process's children), else ``None``; a lost one stays off for the run."""
+def _lost_reason():
+    """Why this process's warm interpreter can no longer serve (killed, reaped by someone else, or its
+    listener socket removed), else ``None``."""
     from multiprocessing import forkserver
 
     pid, address = forkserver._forkserver._forkserver_pid, forkserver._forkserver._forkserver_address
     try:
-        gone = pid is None or os.waitpid(pid, os.WNOHANG)[0] != 0
+        if pid is None or os.waitpid(pid, os.WNOHANG)[0] != 0:
+            return f"warm interpreter lost (pid {pid} exited or was reaped by another)"
     except ChildProcessError:
-        gone = True
-    if gone:
-        why = f"warm interpreter lost (pid {pid} exited or was reaped by another)"
-    elif address and not os.path.exists(address):
-        why = f"warm interpreter lost (its listener {address} was removed)"
+        return f"warm interpreter lost (pid {pid} exited or was reaped by another)"
+    if address and not os.path.exists(address):
+        return f"warm interpreter lost (its listener {address} was removed)"
+    return None
+
+
+def _forget_locked(why: str) -> None:
+    """A lost warm interpreter (``_LOCK`` held): replaced at the next command, at most
+    ``MAX_RESTARTS`` times per process, then every command runs fresh."""
+    _STATE.clear()
+    _LOST.append(why)
+    if _RESTARTS[0] < MAX_RESTARTS:
+        _RESTARTS[0] += 1
+        _new_forkserver()
     else:
-        return None
-    with _LOCK:
-        _STATE.clear()
-        if _RESTARTS[0] < MAX_RESTARTS:  # a new one at the next command (the lost one is killed)
-            _RESTARTS[0] += 1
-            _new_forkserver(pid if not gone else None)
-        else:
-            _STATE["disabled"] = why
-        _LOST.append(why)
-        return why
+        _STATE["disabled"] = why
 
 
 MAX_RESTARTS = 3
@@ -86,17 +84,19 @@ _RESTARTS = [0]
 _LOST: list = []  # why each warm interpreter of this process was lost (the end-of-run section names them)
 
 
-def _new_forkserver(alive_pid) -> None:
-    """Forget the lost forkserver (multiprocessing keeps one per process) and the temporary directory
-    its listener lived in, so that the next command starts a new one. A test that tracks this process's
-    whole tree and removes what it left (tests/lifecycle/test_dying_holders.py) removes the listener."""
+def _new_forkserver() -> None:
+    """Kill the lost forkserver if it still runs and forget it (multiprocessing keeps one per process)
+    and the temporary directory its listener lived in, so that the next command starts a new one. A
+    test that tracks this process's whole tree and removes what it left
+    (tests/lifecycle/test_dying_holders.py) removes the listener."""
     import signal
     from multiprocessing import forkserver, process
 
-    if alive_pid:
+    pid = forkserver._forkserver._forkserver_pid
+    if pid:
         try:
-            os.kill(alive_pid, signal.SIGKILL)
-            os.waitpid(alive_pid, 0)
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
         except (ProcessLookupError, ChildProcessError):
             pass
     fs = forkserver.ForkServer()
@@ -166,8 +166,13 @@ def _start() -> dict:
     }
 
 
-def _state(env: dict) -> dict:
+def _state() -> dict:
+    """This process's warm interpreter, alive (a lost one is replaced here), or ``{"disabled": why}``."""
     with _LOCK:
+        if _STATE.get("pid") == os.getpid():  # (a forked test's copy of the state is not its own: left alone)
+            why = _lost_reason()
+            if why:
+                _forget_locked(why)
         if not _STATE:
             # start it only from an environment the rest of the run shares (not inside a test's
             # monkeypatched one): until then commands run fresh
@@ -181,6 +186,7 @@ def _state(env: dict) -> dict:
 _BASE_ENV = dict(os.environ)  # the environment this pytest process started with
 
 
+@functools.lru_cache(maxsize=None)
 def _console_script(name: str):
     from importlib.metadata import entry_points
 
@@ -230,15 +236,11 @@ def run(
     split = _split(argv)
     if split is None:
         return _fresh("another interpreter or command", argv, env, timeout, cwd)
-    state = _state(env)
+    state = _state()
     if "disabled" in state:
         return _fresh(state["disabled"], argv, env, timeout, cwd)
     if state["pid"] != os.getpid():
         return _fresh("a forked test", argv, env, timeout, cwd)
-    if _lost(state):
-        state = _state(env)  # a new warm interpreter (or, past MAX_RESTARTS, why not)
-        if "disabled" in state:
-            return _fresh(state["disabled"], argv, env, timeout, cwd)
     differs = _differs(_as_imported(env, state), state["env"])
     if differs:
         return _fresh("environment differs in " + ", ".join(differs[:4]), argv, env, timeout, cwd)
@@ -256,11 +258,11 @@ def run(
         )
         try:
             p.start()
-        except (OSError, EOFError, ValueError) as exc:  # the warm interpreter is gone: fresh from now on
+        except (OSError, EOFError, ValueError) as exc:  # the warm interpreter is gone: this one runs fresh
+            why = f"warm interpreter lost ({type(exc).__name__}: {exc})"
             with _LOCK:
-                _STATE.clear()
-                _STATE["disabled"] = f"warm interpreter lost ({type(exc).__name__}: {exc})"
-            return _fresh(_STATE["disabled"], argv, env, timeout, cwd)
+                _forget_locked(why)
+            return _fresh(why, argv, env, timeout, cwd)
         p.join(timeout)
         timed_out = p.exitcode is None
         if timed_out:
@@ -306,15 +308,14 @@ def mp_context():
     this process's environment allows it (module docstring), else multiprocessing's spawn context."""
     import multiprocessing as mp
 
-    state = _state(dict(os.environ))
-    if "disabled" not in state and state["pid"] == os.getpid() and _lost(state):
-        state = _state(dict(os.environ))
+    state = _state()
     why = state.get("disabled") or ("a forked test" if state["pid"] != os.getpid() else None)
     if why is None:
         # the target's module is unpickled, so imported, before the child takes its parent's environment:
         # every variable must match here, the plugin's own too
-        env, base = _as_imported(dict(os.environ), state), state["env"]
-        differs = sorted(k for k in set(env) | set(base) if k != "PYTEST_CURRENT_TEST" and env.get(k) != base.get(k))
+        differs = _differs(
+            _as_imported(dict(os.environ), state), state["env"], skip=lambda k: k == "PYTEST_CURRENT_TEST"
+        )
         why = differs and "environment differs in " + ", ".join(differs[:4])
     if why:
         STATS["fresh"] += 1
