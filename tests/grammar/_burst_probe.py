@@ -26,6 +26,7 @@ def main() -> None:
     from sglang.srt.constrained.xgrammar_backend import XGrammarGrammarBackend
     from transformers import AutoTokenizer
 
+    from dspark_harden.core import procfs
     from dspark_harden.core.settings import load_settings
     from dspark_harden.devtools.tiny_models import ensure_tokenizer
     from dspark_harden.grammar import feature as F
@@ -49,6 +50,7 @@ def main() -> None:
     v, _ = service.lookup(("regex", "warm-[a-z]{1,3}"), False)
     v.result(timeout=120)
     pc.flush()
+    first_helper = pc.persister.helper.pid
     before = peak_rss()
     t0 = time.monotonic()
     futures = [(key, service.lookup(tuple(key), False)[0]) for key in requests]
@@ -91,6 +93,7 @@ def main() -> None:
                 "pauses": pc.slots.pauses,
                 "slot_limit": pc.slots.limit,
                 "helper_starts": pc.persister.helper.starts,
+                "first_helper_gone": procfs.gone(first_helper),
                 "helper_limit": pc.persister.helper.limit_bytes,
                 "lock_fds": lock_fds,
                 "native_compiles": pc.native_compiles,

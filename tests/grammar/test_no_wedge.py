@@ -326,6 +326,37 @@ def test_protocol_error_restarts_the_helper(cache_dir, tmp_path, mode):
         p.close()  # the fake helper has no PR_SET_PDEATHSIG: a failed assertion must not leave it running
 
 
+def test_a_deadlocked_helper_is_replaced_long_before_its_wall_limit(cache_dir, tmp_path):
+    """The helper blocks forever mid-job with every thread asleep and no CPU (found in CI: the real
+    helper's compile hung in xgrammar's thread pool after an allocation failure under its address-space
+    cap, and only the 4x-deadline wall limit -- 8 minutes by default -- would have ended it). With a
+    deadline of 600 s (wall limit 40 min) and ``stuck_s`` 1 s, it is killed as ``stuck``, nothing is
+    stored for the key, and the retry in a new helper publishes it."""
+    from dspark_harden.grammar.persist import CompileSlots, Persister
+
+    ns = disk.Namespace(str(cache_dir), {"test": "stuck"}, max_bytes=1 << 30)
+    before = _counter("dspark_harden_grammar_disk_helper_transient_total", "stuck")
+    p = Persister(
+        ns,
+        {},
+        X.persist_settings(retry_delay_s=0.05, start_timeout_s=60, deadline_s=600.0, stuck_s=1.0),
+        CompileSlots(1),
+        helper_argv=[sys.executable, FAKE_HELPER, str(tmp_path / "state"), "deadlock"],
+    )
+    key = "cd" * 32
+    try:
+        assert p.submit(key, ["regex", "x"], 0.01)
+        assert p.flush(timeout=120), p.outcomes  # the wall limit (2,400 s) would not end it in time
+        assert p.outcomes[key]["status"] == "published", p.outcomes
+        assert p.helper.starts == 2 and {c: n for c, n in p.transient.items() if n} == {"stuck": 1}, (
+            p.helper.starts,
+            p.transient,
+        )
+        assert _counter("dspark_harden_grammar_disk_helper_transient_total", "stuck") == before + 1
+    finally:
+        p.close()
+
+
 # ---------------------------------------------------------------------------------------------
 # item 2: transient failures never become permanent markers
 
@@ -363,7 +394,8 @@ def test_deadline_of_a_starved_helper_stores_no_marker(hf_tokenizer, cache_dir):
     outside): today a permanent deadline marker. Now the deadline is the job's CPU time, and a job
     killed after 4x its deadline in wall time without using it stores nothing (retries 0: the job is
     dropped, counted)."""
-    pc = _compiler(hf_tokenizer, cache_dir, deadline_s=1.0, retries=0)
+    # stuck_s below the wall limit: a stopped helper (T) is starved, never taken for a deadlocked one
+    pc = _compiler(hf_tokenizer, cache_dir, deadline_s=1.0, retries=0, stuck_s=0.5)
     pid = _stop_idle_helper(pc)
     pc.compile_regex("starved-[0-9]{4}")
     _flush(pc)

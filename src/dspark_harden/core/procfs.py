@@ -72,6 +72,20 @@ def cpu_seconds(pid: int) -> Optional[float]:
     return None if p is None else p.cpu_seconds
 
 
+def thread_states(pid: int) -> Optional[list[str]]:
+    """The state letter of every thread of ``pid`` (``/proc/<pid>/task/*/stat``); None when it is gone."""
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return None
+    out = []
+    for tid in tids:
+        t = stat(int(tid)) if tid.isdigit() else None
+        if t is not None:  # a thread that ended between the listing and the read is not a state
+            out.append(t.state)
+    return out or None
+
+
 def group_pids(pgid: int) -> list[int]:
     """Live (not zombie) members of process group ``pgid``, sorted; one pass over the host's /proc."""
     out = []

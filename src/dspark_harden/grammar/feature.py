@@ -251,7 +251,8 @@ def dspark_settings():
             "CPU seconds one persistence job may use before the helper is killed and a deadline marker is "
             "stored (CPU time: the grammar's own cost, whatever the host's load). A job that runs 4x this "
             "long in wall time (pauses for request compiles and the bounded lock phase excluded) without "
-            "using it is starved or stuck: killed, nothing stored, retried.",
+            "using it is starved, and one whose threads all sleep without CPU for 30 s of running time is stuck "
+            "(a deadlock): killed, nothing stored, retried in a new helper.",
             feature=f,
             accepts="positive number (seconds)",
         ),
@@ -260,7 +261,7 @@ def dspark_settings():
             nonneg_int,
             2,
             "Retries of a persistence job that failed for a cause not measured to be the grammar's (helper "
-            "SIGKILLed by the OOM killer or an operator, starved past its deadline, crashed, lock timeout, I/O "
+            "SIGKILLed by the OOM killer or an operator, starved past its deadline, stuck, crashed, lock timeout, I/O "
             "error, protocol error); each retry waits 5 s x its number. Such failures never store a "
             "compile-locally marker; after the last retry the job is dropped (a crash reproduced on every "
             "attempt stores a helper_failed marker).",

@@ -33,6 +33,7 @@ DEGRADE_REASONS = ("unsafe", "permission", "read_only", "no_space", "lock_timeou
 TRANSIENT_CAUSES = (
     "killed",
     "starved",
+    "stuck",
     "crashed",
     "publish_timeout",
     "protocol",
@@ -237,7 +238,8 @@ FAMILIES = (
         "Persistence attempts that failed for a cause not measured to be the grammar's, so no "
         "compile-locally marker was stored and the job was retried (up to "
         "DSPARK_HARDEN_GRAMMAR_DISK_HELPER_RETRIES): killed (SIGKILL from outside: OOM killer, operator), "
-        "starved (4x the deadline in wall time without using it in CPU: host load or stuck), crashed (died otherwise), "
+        "starved (4x the deadline in wall time without using it in CPU: host load), stuck (every thread asleep "
+        "without CPU for 30 s of running time: a deadlock; the helper is replaced), crashed (died otherwise), "
         "publish_timeout, protocol, lock_timeout, publish_error (I/O error, e.g. ENOSPC), helper_unavailable.",
         labels=("dp_rank", "cause"),
         feature=FEATURE,

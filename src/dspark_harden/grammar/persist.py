@@ -51,7 +51,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from ..core.procfs import cpu_seconds
+from ..core.procfs import cpu_seconds, thread_states
 from . import claim as claim_mod
 from . import disk
 from . import metrics as gm
@@ -79,6 +79,7 @@ CPU_BUDGET_WINDOW_S = 60.0
 TRANSIENT_CAUSES = (
     "killed",
     "starved",
+    "stuck",
     "crashed",
     "publish_timeout",
     "protocol",
@@ -100,6 +101,12 @@ def _process_exiting(stop: threading.Event) -> bool:
         or not threading.main_thread().is_alive()
         or bool(getattr(multiprocessing.util, "_exiting", False))
     )
+
+
+def _asleep(pid: int) -> bool:
+    """Every thread of ``pid`` sleeping (S): none runnable (R), in uninterruptible I/O (D) or stopped (T)."""
+    states = thread_states(pid)
+    return bool(states) and all(s == "S" for s in states)
 
 
 class RecentOutcomes(dict):
@@ -129,6 +136,8 @@ class PersistSettings:
     retry_delay_s: float = 5.0
     claim_wait_s: float = claim_mod.MAX_WAIT_S  # DSPARK_HARDEN_GRAMMAR_DISK_CLAIM_WAIT
     helper_cpu_share: float = 0.25  # DSPARK_HARDEN_GRAMMAR_DISK_HELPER_CPU_SHARE
+    # a job whose helper used no CPU for this long of running time with every thread asleep is stuck
+    stuck_s: float = 30.0
 
     def __post_init__(self) -> None:
         for name in ("queue_max", "memory_limit_bytes"):
@@ -142,6 +151,7 @@ class PersistSettings:
             "retry_delay_s",
             "claim_wait_s",
             "helper_cpu_share",
+            "stuck_s",
         ):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)!r}")
@@ -451,6 +461,7 @@ class Helper:
         publish_t: Optional[float] = None
         running = 0.0
         cpu0 = cpu_seconds(self.proc.pid) or 0.0  # the helper's start-up and earlier jobs are not this job's
+        cpu_seen, cpu_moved = cpu0, 0.0  # the job's CPU at its last change, and the running time then
         self.slots.helper_started(self.proc.pid)
         try:
             while True:
@@ -472,11 +483,21 @@ class Helper:
                             "running_s": running,
                             "cpu_s": job_cpu,
                         }
+                    if cpu is not None and cpu != cpu_seen:
+                        cpu_seen, cpu_moved = cpu, running
+                    reason = None
                     if running > self.settings.wall_limit_s:
+                        reason = "starved"
+                    elif running - cpu_moved > self.settings.stuck_s and _asleep(self.proc.pid):
+                        # deadlocked, not starved: a starved helper has a runnable thread and some CPU
+                        # (found: xgrammar's thread pool blocks forever when a thread cannot be created
+                        # under the address-space cap)
+                        reason = "stuck"
+                    if reason is not None:
                         self.kill()
                         return {
                             "status": "killed",
-                            "reason": "starved",
+                            "reason": reason,
                             "phase": phase,
                             "running_s": running,
                             "cpu_s": job_cpu,
@@ -508,6 +529,10 @@ class Helper:
                         f"expected job {seq} key {key_hex[:16]}: {json.dumps(msg)[:200]}",
                     }
                 if "status" in msg:
+                    if msg.get("reason") == "memory_limit":
+                        # an allocation failed in it: its address space is not to be trusted for the next job
+                        # (found: the next compile's thread pool could not create its threads and hung)
+                        self.kill()
                     return msg
                 if "phase" not in msg:
                     self.kill()
@@ -865,7 +890,9 @@ class Persister:
                 return None, "publish_timeout"
             if res.get("reason") == "deadline":
                 return "deadline", ""  # it used its whole CPU budget: measured work of the grammar
-            return None, "starved"  # the host (or a stuck call), not the grammar, kept it from finishing
+            if res.get("reason") == "stuck":
+                return None, "stuck"  # every thread asleep without CPU: a deadlock, retried in a new helper
+            return None, "starved"  # the host, not the grammar, kept it from finishing
         rc = res.get("returncode")
         tail = res.get("stderr_tail") or ""
         if res.get("phase") in ("compile", "serialize", "measure_load") and (
