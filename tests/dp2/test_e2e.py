@@ -3,6 +3,10 @@
 both ranks; its metrics show native exchanges on both ranks and no error; the live
 ``MLPSyncBatchInfo.all_gather`` is the replacement (which never calls the stock gloo path: the
 feature is reported bound in the scheduler role); shutdown leaves no shared-memory object.
+
+Server: its own (one start). The shared ``dp2_server`` cannot take it: the last assertion needs the
+server's stop inside the test (no shared-memory object left at shutdown), and a run on the shared server
+failed behind the observability module's traffic (2026-12-07, reverted in f03d0ac).
 """
 
 from __future__ import annotations

@@ -9,6 +9,9 @@ the stall and ``/health_scheduler`` answers 503 ``dp2_stalled`` naming DP rank 1
 been stopped for ``SGLANG_DSPARK_DP2_SHM_PEER_STOP_MS`` rank 0 fails with the named error
 (``peer_died``: ``is stopped (state T)``), published to shared state, and the server exits with the
 lifecycle's scheduler exit code 3.
+
+Server: its own (one start). The drill destroys it (rank 1 stopped, the server exits with code 3), so
+no shared server can take it, and its stall period settings differ from every shared configuration.
 """
 
 from __future__ import annotations

@@ -1,7 +1,12 @@
 """DP2 session id without ceremony: with SGLANG_DSPARK_DP2_SHM_SESSION_ID unset the main process
 derives a fresh id per launch before the schedulers spawn (they inherit it); an explicit value is
 honoured. End to end: two DP2 servers with the native exchange side by side on this host, neither
-with a session id exported, both serve on native exchanges with their own segments."""
+with a session id exported, both serve on native exchanges with their own segments.
+
+Servers: two of its own, launched at once. The shared ``dp2_server`` is already running when this module
+starts, so it cannot be one of two launches that race for a session id; what is tested is that two
+launches at the same time derive different ids.
+"""
 
 from __future__ import annotations
 

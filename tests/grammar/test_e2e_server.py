@@ -4,7 +4,11 @@ validate; a restarted server over the same disk cache resolves every schema from
 entry or compile-locally marker) without a fresh compile.
 
 Stand-in: the model has random weights (no DeepSeek V4 here), so schemas are bounded (enums,
-booleans, small integer ranges) and whitespace is disabled for the outputs to terminate."""
+booleans, small integer ranges) and whitespace is disabled for the outputs to terminate.
+
+Servers: two single-rank starts of its own, one after the other over one disk cache. The restart is what
+is tested (every schema resolved from disk by a fresh process), so neither start can be a shared server.
+"""
 
 from __future__ import annotations
 

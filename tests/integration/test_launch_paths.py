@@ -6,6 +6,10 @@ console script (``sglang.cli.serve:serve`` calls ``load_plugins()`` itself, then
 --enable-dp-attention, the test CPU platform), real ZMQ, gloo, xgrammar, HTTP, SIGTERM and /dev/shm.
 ``python -m sglang.launch_server`` is every other server test's path; the offline ``sglang.Engine``
 path is tests/lifecycle/test_engine_shutdown.py. One server start (~1 min on 2 cores).
+
+Server: its own. The launch path (``sglang serve``) is what is tested, and every shared server is started
+through ``python -m sglang.launch_server``; the ``SGLANG_PLUGINS``-empty side of issue 39's matrix runs on
+this same start (tests/integration/test_matrix.py), so it costs no second one.
 """
 
 from __future__ import annotations

@@ -6,6 +6,9 @@ DP attention, the test CPU platform), a JSON-schema request through xgrammar, st
 a run directory its children accept and be tracked on its own). Stock alone leaves 4 entries per
 Engine here (2 ``sem.mp-*``, ``sgl_shm_mq_*``, ``sglang_loads_*``); the wrapped shutdown must leave 0.
 The /dev/shm diff is taken under the server lock, so no other test server creates entries meanwhile.
+
+Servers: two offline Engines of its own (no HTTP server can stand for ``sglang.Engine``, and the second
+Engine's start after the first one's shutdown is what is tested).
 """
 
 from __future__ import annotations

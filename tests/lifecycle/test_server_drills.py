@@ -7,6 +7,9 @@ process, /health_scheduler), plugin SIGKILL of scheduler DP1, plugin SIGKILL of 
 ``DSPARK_LIFECYCLE_FULL_DRILLS=1`` adds stock SIGKILL of DP1 and the plugin's injected exception in
 DP1 (the exception path is also covered without a server in test_processes.py). Every drill prints
 its summary line (``[drill ...]``): the numbers docs/lifecycle.md reports.
+
+Servers: four of their own (the server budget above). Every drill ends its server (SIGTERM, SIGKILL of a
+scheduler or the detokenizer), so none can run on a shared one, and two drills cannot share a start.
 """
 
 from __future__ import annotations
