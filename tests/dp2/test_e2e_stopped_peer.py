@@ -25,10 +25,14 @@ import time
 import pytest
 import requests
 
+from dspark_harden.core import procfs
+from dspark_harden.dp2.metrics import DP2_CHANNELS
+from dspark_harden.dp2.native import shm_name_for
 from tests.harness.server import DP2_CONFIG, SGLangServer
 
-# host_exclusive: no dspark_dp2_ segment may be left on the host after its server (no test of another pytest-xdist worker runs meanwhile, tests/conftest.py)
-pytestmark = [pytest.mark.server, pytest.mark.host_exclusive]
+# not host_exclusive: the leftover check below is this server's own segments (the ones its processes map, and
+# the names its session id gives), so tests of the other pytest-xdist worker may create and remove theirs meanwhile
+pytestmark = [pytest.mark.server]
 
 PERIOD_MS = 3000
 STOP_MS = 40000
@@ -40,6 +44,24 @@ CONFIG = DP2_CONFIG.with_env(
 CONFIG = type(CONFIG)(**{**CONFIG.__dict__, "name": "dp2-stopped-peer"})
 
 
+_SESSION_RE = re.compile(r"derived (auto-\d+-[0-9a-f]{16}) for this launch")
+
+
+def _mapped_dp2_segments(pgid: int) -> set:
+    """/dev/shm names of the DP2 segments the processes of the server's group have mapped now."""
+    out = set()
+    for pid in procfs.group_pids(pgid):
+        try:
+            with open(f"/proc/{pid}/maps") as f:
+                for line in f:
+                    path = line.rstrip("\n").split(None, 5)[-1].removesuffix(" (deleted)")  # unlinked once both opened
+                    if path.startswith("/dev/shm/dspark_dp2_"):
+                        out.add(path[len("/dev/shm") :])
+        except OSError:
+            continue
+    return out
+
+
 def _health(server):
     r = requests.get(server.url + "/health_scheduler", timeout=10)
     return r.status_code, r.json()
@@ -49,12 +71,19 @@ def _health(server):
 def test_stopped_rank_1_is_named_by_health_then_fails_both_ranks():
     server = SGLangServer(CONFIG)
     pid1 = None
+    own_names: set = set()
+    mapped: set = set()
     try:
         server.start()
         deadline = time.monotonic() + 120
         while _health(server)[0] != 200:
             assert time.monotonic() < deadline, _health(server)
             time.sleep(0.5)
+        # this server's segments: the names its session id gives, and what its ranks map (both ranks are alive)
+        (session,) = _SESSION_RE.findall(server.log_text())
+        own_names = {shm_name_for(session, channel) for channel in DP2_CHANNELS}
+        mapped = _mapped_dp2_segments(server.pid)
+        assert shm_name_for(session, "mlp") in mapped and mapped <= own_names, (session, mapped, own_names)
         pid1 = server.process_titled("sglang::scheduler_DP1_")
         os.kill(pid1, signal.SIGSTOP)
         t0 = time.monotonic()
@@ -108,4 +137,5 @@ def test_stopped_rank_1_is_named_by_health_then_fails_both_ranks():
                 pass
         server.stop()
         server.remove_workdir()
-    assert not [n for n in os.listdir("/dev/shm") if n.startswith("dspark_dp2_")], os.listdir("/dev/shm")
+    left = {"/" + n for n in os.listdir("/dev/shm")} & (own_names | mapped)
+    assert not left, (left, sorted(os.listdir("/dev/shm")))
