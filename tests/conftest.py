@@ -465,11 +465,29 @@ def pytest_collection_modifyitems(session, config, items):
                 item.add_marker(skip)
 
 
+#: id(item) -> the shared servers some later test of the run needs (filled on first teardown)
+_NEEDED_LATER: dict = {}
+
+
+def _needed_later(item) -> set:
+    """The shared servers a test after ``item`` needs. The server group runs on one worker in collection
+    order (pytest-xdist sends a group's items as one unit), and no test outside it uses a shared server,
+    so the tests after ``item`` in this process's collection are the ones that can still need them."""
+    if not _NEEDED_LATER:
+        later: set = set()
+        for it in reversed(item.session.items):
+            _NEEDED_LATER[id(it)] = set(later)
+            later |= set(_shared_names(it))
+    return _NEEDED_LATER.get(id(item), set())
+
+
 @pytest.hookimpl(trylast=True)
 def pytest_runtest_teardown(item, nextitem):
-    needed_next = set(_shared_names(nextitem)) if nextitem is not None else set()
+    # stopped right after the last test that needs it (not after the last *adjacent* one: a test that uses
+    # two shared servers sits at the end of one's group and starts the other, tests/harness/shared.py)
+    needed = _needed_later(item) if nextitem is not None else set()
     for name in list(shared.SHARED_CONFIGS):
-        if shared.running(name) is not None and name not in needed_next:
+        if shared.running(name) is not None and name not in needed:
             shared.stop(name)
 
 

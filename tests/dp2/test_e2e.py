@@ -2,84 +2,52 @@
 --enable-dp-attention``, tests/harness) with the native DP2 exchange enabled serves requests on
 both ranks; its metrics show native exchanges on both ranks and no error; the live
 ``MLPSyncBatchInfo.all_gather`` is the replacement (which never calls the stock gloo path: the
-feature is reported bound in the scheduler role); shutdown leaves no shared-memory object.
+feature is reported bound in the scheduler role); its segments are the ones its session id names.
 
-Server: its own (one start). The shared ``dp2_server`` cannot take it: the last assertion needs the
-server's stop inside the test (no shared-memory object left at shutdown), and a run on the shared server
-failed behind the observability module's traffic (2026-12-07, reverted in f03d0ac).
+Server: the shared ``dp2_native_server`` (tests/harness/shared.py; issue 42: one start for the session,
+end-to-end and stopped-peer tests). That no segment is left behind is checked where the server ends: by
+the stopped-peer drill on this server (failing exit) and by the plugin SIGTERM drill, whose server has
+the native exchange too (clean exit, tests/lifecycle/test_server_drills.py). It is not the shared
+``dp2_server``: a run on it failed behind the observability module's traffic (2026-12-07, f03d0ac), and
+this test asserts the whole server's log free of exchange errors.
 """
 
 from __future__ import annotations
 
-import os
-import re
-import time
-import uuid
-
 import pytest
 
+from dspark_harden.dp2.metrics import DP2_CHANNELS
 from dspark_harden.dp2.native import shm_name_for
-from tests.harness.server import DP2_CONFIG, SGLangServer
 
-# host_exclusive: no dspark_dp2_ segment may be left on the host after its server (no test of another pytest-xdist worker runs meanwhile, tests/conftest.py)
-pytestmark = [pytest.mark.server, pytest.mark.host_exclusive]
+from .servers import mapped_dp2_segments, samples, serve_on_both_ranks, session_of
 
-SESSION = f"e2e-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-CONFIG = DP2_CONFIG.with_env(SGLANG_DSPARK_DP2_SHM_MLP_SYNC="1", SGLANG_DSPARK_DP2_SHM_SESSION_ID=SESSION)
-CONFIG = type(CONFIG)(**{**CONFIG.__dict__, "name": "dp2-native"})
-
-
-def _samples(text: str, name: str) -> dict:
-    out = {}
-    for line in text.splitlines():
-        if line.startswith(name + "{"):
-            labels, value = line[len(name) + 1 :].rsplit("} ", 1)
-            key = tuple(sorted(re.findall(r'(\w+)="([^"]*)"', labels)))
-            out[key] = float(value)
-    return out
+pytestmark = [pytest.mark.server]
 
 
 @pytest.mark.timeout(1500)
-def test_native_exchange_serves_a_real_dp2_server_and_cleans_up():
-    server = SGLangServer(CONFIG)
-    try:
-        server.start()
-        ranks_seen = set()
-        calls = {}
-        deadline = time.monotonic() + 300
-        i = 0
-        while time.monotonic() < deadline:
-            # route alternately to each rank; the other rank runs idle steps and still exchanges
-            out = server.generate(f"def f{i}(x):", max_new_tokens=16, routed_dp_rank=i % 2)
-            ranks_seen.add(out["meta_info"].get("dp_rank", i % 2))
-            i += 1
-            calls = _samples(server.metrics_text(), "dspark_harden_dp2_exchange_calls_total")
-            got = {dict(k).get("dp_rank"): v for k, v in calls.items() if dict(k).get("channel") == "mlp"}
-            if i >= 4 and got.get("0", 0) > 0 and got.get("1", 0) > 0:
-                break
-        got = {dict(k).get("dp_rank"): v for k, v in calls.items() if dict(k).get("channel") == "mlp"}
-        assert got.get("0", 0) > 0 and got.get("1", 0) > 0, calls
-        assert ranks_seen == {0, 1}
-        text = server.metrics_text()
-        errors = _samples(text, "dspark_harden_dp2_exchange_errors_total")
-        assert errors and all(v == 0 for v in errors.values()), {k: v for k, v in errors.items() if v}
-        enabled = _samples(text, "dspark_harden_dp2_exchange_enabled")
-        assert {dict(k)["dp_rank"] for k, v in enabled.items() if v == 1 and dict(k)["channel"] == "mlp"} == {"0", "1"}
-        bound = _samples(text, "dspark_harden_feature_bound")
-        assert any(
-            dict(k).get("feature") == "dp2-native-exchange"
-            and dict(k).get("role") == "scheduler"
-            and dict(k).get("status") == "bound"
-            and v == 1
-            for k, v in bound.items()
-        ), bound
-        seconds = _samples(text, "dspark_harden_dp2_exchange_seconds_total")
-        assert any(dict(k).get("phase") == "exchange_total" and v > 0 for k, v in seconds.items())
-        log = server.log_text()
-        assert "Dp2Error" not in log
-    finally:
-        server.stop()
-        server.remove_workdir()
-    for channel in ("mlp", "verify_tier"):
-        assert not os.path.exists("/dev/shm" + shm_name_for(SESSION, channel))
-    assert not [n for n in os.listdir("/dev/shm") if n.startswith("dspark_dp2_")], os.listdir("/dev/shm")
+def test_native_exchange_serves_a_real_dp2_server(dp2_native_server):
+    server = dp2_native_server
+    ranks_seen, before, got = serve_on_both_ranks(server, prefix="f", max_new_tokens=16)
+    assert all(got.get(r, 0) > before.get(r, 0) for r in ("0", "1")), (before, got)
+    assert ranks_seen == {0, 1}
+    text = server.metrics_text()
+    errors = samples(text, "dspark_harden_dp2_exchange_errors_total")
+    assert errors and all(v == 0 for v in errors.values()), {k: v for k, v in errors.items() if v}
+    enabled = samples(text, "dspark_harden_dp2_exchange_enabled")
+    assert {dict(k)["dp_rank"] for k, v in enabled.items() if v == 1 and dict(k)["channel"] == "mlp"} == {"0", "1"}
+    bound = samples(text, "dspark_harden_feature_bound")
+    assert any(
+        dict(k).get("feature") == "dp2-native-exchange"
+        and dict(k).get("role") == "scheduler"
+        and dict(k).get("status") == "bound"
+        and v == 1
+        for k, v in bound.items()
+    ), bound
+    seconds = samples(text, "dspark_harden_dp2_exchange_seconds_total")
+    assert any(dict(k).get("phase") == "exchange_total" and v > 0 for k, v in seconds.items())
+    assert "Dp2Error" not in server.log_text()
+    # the segments both ranks map are the ones this server's session id names
+    session = session_of(server)
+    mapped = mapped_dp2_segments(server.pid)
+    assert shm_name_for(session, "mlp") in mapped, (session, mapped)
+    assert mapped <= {shm_name_for(session, c) for c in DP2_CHANNELS}, (session, mapped)

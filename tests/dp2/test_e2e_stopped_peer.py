@@ -10,8 +10,10 @@ been stopped for ``SGLANG_DSPARK_DP2_SHM_PEER_STOP_MS`` rank 0 fails with the na
 (``peer_died``: ``is stopped (state T)``), published to shared state, and the server exits with the
 lifecycle's scheduler exit code 3.
 
-Server: its own (one start). The drill destroys it (rank 1 stopped, the server exits with code 3), so
-no shared server can take it, and its stall period settings differ from every shared configuration.
+Server: the shared ``dp2_native_server`` (tests/harness/shared.py: its stall period and stop limit are this
+drill's), as its last user: the drill ends it (rank 1 stopped, the server exits with code 3). Its leftover
+check (no segment of this server's session left) is also the end-to-end test's (tests/dp2/test_e2e.py), which
+served on the same server before.
 """
 
 from __future__ import annotations
@@ -25,41 +27,18 @@ import time
 import pytest
 import requests
 
-from dspark_harden.core import procfs
 from dspark_harden.dp2.metrics import DP2_CHANNELS
 from dspark_harden.dp2.native import shm_name_for
-from tests.harness.server import DP2_CONFIG, SGLangServer
+from tests.harness.shared import DP2_NATIVE_PERIOD_MS, DP2_NATIVE_STOP_MS
+
+from .servers import mapped_dp2_segments, session_of
 
 # not host_exclusive: the leftover check below is this server's own segments (the ones its processes map, and
 # the names its session id gives), so tests of the other pytest-xdist worker may create and remove theirs meanwhile
 pytestmark = [pytest.mark.server]
 
-PERIOD_MS = 3000
-STOP_MS = 40000
-CONFIG = DP2_CONFIG.with_env(
-    SGLANG_DSPARK_DP2_SHM_MLP_SYNC="1",
-    SGLANG_DSPARK_DP2_SHM_TIMEOUT_MS=str(PERIOD_MS),
-    SGLANG_DSPARK_DP2_SHM_PEER_STOP_MS=str(STOP_MS),
-)
-CONFIG = type(CONFIG)(**{**CONFIG.__dict__, "name": "dp2-stopped-peer"})
-
-
-_SESSION_RE = re.compile(r"derived (auto-\d+-[0-9a-f]{16}) for this launch")
-
-
-def _mapped_dp2_segments(pgid: int) -> set:
-    """/dev/shm names of the DP2 segments the processes of the server's group have mapped now."""
-    out = set()
-    for pid in procfs.group_pids(pgid):
-        try:
-            with open(f"/proc/{pid}/maps") as f:
-                for line in f:
-                    path = line.rstrip("\n").split(None, 5)[-1].removesuffix(" (deleted)")  # unlinked once both opened
-                    if path.startswith("/dev/shm/dspark_dp2_"):
-                        out.add(path[len("/dev/shm") :])
-        except OSError:
-            continue
-    return out
+PERIOD_MS = DP2_NATIVE_PERIOD_MS
+STOP_MS = DP2_NATIVE_STOP_MS
 
 
 def _health(server):
@@ -68,21 +47,21 @@ def _health(server):
 
 
 @pytest.mark.timeout(1500)
-def test_stopped_rank_1_is_named_by_health_then_fails_both_ranks():
-    server = SGLangServer(CONFIG)
+@pytest.mark.shared_order(1)  # the last user of the shared server: it ends it
+def test_stopped_rank_1_is_named_by_health_then_fails_both_ranks(dp2_native_server):
+    server = dp2_native_server
     pid1 = None
     own_names: set = set()
     mapped: set = set()
     try:
-        server.start()
         deadline = time.monotonic() + 120
         while _health(server)[0] != 200:
             assert time.monotonic() < deadline, _health(server)
             time.sleep(0.5)
         # this server's segments: the names its session id gives, and what its ranks map (both ranks are alive)
-        (session,) = _SESSION_RE.findall(server.log_text())
+        session = session_of(server)
         own_names = {shm_name_for(session, channel) for channel in DP2_CHANNELS}
-        mapped = _mapped_dp2_segments(server.pid)
+        mapped = mapped_dp2_segments(server.pid)
         assert shm_name_for(session, "mlp") in mapped and mapped <= own_names, (session, mapped, own_names)
         pid1 = server.process_titled("sglang::scheduler_DP1_")
         os.kill(pid1, signal.SIGSTOP)

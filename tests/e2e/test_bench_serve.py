@@ -1,5 +1,5 @@
-"""``bench serve`` and ``bench soak`` against real servers, cheaply: a fresh stock DP2 server and the
-shared plugin DP2 server (``dp2_server``: every default feature on; the native DP2 exchange is
+"""``bench serve`` and ``bench soak`` against real servers, cheaply: the shared stock DP2 server
+(``dp2_stock_server``, which the stock SIGTERM drill ends later) and the shared plugin DP2 server (``dp2_server``: every default feature on; the native DP2 exchange is
 exercised by the full bench, which launches its own plugin server), a tiny generated trace, one
 round each. The gates must hold (sequential outputs identical token for token, no errors, every
 constrained output valid) and the JSON has the shape the issue gives; numbers are not asserted."""
@@ -32,19 +32,20 @@ def test_soak_load_helpers_exact():
 
 
 @pytest.mark.timeout(1500)
-def test_serve_gates_hold_on_a_tiny_trace(dp2_server):
+def test_serve_gates_hold_on_a_tiny_trace(dp2_server, dp2_stock_server):
     entries = trace.generate(seed=5, requests=14, rate=20.0, batches=1, burst=3, schemas=4)
     for e in entries:  # keep the test short: small outputs, a batch of 64 still routed as one
         e["body"]["sampling_params"]["max_new_tokens"] = min(e["body"]["sampling_params"]["max_new_tokens"], 64)
     seq = trace.sequential_subset(entries, 6)
-    stock = serve.start(serve.stock_config())
+    assert not dp2_stock_server.plugin_roles(), dp2_stock_server.log_tail()
+    stock = serve.Pausable(dp2_stock_server)
     plugin = serve.Pausable(dp2_server)
     try:
         stock.pause()
         report = serve.compare(stock, plugin, entries, seq, 1, {"rounds": 1}, warmup=False)
     finally:
-        plugin.resume()  # the shared server is left running
-        stock.stop()
+        plugin.resume()  # the shared servers are left: the plugin one running,
+        stock.pause()  # the stock one paused (it spins a core while it runs) until the stock SIGTERM drill
     assert set(report) >= {"rounds", "stock", "plugin", "ratio", "identical_sequential", "identical_concurrent"}
     assert set(report["ratio"]) >= {"output_tok_s", "p50_s", "p95_s", "p99_s"}
     assert set(report["identical_concurrent"]) >= {"stock_vs_stock", "plugin_vs_stock"}

@@ -3,7 +3,7 @@
 Each entry of :data:`SHARED_CONFIGS` becomes a pytest fixture of the same name (tests/conftest.py).
 Collection puts the tests that use one shared server next to each other (and after the tests that
 use none: heaviest last), so each shared configuration starts once per run; a teardown hook stops
-it right after the last test that needs it (the DP controller's idle loop burns a core, and the
+it right after the last test of the run that needs it (the DP controller's idle loop burns a core, and the
 machine-wide server lock should be released early). A start failure is remembered so later tests
 fail at once with the same log instead of waiting for another start.
 
@@ -12,7 +12,10 @@ A shared server must not be requested from ``@pytest.mark.forked`` tests (the fo
 
 from __future__ import annotations
 
+import os
+import signal
 import time
+from pathlib import Path
 from typing import Optional
 
 from dspark_harden.devtools.tiny_models import dspark_draft_dir
@@ -80,15 +83,48 @@ DP2_SHARED_CONFIG = DP2_CONFIG.with_env(
     DSPARK_HARDEN_HEALTH_MAX_STALENESS_S=str(DP2_SHARED_STALENESS_S),
 )
 
-#: fixture name -> configuration. Later issues may add entries (e.g. a stock server to compare).
+#: the stall period and stop limit of the DP2 native server (the stopped-peer drill waits on them)
+DP2_NATIVE_PERIOD_MS = 3000
+DP2_NATIVE_STOP_MS = 40000
+
+# The plugin DP2 server with the native exchange and nothing else opted in: no session id (its main process
+# derives one), a short stall period and stop limit. Its users, in order: the session test runs it beside
+# ``dp2_server`` (two servers, neither given an id: different ids, own segments; tests/dp2/test_session.py),
+# the end-to-end test serves on it (tests/dp2/test_e2e.py), and the stopped-peer drill ends it
+# (tests/dp2/test_e2e_stopped_peer.py, last: rank 1 stopped, exit code 3, no segment left). One start
+# instead of four (issue 42). A stall period of 3 s only adds WARNINGs and a stall counter while a rank
+# waits on a late peer (the two first users assert no error, not no stall).
+DP2_NATIVE_CONFIG = DP2_CONFIG.with_env(
+    SGLANG_DSPARK_DP2_SHM_MLP_SYNC="1",
+    SGLANG_DSPARK_DP2_SHM_TIMEOUT_MS=str(DP2_NATIVE_PERIOD_MS),
+    SGLANG_DSPARK_DP2_SHM_PEER_STOP_MS=str(DP2_NATIVE_STOP_MS),
+)
+DP2_NATIVE_CONFIG = type(DP2_NATIVE_CONFIG)(**{**DP2_NATIVE_CONFIG.__dict__, "name": "dp2-native"})
+
+# The stock DP2 server of the run (SGLANG_PLUGINS naming no installed plugin), with the lifecycle drills'
+# logging configuration (timestamps and levels in its log): the bench-serve gates compare against it
+# (tests/e2e/test_bench_serve.py), then the stock SIGTERM drill ends it (tests/lifecycle/test_server_drills.py).
+# One start instead of two (issue 42). Stock 0.5.23's DP controller polls without blocking (a core from
+# ready to exit), so the server is kept SIGSTOPped between its users (``resume`` below).
+DP2_STOCK_CONFIG = DP2_CONFIG.with_env(
+    SGLANG_LOGGING_CONFIG_PATH=str(Path(__file__).parents[1] / "lifecycle" / "logging.json")
+)
+DP2_STOCK_CONFIG = type(DP2_STOCK_CONFIG)(**{**DP2_STOCK_CONFIG.__dict__, "plugins": None, "name": "dp2-stock"})
+
+#: fixture name -> configuration, in group order (tests/conftest.py: the tests that use a server run after
+#: those of the servers before it; a test that uses two runs in the first one's group)
 SHARED_CONFIGS: dict[str, ServerConfig] = {
     # DeepseekV3 tiny (MLA + MoE), --dp-size 2 --tp-size 2 --enable-dp-attention, plugin active (above)
     "dp2_server": DP2_SHARED_CONFIG,
+    # the same geometry, native exchange only, short stall settings (above); ended by the stopped-peer drill
+    "dp2_native_server": DP2_NATIVE_CONFIG,
     # Qwen3 tiny + tiny DSpark draft, --speculative-algorithm DSPARK, the same DP2 geometry (stock
     # requires --enable-dp-lm-head for DSpark under DP attention), plugin active with
     # DSPARK_HARDEN_DSPARK_MASKS=1 and DSPARK_HARDEN_DSPARK_RESULTS=1. The draft is built by ensure_dspark_draft() (tests using this
     # server request it first: tests/dspark_masks/test_dspark_server.py).
     "dspark_dp2_server": DSPARK_DP2_CONFIG,
+    # stock, paused between its users (above); ended by the stock SIGTERM drill
+    "dp2_stock_server": DP2_STOCK_CONFIG,
 }
 
 _running: dict[str, SGLangServer] = {}
@@ -107,7 +143,9 @@ def get(name: str) -> SGLangServer:
         _failed[name] = msg
         raise ServerError(msg)
     try:
-        server = _start_watching(SGLangServer(SHARED_CONFIGS[name]), WATCH_WHILE_STARTING.get(name))
+        server = SGLangServer(SHARED_CONFIGS[name])
+        server.shm_before = set(os.listdir("/dev/shm"))  # what /dev/shm held before it (a drill's leftover baseline)
+        server = _start_watching(server, WATCH_WHILE_STARTING.get(name))
     except ServerError as exc:
         _failed[name] = str(exc)
         raise
@@ -141,6 +179,17 @@ def _start_watching(server: SGLangServer, path: Optional[str]) -> SGLangServer:
     return server.start(while_starting=watch)
 
 
+def resume(server: SGLangServer, timeout: float = 60.0) -> SGLangServer:
+    """SIGCONT the server's process group (harmless when it runs) and wait until it answers again."""
+    os.killpg(server.pid, signal.SIGCONT)
+    deadline = time.monotonic() + timeout
+    while not server._http_ok("/model_info", timeout=5):
+        if time.monotonic() > deadline or server.proc.poll() is not None:
+            raise ServerError(server._failure("did not answer /model_info after SIGCONT"))
+        time.sleep(0.5)
+    return server
+
+
 def running(name: str) -> Optional[SGLangServer]:
     return _running.get(name)
 
@@ -148,6 +197,8 @@ def running(name: str) -> Optional[SGLangServer]:
 def stop(name: str) -> None:
     server = _running.pop(name, None)
     if server is not None:
+        if server.proc.poll() is None:
+            os.killpg(server.pid, signal.SIGCONT)  # a paused server would take SIGTERM only after its stop timeout
         server.stop()
         server.remove_workdir()
 

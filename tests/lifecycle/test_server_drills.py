@@ -1,15 +1,19 @@
 """Lifecycle drills on real DP2 CPU servers (DeepseekV3 tiny, --dp-size 2 --tp-size 2
 --enable-dp-attention), plugin vs stock side by side.
 
-Server budget (each start ~1.5 min on 2 cores): four servers by default —
+Server budget (each start ~1.5 min on 2 cores): three servers of its own by default, and the run's
+shared stock server (``dp2_stock_server``, after the bench-serve gates used it) —
 stock SIGTERM, plugin SIGTERM (its server first runs the non-destructive drills: GC freeze in every
 process, /health_scheduler), plugin SIGKILL of scheduler DP1, plugin SIGKILL of the detokenizer.
 ``DSPARK_LIFECYCLE_FULL_DRILLS=1`` adds stock SIGKILL of DP1 and the plugin's injected exception in
 DP1 (the exception path is also covered without a server in test_processes.py). Every drill prints
 its summary line (``[drill ...]``): the numbers docs/lifecycle.md reports.
 
-Servers: four of their own (the server budget above). Every drill ends its server (SIGTERM, SIGKILL of a
-scheduler or the detokenizer), so none can run on a shared one, and two drills cannot share a start.
+Servers: three of their own and the shared stock one (the server budget above). Every drill ends its server
+(SIGTERM, SIGKILL of a scheduler or the detokenizer), so each can only be a shared server's last user, and two
+drills cannot share a start. The stock SIGTERM drill is the stock server's last user; the plugin drills' settings
+(drain window, native exchange, the killed process) and their /dev/shm checks (host-wide, below) keep them
+on servers of their own.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import time
 
 import pytest
 
+from tests.harness import shared
 from tests.harness.server import SGLangServer
 from tests.lifecycle import drills as D
 
@@ -75,9 +80,13 @@ def _sigterm_probes(server: SGLangServer, drill: D.Drill) -> None:
     D.probe(server, drill, "health_scheduler", "GET", "/health_scheduler")
 
 
-def test_sigterm_stock():
-    """Stock 0.5.23 under the same load: recorded for comparison (its counts are printed)."""
-    server, shm_before = _start(False, "lifecycle-stock-term")
+def test_sigterm_stock(dp2_stock_server):
+    """Stock 0.5.23 under the same load: recorded for comparison (its counts are printed). On the run's
+    shared stock server (its last user; paused since the bench-serve gates used it): the leftovers it
+    reports are the /dev/shm names that appeared since that server's start and that no live process maps."""
+    server = shared.resume(dp2_stock_server)
+    assert not server.plugin_roles()
+    shm_before = server.shm_before
     _warm(server)
     drill = D.signal_drill(
         server,
@@ -99,8 +108,17 @@ def test_sigterm_stock():
 
 
 def test_sigterm_plugin_drains_orders_and_cleans():
-    server, shm_before = _start(True, "lifecycle-plugin-term", DSPARK_HARDEN_SHUTDOWN_DRAIN_S=str(DRAIN_S))
+    # with the native DP2 exchange: its segments are part of what the clean exit must leave behind (nothing)
+    server, shm_before = _start(
+        True, "lifecycle-plugin-term", DSPARK_HARDEN_SHUTDOWN_DRAIN_S=str(DRAIN_S), SGLANG_DSPARK_DP2_SHM_MLP_SYNC="1"
+    )
     assert "lifecycle-shutdown" in server.log_text()
+    enabled = [
+        line
+        for line in server.metrics_text().splitlines()
+        if line.startswith("dspark_harden_dp2_exchange_enabled{") and 'channel="mlp"' in line and line.endswith(" 1.0")
+    ]
+    assert len(enabled) == 2, enabled  # both DP ranks exchange natively
     # -- non-destructive drills first --------------------------------------------------------
     r = server.get("/health_scheduler", timeout=10)
     assert r.status_code == 200, r.text
