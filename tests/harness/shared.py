@@ -143,8 +143,7 @@ def get(name: str) -> SGLangServer:
         _failed[name] = msg
         raise ServerError(msg)
     try:
-        server = SGLangServer(SHARED_CONFIGS[name])
-        server.shm_before = set(os.listdir("/dev/shm"))  # what /dev/shm held before it (a drill's leftover baseline)
+        server = SGLangServer(SHARED_CONFIGS[name], watch_shm=name in WATCH_SHM)
         server = _start_watching(server, WATCH_WHILE_STARTING.get(name))
     except ServerError as exc:
         _failed[name] = str(exc)
@@ -152,6 +151,9 @@ def get(name: str) -> SGLangServer:
     _running[name] = server
     return server
 
+
+#: shared servers whose /dev/shm mappings are watched (a drill that ends one checks its leftovers)
+WATCH_SHM = {"dp2_stock_server"}
 
 #: fixture name -> path polled while the server starts; its (status, reason) answers until the first 200
 #: are kept as ``server.startup_answers`` (the ingress tests read /health_scheduler's)

@@ -554,3 +554,93 @@ def test_warm_commands_run_as_a_fresh_interpreter_and_differing_imports_run_fres
     assert 'File "<string>", line 1, in <module>' in r.stderr and "_warm_child" not in r.stderr, r.stderr
     r = warm.run([sys.executable, "-c", code], env=env, timeout=600, fresh=True)
     assert r.returncode == 7 and warm.STATS["fresh"] == before["fresh"] + 2
+
+
+# --- which /dev/shm entries a process tree left (dspark_harden.devtools.shmwatch) -------------------
+
+_SHM_CHILD = r"""
+import mmap, os, sys, time, _multiprocessing
+tag = sys.argv[1]
+
+def mapped(name, size=4096):
+    fd = os.open("/dev/shm/" + name, os.O_CREAT | os.O_RDWR, 0o600)
+    os.ftruncate(fd, size)
+    return mmap.mmap(fd, size)
+
+parent = os.getpid()
+if os.fork() == 0:  # a grandchild of the same group maps its own entry; exits after its parent, removing nothing
+    m = mapped(f"dsh-watch-{tag}-grandchild")
+    os.write(1, b"grandchild\n")  # one write each: the two lines never interleave
+    while os.getppid() == parent:
+        time.sleep(0.01)
+    os._exit(0)
+keep = [
+    mapped(f"dsh-watch-{tag}-own"),                          # left: mapped by the tree only
+    mapped(f"dsh-watch-{tag}-shared"),                       # mapped by another process too: in use
+    mapped(f"dsh-watch-{tag}-removed"),                      # removed before the exit
+    # a POSIX semaphore: sem_open() maps a temporary name, then links it as sem.<name>; not unlinked
+    _multiprocessing.SemLock(1, 1, 1, f"/dsh-watch-{tag}-sem", False),
+]
+os.unlink(f"/dev/shm/dsh-watch-{tag}-removed")
+os.write(1, b"ready\n")
+sys.stdin.readline()
+os._exit(0)  # nothing else removed
+"""
+
+
+def test_shm_watch_names_only_what_its_tree_mapped_and_left(tmp_path):
+    """A process group (a child and its grandchild) maps five /dev/shm entries of its own and exits; meanwhile
+    this process creates one it does not map and keeps one of the child's mapped (a watch sees what is mapped
+    at its samples: here the grandchild lives until its parent exits). The watch names exactly the
+    child's and grandchild's unremoved, unused entries, the semaphore included (mapped under another name),
+    and not the other process's (a host-wide before/after diff names it too)."""
+    import mmap
+    import time
+    import uuid
+
+    from dspark_harden.core import procfs
+    from dspark_harden.devtools import shmwatch
+
+    tag = uuid.uuid4().hex[:8]
+    before = shmwatch.entries()
+    child = subprocess.Popen(
+        [sys.executable, "-c", _SHM_CHILD, tag],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    watch = shmwatch.ShmWatch(child.pid, interval=0.05).start()
+    held = None
+    try:
+        assert sorted(child.stdout.readline() for _ in range(2)) == ["grandchild\n", "ready\n"]
+        watch.sample()
+        foreign = f"/dev/shm/dsh-watch-{tag}-foreign"
+        with open(foreign, "wb") as f:
+            f.write(b"x")
+        fd = os.open(f"/dev/shm/dsh-watch-{tag}-shared", os.O_RDWR)
+        held = mmap.mmap(fd, 4096)
+        os.close(fd)
+        child.stdin.write("\n")
+        child.stdin.flush()
+        assert child.wait(30) == 0
+        deadline = time.monotonic() + 30
+        while procfs.group_pids(child.pid):  # the grandchild follows its parent
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        watch.stop()
+        mine = {n for n in shmwatch.entries() - before if tag in n}
+        assert mine == {f"dsh-watch-{tag}-{k}" for k in ("grandchild", "own", "shared", "foreign")} | {
+            f"sem.dsh-watch-{tag}-sem"
+        }, mine
+        assert watch.leftovers(before) == sorted(
+            [f"dsh-watch-{tag}-grandchild", f"dsh-watch-{tag}-own", f"sem.dsh-watch-{tag}-sem"]
+        )
+    finally:
+        if child.poll() is None:
+            child.kill()
+        if held is not None:
+            held.close()
+        for n in shmwatch.entries():
+            if tag in n:
+                os.unlink(f"/dev/shm/{n}")

@@ -25,16 +25,16 @@ from tests.harness.server import PLUGIN_ACTIVE_RE, SGLangServer
 from tests.integration.test_server_plugin import answer_bounded_json, assert_plugin_in_every_role
 from tests.lifecycle import drills as D
 
-# host_exclusive: each launch's /dev/shm diff spans its server's life (no test of another pytest-xdist worker runs meanwhile, tests/conftest.py)
-pytestmark = [pytest.mark.server, pytest.mark.timeout(1200), pytest.mark.host_exclusive]
+# not host_exclusive: its /dev/shm leftovers are the new entries its own server's processes mapped
+# (dspark_harden.devtools.shmwatch)
+pytestmark = [pytest.mark.server, pytest.mark.timeout(1200)]
 
 
 def test_sglang_serve_binds_every_role_answers_json_and_exits_clean():
     """Also the "installed, not named" path (issue 39): ``SGLANG_PLUGINS`` empty, which stock reads as
     "load every installed plugin"; each process says so on its presence line."""
     config = dataclasses.replace(D.config(True, "launch-serve"), launcher="serve", plugins="")
-    shm_before = D.shm_entries()
-    server = SGLangServer(config).start()
+    server = SGLangServer(config, watch_shm=True).start()
     try:
         cmd = server.command()
         assert cmd[1] == "serve" and os.path.basename(cmd[0]) == "sglang", cmd
@@ -46,9 +46,7 @@ def test_sglang_serve_binds_every_role_answers_json_and_exits_clean():
         ), presence
         for rank in (0, 1):
             answer_bounded_json(server, rank)
-        drill = D.signal_drill(
-            server, "sglang serve SIGTERM", target="main", sig=signal.SIGTERM, lengths=None, shm_before=shm_before
-        )
+        drill = D.signal_drill(server, "sglang serve SIGTERM", target="main", sig=signal.SIGTERM, lengths=None)
     finally:
         server.stop()
     sys.stderr.write(drill.summary() + "\n")

@@ -34,38 +34,6 @@ def config(plugin: bool, name: str, **env: str):
     return type(cfg)(**{**cfg.__dict__, "plugins": "dspark_harden" if plugin else None, "name": name})
 
 
-def shm_entries() -> set:
-    try:
-        return set(os.listdir(SHM))
-    except OSError:
-        return set()
-
-
-def mapped_anywhere(names: set) -> set:
-    """Names under /dev/shm that a live process maps (not leftovers: e.g. another server's on this
-    host). By inode: a semaphore is mapped under sem_open()'s unlinked temporary name."""
-    by_ino = {}
-    for n in names:
-        try:
-            by_ino[os.lstat(SHM / n).st_ino] = n
-        except OSError:
-            pass
-    out = set()
-    for pid in os.listdir("/proc"):
-        if not pid.isdigit():
-            continue
-        try:
-            maps = Path(f"/proc/{pid}/maps").read_text()
-        except OSError:
-            continue
-        for line in maps.splitlines():
-            if "/dev/shm/" in line:
-                parts = line.split()
-                if len(parts) >= 6 and parts[4].isdigit() and int(parts[4]) in by_ino:
-                    out.add(by_ino[int(parts[4])])
-    return out
-
-
 @dataclass
 class Result:
     index: int
@@ -185,7 +153,6 @@ def finish(
     drill: Drill,
     server: SGLangServer,
     *,
-    shm_before: set,
     log_offset: int,
     t_event: float,
     load: Optional[Load],
@@ -201,8 +168,8 @@ def finish(
     drill.leftover_pids = procfs.group_pids(server.pid) if rc is not None else ["still running"]
     if rc is None:
         server.stop()
-    new = shm_entries() - shm_before
-    drill.leftover_shm = sorted(new - mapped_anywhere(new))
+    # new since the server's launch, mapped by no live process, mapped by the server's processes
+    drill.leftover_shm = server.shm_watch.leftovers(server.shm_before)
     drill.leftover_sockets = sockets_in(server.workdir / "tmp")
     text = server.log_text()
     drill.log_after = text[log_offset:]
@@ -222,7 +189,6 @@ def signal_drill(
     wait_for: int = 0,
     probes=None,
     exit_timeout: float = 90.0,
-    shm_before: set,
 ) -> Drill:
     """Start ``lengths`` requests (None: none), wait until ``wait_for`` are in the schedulers, send
     ``sig`` to ``target`` ("main" or a process title prefix), run ``probes(server, drill)`` right after,
@@ -234,6 +200,7 @@ def signal_drill(
     log_offset = len(server.log_text())
     pid = server.pid if target == "main" else server.process_titled(target)
     drill = Drill(name)
+    server.shm_watch.sample()  # what the server maps right before the event
     t_event = time.monotonic()
     os.kill(pid, sig)
     if probes is not None:
@@ -241,7 +208,6 @@ def signal_drill(
     return finish(
         drill,
         server,
-        shm_before=shm_before,
         log_offset=log_offset,
         t_event=t_event,
         load=load,
@@ -270,5 +236,5 @@ def poll_health(server: SGLangServer, drill: Drill, seconds: float) -> None:
         time.sleep(0.1)
 
 
-__all__ = ["config", "signal_drill", "shm_entries", "probe", "poll_health", "Drill", "Load", "SIGNALS"]
+__all__ = ["config", "signal_drill", "probe", "poll_health", "Drill", "Load", "SIGNALS"]
 SIGNALS = {"SIGTERM": signal.SIGTERM, "SIGKILL": signal.SIGKILL}

@@ -5,7 +5,8 @@ DP attention, the test CPU platform), a JSON-schema request through xgrammar, st
 ``Engine.shutdown``; two Engines one after the other in the same process (the second must start with
 a run directory its children accept and be tracked on its own). Stock alone leaves 4 entries per
 Engine here (2 ``sem.mp-*``, ``sgl_shm_mq_*``, ``sglang_loads_*``); the wrapped shutdown must leave 0.
-The /dev/shm diff is taken under the server lock, so no other test server creates entries meanwhile.
+The /dev/shm entries counted are the ones the probe's process group mapped (sampled every second and after
+the request), so entries other processes of the host create meanwhile are not counted.
 
 Servers: two offline Engines of its own (no HTTP server can stand for ``sglang.Engine``, and the second
 Engine's start after the first one's shutdown is what is tested).
@@ -40,8 +41,9 @@ def two_port_bases() -> list:
     raise RuntimeError("no second free port range")
 
 
-# host_exclusive: its /dev/shm diff spans two offline Engines' lives (no test of another pytest-xdist worker runs meanwhile, tests/conftest.py)
-pytestmark = [pytest.mark.server, pytest.mark.host_exclusive]
+# not host_exclusive: an Engine's /dev/shm entries are the ones its process group mapped
+# (dspark_harden.devtools.shmwatch), so tests of the other pytest-xdist worker may create theirs meanwhile
+pytestmark = [pytest.mark.server]
 
 PROBE = textwrap.dedent("""
     import json, os, sys
@@ -53,8 +55,13 @@ PROBE = textwrap.dedent("""
         schema = {"type": "object", "properties": {"ok": {"type": "boolean"}, "color": {"enum": ["red", "blue"]}},
                   "required": ["ok", "color"], "additionalProperties": False}
         report = []
+        from dspark_harden.devtools.shmwatch import ShmWatch, entries
+
         for i in range(2):
-            before = set(os.listdir("/dev/shm"))
+            before = entries()
+            # what this process group (this process and the Engine's children) maps, sampled while it runs:
+            # another test's entries are not this Engine's (no host-wide diff)
+            watch = ShmWatch(os.getpgrp(), interval=1.0).start()
             # a port range of its own per Engine: the first Engine's ports stay bound in this process
             port = int(sys.argv[1 + i])
             eng = sgl.Engine(model_path=ensure_model("qwen3"), device="cpu", attention_backend="torch_native",
@@ -64,11 +71,12 @@ PROBE = textwrap.dedent("""
                              port=port)
             out = eng.generate("JSON:", sampling_params={"json_schema": json.dumps(schema), "max_new_tokens": 64,
                                                          "temperature": 0})
-            during = set(os.listdir("/dev/shm")) - before
+            during = watch.sample().created(before)
             from dspark_harden.lifecycle.proctree import is_subreaper
             subreaper = is_subreaper()  # the caller's own process: never made a child subreaper
             eng.shutdown()
-            left = sorted(set(os.listdir("/dev/shm")) - before)
+            # created by the tree and still there, in use by this process or not (the caller keeps running)
+            left = watch.stop().created(before)
             report.append({"text": out["text"], "finish": out["meta_info"]["finish_reason"]["type"],
                            "created": len(during), "left": left, "subreaper": subreaper})
         print("PROBE " + json.dumps(report), flush=True)
@@ -99,6 +107,7 @@ def test_two_offline_engines_in_one_process_leave_nothing_in_dev_shm(tmp_path):
             capture_output=True,
             text=True,
             timeout=900,
+            start_new_session=True,  # its own process group: what its watch samples
         )
     lines = [ln for ln in r.stdout.splitlines() if ln.startswith("PROBE ")]
     assert r.returncode == 0 and lines, (r.returncode, r.stdout[-2000:], r.stderr[-4000:])

@@ -23,6 +23,7 @@ import time
 from typing import Optional
 
 from . import server as S
+from . import shmwatch
 from .tiny_models import RECIPE_VERSION, dspark_draft_dir, ensure_dspark_draft, ensure_model
 
 #: SGLANG_PLUGINS of each arm: "" loads every installed plugin (dspark_harden included), the other
@@ -80,13 +81,6 @@ CONFIGS = {
 }
 
 
-def _shm() -> set:
-    try:
-        return set(os.listdir("/dev/shm"))
-    except OSError:
-        return set()
-
-
 def _requests(post) -> list:
     """The greedy outputs of a configuration: ``post(text, sampling_params) -> (text, finish_type)``."""
     out = []
@@ -107,8 +101,7 @@ def run_server(name: str, arm: str) -> dict:
             }
         )
     config = S.ServerConfig(**{**config.__dict__, "plugins": ARMS[arm]})
-    before = _shm()
-    server = S.SGLangServer(config).start()
+    server = S.SGLangServer(config, watch_shm=True).start()
     try:
 
         def post(text, sp):
@@ -135,7 +128,7 @@ def run_server(name: str, arm: str) -> dict:
         "exit": rc,
         "stragglers": stragglers,
         "exit_s": round(exit_s, 1),
-        "left_shm": sorted(_shm() - before),
+        "left_shm": server.shm_watch.leftovers(server.shm_before),
         "plugin_roles": roles,
         "presence": presence_lines(log),
         "log_tail": log[-3000:],
@@ -171,25 +164,34 @@ def run_engine(arm: str) -> dict:
         env = {k: v for k, v in os.environ.items() if not k.startswith("DSPARK_HARDEN_")}
         env.update(S.PLATFORM_ENV, TMPDIR=tmp, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", PYTHONUNBUFFERED="1")
         env["SGLANG_PLUGINS"] = S.STOCK_PLUGINS if ARMS[arm] is None else ARMS[arm]
-        before = _shm()
+        before = shmwatch.entries()
         with S._lock.server_lock():
-            r = subprocess.run(
+            p = subprocess.Popen(
                 [sys.executable, "-c", ENGINE_PROBE, str(S.free_port())],
                 env=env,
-                capture_output=True,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
                 text=True,
-                timeout=900,
                 cwd=tmp,
+                start_new_session=True,
             )
-    lines = [ln for ln in r.stdout.splitlines() if ln.startswith("MATRIX ")]
+            watch = shmwatch.ShmWatch(p.pid).start()
+            try:
+                stdout, stderr = p.communicate(timeout=900)
+            finally:
+                if p.poll() is None:
+                    os.killpg(p.pid, signal.SIGKILL)
+                    p.wait()
+                watch.stop()
+    lines = [ln for ln in stdout.splitlines() if ln.startswith("MATRIX ")]
     return {
         "outputs": json.loads(lines[-1][7:]) if lines else None,
-        "exit": r.returncode,
+        "exit": p.returncode,
         "stragglers": False,
-        "left_shm": sorted(_shm() - before),
-        "plugin_roles": sorted({m.group(1) for m in S.PLUGIN_ACTIVE_RE.finditer(r.stderr)}),
-        "presence": presence_lines(r.stderr),
-        "log_tail": r.stderr[-3000:],
+        "left_shm": watch.leftovers(before),
+        "plugin_roles": sorted({m.group(1) for m in S.PLUGIN_ACTIVE_RE.finditer(stderr)}),
+        "presence": presence_lines(stderr),
+        "log_tail": stderr[-3000:],
     }
 
 

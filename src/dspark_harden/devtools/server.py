@@ -279,6 +279,11 @@ class SGLangServer:
     returncode: Optional[int] = None
     _log_file: Any = None
     _locked: bool = False
+    #: watch the /dev/shm entries the server's processes map (:mod:`.shmwatch`): ``shm_before`` is the
+    #: directory at its first launch, ``shm_watch`` the inodes they mapped (a drill's leftover check)
+    watch_shm: bool = False
+    shm_before: Optional[set] = None
+    shm_watch: Any = None
 
     # -- paths --------------------------------------------------------------------------------
     @property
@@ -379,6 +384,10 @@ class SGLangServer:
         problem = cpu_platform_problem()
         if problem:
             raise ServerError(problem)
+        if self.watch_shm and self.shm_before is None:
+            from .shmwatch import entries
+
+            self.shm_before = entries()
         _lock.acquire()
         self._locked = True
         try:
@@ -407,10 +416,20 @@ class SGLangServer:
             )
             self._t0 = time.monotonic()
             _LIVE.add(self)
+            if self.watch_shm:
+                self._watch_shm()
         except BaseException:
             self._release()
             raise
         return self
+
+    def _watch_shm(self) -> None:
+        from .shmwatch import ShmWatch
+
+        if self.shm_watch is None:  # a start retried after a port race keeps its first baseline and inodes
+            self.shm_watch = ShmWatch(self.proc.pid).start()
+        else:
+            self.shm_watch.pgid = self.proc.pid
 
     def _http_ok(self, path: str, timeout: float) -> bool:
         import requests
@@ -535,6 +554,8 @@ class SGLangServer:
         if self._log_file is not None:
             self._log_file.close()
             self._log_file = None
+        if self.shm_watch is not None:
+            self.shm_watch.stop()  # its inodes stay for ``shm_watch.leftovers``
         _LIVE.discard(self)
         self._release()
 
