@@ -1,6 +1,6 @@
 """A real DSpark server with the plugin (issue 23): ``python -m sglang.launch_server
 --speculative-algorithm DSPARK`` on the CPU test platform, tiny Qwen3 target + tiny random DSpark
-draft (``ensure_dspark_draft``), ``--dp-size 2 --tp-size 2 --enable-dp-attention --enable-dp-lm-head``,
+draft (``ensure_dspark_draft``, built before the shared server starts), ``--dp-size 2 --tp-size 2 --enable-dp-attention --enable-dp-lm-head``,
 ``DSPARK_HARDEN_DSPARK_MASKS=1``, ``DSPARK_HARDEN_DSPARK_RESULTS=1`` and ``DSPARK_HARDEN_DSPARK_DRAFT_MASKS=1`` (shared fixture
 ``dspark_dp2_server``, one start per run).
 
@@ -21,8 +21,6 @@ import re
 import jsonschema
 import pytest
 
-from dspark_harden.devtools.tiny_models import ensure_dspark_draft
-
 pytestmark = [pytest.mark.server, pytest.mark.timeout(1200)]
 
 SCHEMA = {
@@ -40,11 +38,6 @@ DRAFT = re.compile(
     re.M,
 )
 ENGINE = re.compile(r'^dspark_harden_dspark_mask_engine\{dp_rank="(\d)",engine="(\w+)"\} ([0-9.e+]+)$', re.M)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _draft_built():
-    ensure_dspark_draft()  # the shared config names its directory; build it before the server starts
 
 
 def _steps(server) -> dict:

@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from dspark_harden.devtools.tiny_models import dspark_draft_dir
+from dspark_harden.devtools.tiny_models import dspark_draft_dir, ensure_dspark_draft
 
 from .server import DP2_CONFIG, ServerConfig, ServerError, SGLangServer
 
@@ -120,8 +120,8 @@ SHARED_CONFIGS: dict[str, ServerConfig] = {
     "dp2_native_server": DP2_NATIVE_CONFIG,
     # Qwen3 tiny + tiny DSpark draft, --speculative-algorithm DSPARK, the same DP2 geometry (stock
     # requires --enable-dp-lm-head for DSpark under DP attention), plugin active with
-    # DSPARK_HARDEN_DSPARK_MASKS=1 and DSPARK_HARDEN_DSPARK_RESULTS=1. The draft is built by ensure_dspark_draft() (tests using this
-    # server request it first: tests/dspark_masks/test_dspark_server.py).
+    # DSPARK_HARDEN_DSPARK_MASKS=1 and DSPARK_HARDEN_DSPARK_RESULTS=1. The draft is built first (``PREPARE``).
+    # Its last user, the detokenizer SIGKILL drill (tests/lifecycle/test_server_drills.py), ends it.
     "dspark_dp2_server": DSPARK_DP2_CONFIG,
     # stock, paused between its users (above); ended by the stock SIGTERM drill
     "dp2_stock_server": DP2_STOCK_CONFIG,
@@ -143,6 +143,8 @@ def get(name: str) -> SGLangServer:
         _failed[name] = msg
         raise ServerError(msg)
     try:
+        if name in PREPARE:
+            PREPARE[name]()
         server = SGLangServer(SHARED_CONFIGS[name], watch_shm=name in WATCH_SHM)
         server = _start_watching(server, WATCH_WHILE_STARTING.get(name))
     except ServerError as exc:
@@ -153,7 +155,10 @@ def get(name: str) -> SGLangServer:
 
 
 #: shared servers whose /dev/shm mappings are watched (a drill that ends one checks its leftovers)
-WATCH_SHM = {"dp2_stock_server"}
+WATCH_SHM = {"dp2_stock_server", "dspark_dp2_server"}
+
+#: fixture name -> what must exist before the server starts (the DSpark draft its arguments name)
+PREPARE = {"dspark_dp2_server": ensure_dspark_draft}
 
 #: fixture name -> path polled while the server starts; its (status, reason) answers until the first 200
 #: are kept as ``server.startup_answers`` (the ingress tests read /health_scheduler's)

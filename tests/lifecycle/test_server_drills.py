@@ -1,15 +1,16 @@
 """Lifecycle drills on real DP2 CPU servers (DeepseekV3 tiny, --dp-size 2 --tp-size 2
 --enable-dp-attention), plugin vs stock side by side.
 
-Server budget (each start ~1.5 min on 2 cores): three servers of its own by default, and the run's
-shared stock server (``dp2_stock_server``, after the bench-serve gates used it) —
-stock SIGTERM, plugin SIGTERM (its server first runs the non-destructive drills: GC freeze in every
-process, /health_scheduler), plugin SIGKILL of scheduler DP1, plugin SIGKILL of the detokenizer.
+Server budget (each start ~1.5 min on 2 cores): two servers of its own by default and two of the run's
+shared ones as their last user —
+stock SIGTERM (``dp2_stock_server``, after the bench-serve gates used it), plugin SIGTERM (its server first
+runs the non-destructive drills: GC freeze in every process, /health_scheduler), plugin SIGKILL of scheduler
+DP1, plugin SIGKILL of the detokenizer (``dspark_dp2_server``, the DSpark DP2 server, after its users).
 ``DSPARK_LIFECYCLE_FULL_DRILLS=1`` adds stock SIGKILL of DP1 and the plugin's injected exception in
 DP1 (the exception path is also covered without a server in test_processes.py). Every drill prints
 its summary line (``[drill ...]``): the numbers docs/lifecycle.md reports.
 
-Servers: three of their own and the shared stock one (the server budget above). Every drill ends its server
+Servers: two of their own and two shared ones (the server budget above). Every drill ends its server
 (SIGTERM, SIGKILL of a scheduler or the detokenizer), so each can only be a shared server's last user, and two
 drills cannot share a start. The stock SIGTERM drill is the stock server's last user; the plugin drills' settings
 (drain window, native exchange, the killed process) and their /dev/shm checks (host-wide, below) keep them
@@ -200,11 +201,15 @@ def _assert_death(drill: D.Drill, *, code: int, who: str, how: str) -> None:
     assert drill.leftover_pids == [], drill.leftover_pids
 
 
-@pytest.mark.parametrize("victim", ["scheduler_DP1", "detokenizer"])
-def test_death_plugin_is_loud_and_complete(victim):
-    server = _start(True, f"lifecycle-kill-{victim}")
+_VICTIMS = {
+    "scheduler_DP1": ("sglang::scheduler_DP1", 3, "DP rank 1 scheduler"),
+    "detokenizer": ("sglang::detokenizer", 4, "detokenizer"),
+}
+
+
+def _death_drill(server: SGLangServer, victim: str) -> None:
+    title, code, who = _VICTIMS[victim]
     _warm(server, 2)
-    title = "sglang::scheduler_DP1" if victim == "scheduler_DP1" else "sglang::detokenizer"
     drill = D.signal_drill(
         server,
         f"plugin SIGKILL {victim}",
@@ -215,10 +220,21 @@ def test_death_plugin_is_loud_and_complete(victim):
         probes=_death_probes,
     )
     _report(drill)
-    if victim == "scheduler_DP1":
-        _assert_death(drill, code=3, who="DP rank 1 scheduler", how="was killed by SIGKILL")
-    else:
-        _assert_death(drill, code=4, who="detokenizer", how="was killed by SIGKILL")
+    _assert_death(drill, code=code, who=who, how="was killed by SIGKILL")
+
+
+@pytest.mark.parametrize("victim", ["scheduler_DP1"])
+def test_death_plugin_is_loud_and_complete(victim):
+    _death_drill(_start(True, f"lifecycle-kill-{victim}"), victim)
+
+
+@pytest.mark.shared_order(1)  # the shared DSpark server's last user: the drill ends it
+def test_death_of_the_detokenizer_on_the_dspark_server_is_loud_and_complete(dspark_dp2_server):
+    """The detokenizer drill on the run's shared DSpark DP2 server (the target deployment's shape: DSpark
+    speculative decoding, DP attention, grammar-aware drafting) after its other users: in-flight requests
+    answered 503 naming the detokenizer, /health 503 ``child_died``, exit code 4, nothing left behind (its
+    /dev/shm mappings are watched from its start, tests/harness/shared.py)."""
+    _death_drill(dspark_dp2_server, "detokenizer")
 
 
 @pytest.mark.skipif(not FULL, reason="DSPARK_LIFECYCLE_FULL_DRILLS=1: extra server starts for the report")

@@ -17,10 +17,11 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 
 import pytest
+
+from tests.harness import warm
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -29,12 +30,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 @pytest.fixture(scope="module")
 def crafted():
-    proc = subprocess.run(
-        [sys.executable, "-m", "tests.prefill_graph._world_driver", "--crafted"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=850,
+    proc = warm.run(  # forked from the warm interpreter: SGLang already imported (tests/harness/warm.py)
+        [sys.executable, "-m", "tests.prefill_graph._world_driver", "--crafted"], cwd=ROOT, timeout=850
     )
     assert proc.returncode == 0, proc.stderr[-6000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])["crafted"]

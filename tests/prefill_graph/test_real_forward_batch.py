@@ -26,10 +26,11 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 
 import pytest
+
+from tests.harness import warm
 
 pytestmark = pytest.mark.timeout(1800)
 
@@ -41,11 +42,9 @@ CONFIGS = ("full", "breakable", "dspark", "server_hidden_last")
 def report():
     from tests.prefill_graph import _world_driver as drv
 
-    proc = subprocess.run(
+    proc = warm.run(  # forked from the warm interpreter: SGLang already imported (tests/harness/warm.py)
         [sys.executable, "-m", "tests.prefill_graph._world_driver", "--steps", "120", "--mutation-steps", "40"],
         cwd=ROOT,
-        capture_output=True,
-        text=True,
         timeout=1700,
     )
     assert proc.returncode == 0, proc.stderr[-6000:]

@@ -13,6 +13,7 @@ from dspark_harden.core.settings import SettingsError, load_settings
 from dspark_harden.prefill_graph import settings as S
 from dspark_harden.prefill_graph import tbo
 from dspark_harden.prefill_graph import trace as T
+from tests.harness import warm
 
 # --- settings ----------------------------------------------------------------------------------
 
@@ -200,12 +201,7 @@ def test_feature_unavailable_where_preconditions_are_absent(backend, dp, expect)
 
 
 def _cli(*args, timeout=600):
-    proc = subprocess.run(
-        [sys.executable, "-m", "dspark_harden", "bench", "prefill-admission", *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
+    proc = warm.run([sys.executable, "-m", "dspark_harden", "bench", "prefill-admission", *args], timeout=timeout)
     return proc
 
 
