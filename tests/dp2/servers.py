@@ -7,7 +7,6 @@ import re
 import time
 
 from dspark_harden.core import procfs
-from dspark_harden.devtools import shmwatch
 
 SESSION_RE = re.compile(r"derived (auto-\d+-[0-9a-f]{16}) for this launch")
 
@@ -21,9 +20,18 @@ def session_of(server) -> str:
 
 def mapped_dp2_segments(pgid: int) -> set:
     """/dev/shm names of the DP2 segments the processes of the server's group have mapped now (unlinked once
-    both ranks opened them: the name the mapping shows)."""
-    paths = shmwatch.mappings(procfs.group_pids(pgid)).values()
-    return {p[len(shmwatch.SHM) :] for p in paths if p.startswith(shmwatch.SHM + "/dspark_dp2_")}
+    both ranks opened them: the name the mapping shows, without `` (deleted)``)."""
+    out = set()
+    for pid in procfs.group_pids(pgid):
+        try:
+            with open(f"/proc/{pid}/maps") as f:
+                for line in f:
+                    path = line.rstrip("\n").split(None, 5)[-1].removesuffix(" (deleted)")
+                    if path.startswith("/dev/shm/dspark_dp2_"):
+                        out.add(path[len("/dev/shm") :])
+        except OSError:
+            continue
+    return out
 
 
 def group_session_ids(pgid: int, variable: str) -> dict:

@@ -6,15 +6,16 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 
 import pytest
 
+from tests.harness import warm as warm_interpreter
+
 
 @pytest.mark.timeout(1200)
 def test_bench_grammar_json_shape_and_counts(tmp_path):
-    proc = subprocess.run(
+    proc = warm_interpreter.run(
         [
             sys.executable,
             "-m",
@@ -29,8 +30,6 @@ def test_bench_grammar_json_shape_and_counts(tmp_path):
             "--dir",
             str(tmp_path / "cache"),
         ],
-        capture_output=True,
-        text=True,
         timeout=1100,
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -147,7 +146,7 @@ def test_bench_grammar_distinct_stock_memory_grows_and_the_service_stays_bounded
     xgrammar, real 32000-token tokenizer, 120 distinct schemas, each side in a fresh process;
     the service's limit is 48 MiB (stock: ~2.5 MiB per grammar at this vocabulary)."""
     limit = 48 << 20
-    proc = subprocess.run(
+    proc = warm_interpreter.run(
         [
             sys.executable,
             "-m",
@@ -162,8 +161,6 @@ def test_bench_grammar_distinct_stock_memory_grows_and_the_service_stays_bounded
             "--cache-bytes",
             str(limit),
         ],
-        capture_output=True,
-        text=True,
         timeout=1100,
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -193,7 +190,7 @@ def test_bench_grammar_processes_json_shape_and_one_claim_per_key():
     load slower than its compile and publishes markers only (26 compiles for 13 keys, by design, in a
     CI run at load 4), which is the policy's choice, not the claims' failure this test is about."""
     env = dict(os.environ, DSPARK_HARDEN_GRAMMAR_DISK_LOAD_RATIO="1e9")
-    proc = subprocess.run(
+    proc = warm_interpreter.run(
         [
             sys.executable,
             "-m",
@@ -208,8 +205,6 @@ def test_bench_grammar_processes_json_shape_and_one_claim_per_key():
             "--duplicates",
             "1",
         ],
-        capture_output=True,
-        text=True,
         timeout=1100,
         env=env,
     )
@@ -251,11 +246,9 @@ def test_bench_grammar_handoff_json_shape_and_a_real_round_trip():
     listed as slower to hand off than to compile are exactly those whose handoff exceeds their compile."""
     from dspark_harden.grammar.schemas import BENCH_SCHEMAS
 
-    proc = subprocess.run(
+    proc = warm_interpreter.run(
         [sys.executable, "-m", "dspark_harden", "bench", "grammar", "--handoff", "--json", "--vocab", "2048"]
         + ["--repeats", "1"],
-        capture_output=True,
-        text=True,
         timeout=580,
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -307,11 +300,9 @@ def test_bench_grammar_stream_json_shape_and_what_the_helper_persists():
     stream of mostly new schemas, in alternating blocks. The JSON has the issue's keys; stock has no
     helper; the service defers every cheap one-use key (nothing of them reaches the disk) and publishes
     what was used again; its state per key is bounded (deferred keys: at most one per compiled key)."""
-    proc = subprocess.run(
+    proc = warm_interpreter.run(
         [sys.executable, "-m", "dspark_harden", "bench", "grammar", "--json", "--vocab", "2048"]
         + ["--stream", "240", "--distinct-ratio", "0.8", "--blocks", "4"],
-        capture_output=True,
-        text=True,
         timeout=850,
     )
     assert proc.returncode == 0, proc.stderr[-4000:]

@@ -13,7 +13,6 @@
 from __future__ import annotations
 
 import logging
-import multiprocessing as mp
 import os
 import random
 import stat
@@ -21,6 +20,7 @@ import stat
 import pytest
 
 from dspark_harden.grammar import disk, xgr
+from tests.harness import warm
 
 from .conftest import persistent_backend, service_for
 
@@ -69,7 +69,7 @@ def _worker(idx: int, root: str, max_bytes: int, ratio: float, barrier, q) -> No
 
 
 def _run_procs(root, max_bytes=1 << 40, ratio: float = 0.7):
-    ctx = mp.get_context("spawn")
+    ctx = warm.mp_context()  # forked from the warm interpreter (SGLang imported), else spawned
     barrier, q = ctx.Barrier(N_PROCS), ctx.Queue()
     procs = [ctx.Process(target=_worker, args=(i, str(root), max_bytes, ratio, barrier, q)) for i in range(N_PROCS)]
     for p in procs:

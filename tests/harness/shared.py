@@ -106,10 +106,26 @@ DP2_NATIVE_CONFIG = type(DP2_NATIVE_CONFIG)(**{**DP2_NATIVE_CONFIG.__dict__, "na
 # (tests/e2e/test_bench_serve.py), then the stock SIGTERM drill ends it (tests/lifecycle/test_server_drills.py).
 # One start instead of two (issue 42). Stock 0.5.23's DP controller polls without blocking (a core from
 # ready to exit), so the server is kept SIGSTOPped between its users (``resume`` below).
-DP2_STOCK_CONFIG = DP2_CONFIG.with_env(
-    SGLANG_LOGGING_CONFIG_PATH=str(Path(__file__).parents[1] / "lifecycle" / "logging.json")
-)
+DRILL_LOGGING = str(Path(__file__).parents[1] / "lifecycle" / "logging.json")
+DP2_STOCK_CONFIG = DP2_CONFIG.with_env(SGLANG_LOGGING_CONFIG_PATH=DRILL_LOGGING)
 DP2_STOCK_CONFIG = type(DP2_STOCK_CONFIG)(**{**DP2_STOCK_CONFIG.__dict__, "plugins": None, "name": "dp2-stock"})
+
+#: the drain window of the plugin DP2 server launched through ``sglang serve`` (its SIGTERM drill's)
+DP2_SERVE_DRAIN_S = 10
+
+# The plugin DP2 server launched through stock's other launch path, the ``sglang serve`` console script, with
+# SGLANG_PLUGINS empty (installed, not named: stock loads every installed plugin), the drills' logging
+# configuration, a 10 s drain window and the native DP2 exchange. Users: the launch-path test (every role
+# bound, presence lines, answers; tests/integration/test_launch_paths.py), then the plugin SIGTERM drill ends
+# it (tests/lifecycle/test_server_drills.py: exit 0 under load, nothing left). One start instead of two.
+DP2_SERVE_CONFIG = DP2_CONFIG.with_env(
+    SGLANG_LOGGING_CONFIG_PATH=DRILL_LOGGING,
+    DSPARK_HARDEN_SHUTDOWN_DRAIN_S=str(DP2_SERVE_DRAIN_S),
+    SGLANG_DSPARK_DP2_SHM_MLP_SYNC="1",
+)
+DP2_SERVE_CONFIG = type(DP2_SERVE_CONFIG)(
+    **{**DP2_SERVE_CONFIG.__dict__, "launcher": "serve", "plugins": "", "name": "dp2-serve"}
+)
 
 #: fixture name -> configuration, in group order (tests/conftest.py: the tests that use a server run after
 #: those of the servers before it; a test that uses two runs in the first one's group)
@@ -125,6 +141,9 @@ SHARED_CONFIGS: dict[str, ServerConfig] = {
     "dspark_dp2_server": DSPARK_DP2_CONFIG,
     # stock, paused between its users (above); ended by the stock SIGTERM drill
     "dp2_stock_server": DP2_STOCK_CONFIG,
+    # ``sglang serve``, plugin installed but not named, drain 10 s, native exchange (above); ended by the
+    # plugin SIGTERM drill
+    "dp2_serve_server": DP2_SERVE_CONFIG,
 }
 
 _running: dict[str, SGLangServer] = {}
@@ -155,7 +174,7 @@ def get(name: str) -> SGLangServer:
 
 
 #: shared servers whose /dev/shm mappings are watched (a drill that ends one checks its leftovers)
-WATCH_SHM = {"dp2_stock_server", "dspark_dp2_server"}
+WATCH_SHM = {"dp2_stock_server", "dspark_dp2_server", "dp2_serve_server"}
 
 #: fixture name -> what must exist before the server starts (the DSpark draft its arguments name)
 PREPARE = {"dspark_dp2_server": ensure_dspark_draft}

@@ -36,7 +36,9 @@ from dspark_harden.cli import _check_child
 # the child module, then the modules SGLang calls load_plugins() from (the check child's own list)
 PRELOAD = ("tests._warm_child", *_check_child.PRELOAD)
 AFTER_IMPORT = ("DSPARK_HARDEN_", "SGLANG_DSPARK_", "DSPARK_TESTFEATURE")
-AFTER_IMPORT_EXACT = ("SGLANG_PLUGINS", "PYTEST_CURRENT_TEST")
+# TORCHINDUCTOR_CACHE_DIR: read (and set to its default when unset) by torch's ``cache_dir()`` when inductor
+# first needs its cache, never at import; a test process that compiled something has it set
+AFTER_IMPORT_EXACT = ("SGLANG_PLUGINS", "PYTEST_CURRENT_TEST", "TORCHINDUCTOR_CACHE_DIR")
 
 STATS = {"warm": 0, "fresh": 0, "why_fresh": collections.Counter()}
 _LOCK = threading.Lock()
@@ -284,7 +286,7 @@ def run(
 
 
 class _Context:
-    """The part of a multiprocessing context ``run_pair``-style harnesses use (``Queue``, ``Process``):
+    """The part of a multiprocessing context ``run_pair``-style harnesses use (``Queue``, ``Barrier``, ``Process``):
     processes forked from the warm interpreter, each started under its parent's environment of the
     moment, as a spawned one is."""
 
@@ -294,6 +296,9 @@ class _Context:
 
     def Queue(self, *a, **kw):  # noqa: N802 - multiprocessing's name
         return self._ctx.Queue(*a, **kw)
+
+    def Barrier(self, *a, **kw):  # noqa: N802 - multiprocessing's name
+        return self._ctx.Barrier(*a, **kw)
 
     def Process(self, target=None, args=(), kwargs=None, **kw):  # noqa: N802 - multiprocessing's name
         from tests import _warm_child
@@ -314,7 +319,9 @@ def mp_context():
         # the target's module is unpickled, so imported, before the child takes its parent's environment:
         # every variable must match here, the plugin's own too
         differs = _differs(
-            _as_imported(dict(os.environ), state), state["env"], skip=lambda k: k == "PYTEST_CURRENT_TEST"
+            _as_imported(dict(os.environ), state),
+            state["env"],
+            skip=lambda k: k in ("PYTEST_CURRENT_TEST", "TORCHINDUCTOR_CACHE_DIR"),
         )
         why = differs and "environment differs in " + ", ".join(differs[:4])
     if why:

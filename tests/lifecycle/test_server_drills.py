@@ -1,16 +1,17 @@
 """Lifecycle drills on real DP2 CPU servers (DeepseekV3 tiny, --dp-size 2 --tp-size 2
 --enable-dp-attention), plugin vs stock side by side.
 
-Server budget (each start ~1.5 min on 2 cores): two servers of its own by default and two of the run's
+Server budget (each start ~1.5 min on 2 cores): one server of its own by default and three of the run's
 shared ones as their last user —
-stock SIGTERM (``dp2_stock_server``, after the bench-serve gates used it), plugin SIGTERM (its server first
-runs the non-destructive drills: GC freeze in every process, /health_scheduler), plugin SIGKILL of scheduler
-DP1, plugin SIGKILL of the detokenizer (``dspark_dp2_server``, the DSpark DP2 server, after its users).
+stock SIGTERM (``dp2_stock_server``, after the bench-serve gates used it), plugin SIGTERM
+(``dp2_serve_server``, launched through ``sglang serve``, after the launch-path test; it first runs the
+non-destructive drills: GC freeze in every process, /health_scheduler), plugin SIGKILL of scheduler DP1 (its
+own), plugin SIGKILL of the detokenizer (``dspark_dp2_server``, the DSpark DP2 server, after its users).
 ``DSPARK_LIFECYCLE_FULL_DRILLS=1`` adds stock SIGKILL of DP1 and the plugin's injected exception in
 DP1 (the exception path is also covered without a server in test_processes.py). Every drill prints
 its summary line (``[drill ...]``): the numbers docs/lifecycle.md reports.
 
-Servers: two of their own and two shared ones (the server budget above). Every drill ends its server
+Servers: one of its own and three shared ones (the server budget above). Every drill ends its server
 (SIGTERM, SIGKILL of a scheduler or the detokenizer), so each can only be a shared server's last user, and two
 drills cannot share a start. The stock SIGTERM drill is the stock server's last user; the plugin drills' settings
 (drain window, native exchange, the killed process) and their /dev/shm checks (host-wide, below) keep them
@@ -36,7 +37,7 @@ from tests.lifecycle import drills as D
 # (dspark_harden.devtools.shmwatch), so tests of the other pytest-xdist worker may create theirs meanwhile
 pytestmark = [pytest.mark.server]
 
-DRAIN_S = 10
+DRAIN_S = shared.DP2_SERVE_DRAIN_S
 #: 12 short requests finish inside the drain window; the 4 long ones may not (then: a clear 503).
 #: Stock drains without a bound, so its exit time is the time the long ones take.
 LENGTHS = [4] * 12 + [96] * 4
@@ -111,12 +112,13 @@ def test_sigterm_stock(dp2_stock_server):
         assert any(n.startswith(prefix) for n in drill.leftover_shm), (prefix, drill.leftover_shm)
 
 
-def test_sigterm_plugin_drains_orders_and_cleans():
-    # with the native DP2 exchange: its segments are part of what the clean exit must leave behind (nothing)
-    server = _start(
-        True, "lifecycle-plugin-term", DSPARK_HARDEN_SHUTDOWN_DRAIN_S=str(DRAIN_S), SGLANG_DSPARK_DP2_SHM_MLP_SYNC="1"
-    )
-    assert "lifecycle-shutdown" in server.log_text()
+@pytest.mark.shared_order(1)  # the shared ``sglang serve`` server's last user: the drill ends it
+def test_sigterm_plugin_drains_orders_and_cleans(dp2_serve_server):
+    """On the run's shared plugin server launched through ``sglang serve`` with SGLANG_PLUGINS empty (the
+    launch-path test ran on it first), with the native DP2 exchange: its segments are part of what the clean
+    exit must leave behind (nothing)."""
+    server = dp2_serve_server
+    assert server.command()[1] == "serve" and "lifecycle-shutdown" in server.log_text()
     enabled = [
         line
         for line in server.metrics_text().splitlines()

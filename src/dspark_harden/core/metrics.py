@@ -194,13 +194,6 @@ class Family:
         if problems:
             raise ValueError("; ".join(problems))
 
-    @property
-    def exposed_names(self) -> tuple:
-        """Sample names this family exposes in the text format."""
-        if self.kind == "histogram":
-            return (self.name + "_bucket", self.name + "_sum", self.name + "_count")
-        return (self.name,)
-
 
 @dataclass(frozen=True)
 class MetricGroup:

@@ -237,11 +237,6 @@ class Patch:
             return self._original
         return raw
 
-    def current_fingerprint(self) -> Optional[str]:
-        if self.kind in (Kind.ROUTE, Kind.ATTRIBUTE):
-            return None
-        return fingerprint_source(self.stock_object())
-
     def _live_fingerprint(self, raw: Any) -> str:
         """Fingerprint of the live object; a live object without readable source is not stock
         SGLang's (stock functions are plain Python with source): say so, and what to do."""

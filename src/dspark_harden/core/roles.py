@@ -136,10 +136,6 @@ def detect_context(forced: Optional[str] = None) -> ProcessContext:
     )
 
 
-def detect_role(forced: Optional[str] = None) -> Role:
-    return detect_context(forced).role
-
-
 CONTEXT: Optional[ProcessContext] = None  # set by the entry point once per process
 #: set only in a `dspark-harden check -- <launch arguments>` child: the ServerArgs parsed from them. Kept
 #: out of CONTEXT.server_args, which tells features that they run in a real server (and may start things)

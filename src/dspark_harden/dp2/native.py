@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import os
 import struct
-from typing import Optional, Sequence
+from typing import Sequence
 
 from .._dp2_native import ffi, lib
 
@@ -325,6 +325,3 @@ class Channel:
 
     def debug_hold_until_peer_closed(self) -> None:
         lib.dspark_dp2_debug_hold_until_peer_closed(self._h)
-
-    def raw_handle(self) -> Optional[object]:
-        return self._h

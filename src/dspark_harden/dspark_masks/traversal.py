@@ -452,16 +452,5 @@ def auto_unavailable_reason():
     )
 
 
-def resolved_engine(engine: str) -> str:
-    """The engine ``engine`` runs as (``auto`` resolved; raises :class:`TraversalError` like the
-    traverser would)."""
-    if engine != "auto":
-        return engine
-    reason = auto_unavailable_reason()
-    if reason:
-        raise TraversalError(reason)
-    return "batch" if batch_traverse_available() else DEFAULT_ENGINE
-
-
 # The engine `auto` picks when the batch API is absent: chosen by measurement (docs/dspark_masks.md).
 DEFAULT_ENGINE = "native"

@@ -81,15 +81,6 @@ def _resolve_burst(backend, burst, cpu: list | None = None) -> float:
     return wall
 
 
-def _resolve_one(backend, text: str) -> float:
-    backend.reset()
-    t = time.perf_counter()
-    value, hit = backend.get_cached_or_future_value(("json", text), False)
-    if not hit:
-        value.result()
-    return time.perf_counter() - t
-
-
 def _per_schema(backend) -> dict:
     """Per schema, interleaved in one process: native compile (a plain xgrammar compiler, no
     cache) vs resolution through the persistent cache (read + verify + deserialize, or read the

@@ -426,10 +426,6 @@ class Flock:
         self.timeout_s = timeout_s
         self._fd = -1
 
-    @property
-    def is_locked(self) -> bool:
-        return self._fd >= 0
-
     def acquire(self, timeout: Optional[float] = None, blocking: bool = True) -> "Flock":
         if self._fd >= 0:
             raise RuntimeError(f"{self.path}: lock already held by this object")

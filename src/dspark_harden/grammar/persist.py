@@ -225,11 +225,6 @@ class CompileSlots:
             extra = time.monotonic() - self._stopped_at if self._stopped_at is not None else 0.0
             return self.stopped_s + extra
 
-    @property
-    def helper_paused(self) -> bool:
-        with self._lock:
-            return self._stopped_at is not None
-
     def _signal(self, sig: int) -> None:
         try:
             os.kill(self._helper_pid, sig)

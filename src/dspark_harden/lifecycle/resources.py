@@ -59,12 +59,8 @@ LEASE_SETTLE_S = 5.0
 Key = tuple  # (st_dev, st_ino)
 
 
-def tree_pids(root: int) -> list[int]:
-    """``root`` and its live descendants."""
-    return [p.pid for p in proctree.tree(root)]
-
-
-def _shm_dev() -> Optional[int]:
+def shm_dev() -> Optional[int]:
+    """The device number of /dev/shm (None when it cannot be read)."""
     try:
         return os.stat(SHM_DIR).st_dev
     except OSError:
@@ -123,13 +119,6 @@ def mapped_keys(pid: int, dev: Optional[int], where: Optional[str] = None) -> se
             if ino and (line_dev == dev or (dev is None and SHM_DIR in parts[5])):
                 out.add((line_dev, ino))
     return out
-
-
-def mapped_shm_inodes(pid: int) -> set[int]:
-    try:
-        return {ino for _dev, ino in mapped_keys(pid, _shm_dev())}
-    except OSError:
-        return set()
 
 
 def fd_holdings(pid: int, devs: set, where: Optional[str] = None) -> tuple[set[Key], set[int]]:
@@ -208,11 +197,6 @@ class ResourceTracker:
         with self._lock:
             return {path for path in self.files.values() if path}
 
-    @property
-    def shm_inodes(self) -> set[int]:
-        with self._lock:
-            return {ino for _dev, ino in self.files}
-
     def add_paths(self, shm: Iterable[str] = (), sockets: Iterable[str] = ()) -> None:
         """Record these paths as this server's, by the identity they have now."""
         with self._lock:
@@ -240,7 +224,7 @@ class ResourceTracker:
         t0 = time.perf_counter()
         report = ScanReport()
         skip = set(skip)
-        dev = _shm_dev()
+        dev = shm_dev()
         devs = {dev} if dev is not None else set()
         live: set[Key] = set()
         sock_inodes: set[int] = set()
@@ -392,7 +376,7 @@ def holders(candidates: dict[str, Key], exclude: set, deadline: Optional[float] 
     by_key = {k: p for p, k in candidates.items() if not S.S_ISSOCK(_mode(p))}
     socket_paths = set(candidates) - set(by_key.values())
     devs = {k[0] for k in by_key}
-    dev = _shm_dev()
+    dev = shm_dev()
     unreadable: dict[int, str] = {}
     excluded_socks: set[int] = set()
     unchecked = 0
