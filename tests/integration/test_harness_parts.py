@@ -573,7 +573,7 @@ def test_warm_commands_run_as_a_fresh_interpreter_and_differing_imports_run_fres
     assert r.returncode == 7 and warm.STATS["fresh"] == before["fresh"] + 2
 
 
-# --- which /dev/shm entries a process tree left (dspark_harden.devtools.shmwatch) -------------------
+# --- which /dev/shm entries a process tree left (dspark_harden.devtools.shmwatch) ---------------------
 
 _SHM_CHILD = r"""
 import mmap, os, sys, time, _multiprocessing
@@ -606,9 +606,9 @@ os._exit(0)  # nothing else removed
 
 
 def test_shm_watch_names_only_what_its_tree_mapped_and_left(tmp_path):
-    """A process group (a child and its grandchild) maps five /dev/shm entries of its own and exits; meanwhile
+    """A process tree (a child and its grandchild) maps five /dev/shm entries of its own and exits; meanwhile
     this process creates one it does not map and keeps one of the child's mapped (a watch sees what is mapped
-    at its samples: here the grandchild lives until its parent exits). The watch names exactly the
+    at its scans: here the grandchild lives until its parent exits). The watch names exactly the
     child's and grandchild's unremoved, unused entries, the semaphore included (mapped under another name),
     and not the other process's (a host-wide before/after diff names it too)."""
     import mmap
@@ -627,11 +627,11 @@ def test_shm_watch_names_only_what_its_tree_mapped_and_left(tmp_path):
         text=True,
         start_new_session=True,
     )
-    watch = shmwatch.ShmWatch(child.pid, interval=0.05).start()
+    watch = shmwatch.watch(child.pid, every_s=0.05)
     held = None
     try:
         assert sorted(child.stdout.readline() for _ in range(2)) == ["grandchild\n", "ready\n"]
-        watch.sample()
+        watch.scan()
         foreign = f"/dev/shm/dsh-watch-{tag}-foreign"
         with open(foreign, "wb") as f:
             f.write(b"x")
@@ -650,7 +650,7 @@ def test_shm_watch_names_only_what_its_tree_mapped_and_left(tmp_path):
         assert mine == {f"dsh-watch-{tag}-{k}" for k in ("grandchild", "own", "shared", "foreign")} | {
             f"sem.dsh-watch-{tag}-sem"
         }, mine
-        assert watch.leftovers(before) == sorted(
+        assert shmwatch.leftovers(watch, before) == sorted(
             [f"dsh-watch-{tag}-grandchild", f"dsh-watch-{tag}-own", f"sem.dsh-watch-{tag}-sem"]
         )
     finally:

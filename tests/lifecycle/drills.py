@@ -22,6 +22,7 @@ from typing import Optional
 import requests
 
 from dspark_harden.core import procfs
+from dspark_harden.devtools import shmwatch
 from tests.harness.server import DP2_CONFIG, SGLangServer
 
 LOGGING_JSON = str(Path(__file__).with_name("logging.json"))
@@ -169,7 +170,7 @@ def finish(
     if rc is None:
         server.stop()
     # new since the server's launch, mapped by no live process, mapped by the server's processes
-    drill.leftover_shm = server.shm_watch.leftovers(server.shm_before)
+    drill.leftover_shm = shmwatch.leftovers(server.shm_watch, server.shm_before)
     drill.leftover_sockets = sockets_in(server.workdir / "tmp")
     text = server.log_text()
     drill.log_after = text[log_offset:]
@@ -200,7 +201,7 @@ def signal_drill(
     log_offset = len(server.log_text())
     pid = server.pid if target == "main" else server.process_titled(target)
     drill = Drill(name)
-    server.shm_watch.sample()  # what the server maps right before the event
+    server.shm_watch.scan()  # what the server holds right before the event
     t_event = time.monotonic()
     os.kill(pid, sig)
     if probes is not None:

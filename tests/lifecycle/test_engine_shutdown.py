@@ -5,8 +5,8 @@ DP attention, the test CPU platform), a JSON-schema request through xgrammar, st
 ``Engine.shutdown``; two Engines one after the other in the same process (the second must start with
 a run directory its children accept and be tracked on its own). Stock alone leaves 4 entries per
 Engine here (2 ``sem.mp-*``, ``sgl_shm_mq_*``, ``sglang_loads_*``); the wrapped shutdown must leave 0.
-The /dev/shm entries counted are the ones the probe's process group mapped (sampled every second and after
-the request), so entries other processes of the host create meanwhile are not counted.
+The /dev/shm entries counted are the ones the probe's process tree mapped or held (scanned every second and
+after the request), so entries other processes of the host create meanwhile are not counted.
 
 Servers: two offline Engines of its own (no HTTP server can stand for ``sglang.Engine``, and the second
 Engine's start after the first one's shutdown is what is tested).
@@ -41,7 +41,7 @@ def two_port_bases() -> list:
     raise RuntimeError("no second free port range")
 
 
-# not host_exclusive: an Engine's /dev/shm entries are the ones its process group mapped
+# not host_exclusive: an Engine's /dev/shm entries are the ones its process tree mapped or held
 # (dspark_harden.devtools.shmwatch), so tests of the other pytest-xdist worker may create theirs meanwhile
 pytestmark = [pytest.mark.server]
 
@@ -55,13 +55,13 @@ PROBE = textwrap.dedent("""
         schema = {"type": "object", "properties": {"ok": {"type": "boolean"}, "color": {"enum": ["red", "blue"]}},
                   "required": ["ok", "color"], "additionalProperties": False}
         report = []
-        from dspark_harden.devtools.shmwatch import ShmWatch, entries
+        from dspark_harden.devtools import shmwatch
 
         for i in range(2):
-            before = entries()
-            # what this process group (this process and the Engine's children) maps, sampled while it runs:
-            # another test's entries are not this Engine's (no host-wide diff)
-            watch = ShmWatch(os.getpgrp(), interval=1.0).start()
+            before = shmwatch.entries()
+            # what this process tree (this process and the Engine's children) maps or holds, scanned while it
+            # runs: another test's entries are not this Engine's (no host-wide diff)
+            watch = shmwatch.watch(os.getpid(), every_s=1.0)
             # a port range of its own per Engine: the first Engine's ports stay bound in this process
             port = int(sys.argv[1 + i])
             eng = sgl.Engine(model_path=ensure_model("qwen3"), device="cpu", attention_backend="torch_native",
@@ -71,12 +71,14 @@ PROBE = textwrap.dedent("""
                              port=port)
             out = eng.generate("JSON:", sampling_params={"json_schema": json.dumps(schema), "max_new_tokens": 64,
                                                          "temperature": 0})
-            during = watch.sample().created(before)
+            watch.scan()
+            during = shmwatch.created(watch, before)
             from dspark_harden.lifecycle.proctree import is_subreaper
             subreaper = is_subreaper()  # the caller's own process: never made a child subreaper
             eng.shutdown()
             # created by the tree and still there, in use by this process or not (the caller keeps running)
-            left = watch.stop().created(before)
+            watch.stop()
+            left = sorted(os.path.basename(p) for p in shmwatch.created(watch, before))
             report.append({"text": out["text"], "finish": out["meta_info"]["finish_reason"]["type"],
                            "created": len(during), "left": left, "subreaper": subreaper})
         print("PROBE " + json.dumps(report), flush=True)
@@ -107,7 +109,7 @@ def test_two_offline_engines_in_one_process_leave_nothing_in_dev_shm(tmp_path):
             capture_output=True,
             text=True,
             timeout=900,
-            start_new_session=True,  # its own process group: what its watch samples
+            start_new_session=True,  # apart from pytest's process group
         )
     lines = [ln for ln in r.stdout.splitlines() if ln.startswith("PROBE ")]
     assert r.returncode == 0 and lines, (r.returncode, r.stdout[-2000:], r.stderr[-4000:])

@@ -128,7 +128,7 @@ def run_server(name: str, arm: str) -> dict:
         "exit": rc,
         "stragglers": stragglers,
         "exit_s": round(exit_s, 1),
-        "left_shm": server.shm_watch.leftovers(server.shm_before),
+        "left_shm": shmwatch.leftovers(server.shm_watch, server.shm_before),
         "plugin_roles": roles,
         "presence": presence_lines(log),
         "log_tail": log[-3000:],
@@ -175,7 +175,7 @@ def run_engine(arm: str) -> dict:
                 cwd=tmp,
                 start_new_session=True,
             )
-            watch = shmwatch.ShmWatch(p.pid).start()
+            watch = shmwatch.watch(p.pid)
             try:
                 stdout, stderr = p.communicate(timeout=900)
             finally:
@@ -188,7 +188,7 @@ def run_engine(arm: str) -> dict:
         "outputs": json.loads(lines[-1][7:]) if lines else None,
         "exit": p.returncode,
         "stragglers": False,
-        "left_shm": watch.leftovers(before),
+        "left_shm": shmwatch.leftovers(watch, before),
         "plugin_roles": sorted({m.group(1) for m in S.PLUGIN_ACTIVE_RE.finditer(stderr)}),
         "presence": presence_lines(stderr),
         "log_tail": stderr[-3000:],

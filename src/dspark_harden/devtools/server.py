@@ -279,8 +279,8 @@ class SGLangServer:
     returncode: Optional[int] = None
     _log_file: Any = None
     _locked: bool = False
-    #: watch the /dev/shm entries the server's processes map (:mod:`.shmwatch`): ``shm_before`` is the
-    #: directory at its first launch, ``shm_watch`` the inodes they mapped (a drill's leftover check)
+    #: watch the /dev/shm entries the server's processes map or hold (:mod:`.shmwatch`): ``shm_before`` is the
+    #: directory at its first launch, ``shm_watch`` the tracker of its tree (a drill's leftover check)
     watch_shm: bool = False
     shm_before: Optional[set] = None
     shm_watch: Any = None
@@ -424,12 +424,12 @@ class SGLangServer:
         return self
 
     def _watch_shm(self) -> None:
-        from .shmwatch import ShmWatch
+        from .shmwatch import watch
 
         if self.shm_watch is None:  # a start retried after a port race keeps its first baseline and inodes
-            self.shm_watch = ShmWatch(self.proc.pid).start()
+            self.shm_watch = watch(self.proc.pid)
         else:
-            self.shm_watch.pgid = self.proc.pid
+            self.shm_watch.root = self.proc.pid
 
     def _http_ok(self, path: str, timeout: float) -> bool:
         import requests
@@ -555,7 +555,7 @@ class SGLangServer:
             self._log_file.close()
             self._log_file = None
         if self.shm_watch is not None:
-            self.shm_watch.stop()  # its inodes stay for ``shm_watch.leftovers``
+            self.shm_watch.stop()  # what it recorded stays for ``shmwatch.leftovers``
         _LIVE.discard(self)
         self._release()
 
