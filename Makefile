@@ -3,9 +3,10 @@ VENV ?= $(HOME)/.cache/dspark-harden/venv
 export DSPARK_VENV := $(VENV)
 PYTHON := $(VENV)/bin/python
 PYTEST_ARGS ?=
-# pytest-xdist: two workers on the 2-core CI machine; every module that starts a SGLang server runs in one
-# group on one worker, the other modules one unit each, in the collection order (docs/testing.md)
-XDIST_ARGS ?= -n 2 --dist loadgroup --no-loadscope-reorder
+# pytest-xdist: three workers on the 2-core CI machine (measured faster than two, quiet and beside a busy
+# neighbour); every module that starts a SGLang server runs in one group on one worker, the other modules one
+# unit each, in the collection order (docs/testing.md)
+XDIST_ARGS ?= -n 3 --dist loadgroup --no-loadscope-reorder
 
 .PHONY: install demo test check test-fast lint gpu-test clean wheel
 

@@ -37,8 +37,18 @@ from dspark_harden.cli import _check_child
 PRELOAD = ("tests._warm_child", *_check_child.PRELOAD)
 AFTER_IMPORT = ("DSPARK_HARDEN_", "SGLANG_DSPARK_", "DSPARK_TESTFEATURE")
 # TORCHINDUCTOR_CACHE_DIR: read (and set to its default when unset) by torch's ``cache_dir()`` when inductor
-# first needs its cache, never at import; a test process that compiled something has it set
-AFTER_IMPORT_EXACT = ("SGLANG_PLUGINS", "PYTEST_CURRENT_TEST", "TORCHINDUCTOR_CACHE_DIR")
+# first needs its cache, never at import; a test process that compiled something has it set.
+# SGLANG_HTTP_SERVER_APP_PATH, SGLANG_SCHEDULER_SKIP_ALL_GATHER: read by SGLang through ``envs.X.get()`` (which
+# reads os.environ at each call) inside functions only -- a server's launch of its HTTP workers, the DP
+# attention sync -- never at import (the only module-level reads of os.environ at import are whole-environment
+# scans for deprecated names: sglang.srt.environ, tqdm, networkx)
+AFTER_IMPORT_EXACT = (
+    "SGLANG_PLUGINS",
+    "PYTEST_CURRENT_TEST",
+    "TORCHINDUCTOR_CACHE_DIR",
+    "SGLANG_HTTP_SERVER_APP_PATH",
+    "SGLANG_SCHEDULER_SKIP_ALL_GATHER",
+)
 
 STATS = {"warm": 0, "fresh": 0, "why_fresh": collections.Counter()}
 _LOCK = threading.Lock()
