@@ -17,6 +17,7 @@ from dspark_harden.core.roles import ProcessContext
 from dspark_harden.dspark_results import feature as F
 from dspark_harden.dspark_results import integration as I
 from dspark_harden.dspark_results.settings import SWITCH, SWITCH_INTERVAL, SWITCH_INTERVAL_DEFAULT_US
+from tests.harness import warm
 
 ON = {SWITCH: "1"}
 TARGETS = {I.COPY_TARGET, I.RESOLVE_TARGET, I.ADVANCE_TARGET, I.NORMALIZE_TARGET}
@@ -188,18 +189,12 @@ def test_apply_switch_interval_sets_and_reports_the_previous_value():
 
 
 def test_bench_needs_cuda_and_exits_2_without_it():
-    import subprocess
 
     import torch
 
     if torch.cuda.is_available():
         pytest.skip("CUDA present")
-    r = subprocess.run(
-        [sys.executable, "-m", "dspark_harden", "bench", "dspark-results", "--json"],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    r = warm.run([sys.executable, "-m", "dspark_harden", "bench", "dspark-results", "--json"], timeout=300)
     assert r.returncode == 2, (r.returncode, r.stderr[-2000:])
     assert "needs CUDA" in r.stderr
 

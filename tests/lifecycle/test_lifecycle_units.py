@@ -28,6 +28,7 @@ import pytest
 
 from dspark_harden.lifecycle import controller, records, resources
 from dspark_harden.lifecycle import settings as S
+from tests.harness import warm
 
 PY = sys.executable
 
@@ -168,7 +169,7 @@ wrapped(object())
 
 def test_event_loop_exception_is_recorded_and_exits_1(tmp_path):
     env = {**os.environ, records.RUN_DIR_ENV: str(tmp_path)}
-    proc = subprocess.run([PY, "-c", _CHILD_LOOP], env=env, capture_output=True, text=True, timeout=120)
+    proc = warm.run([PY, "-c", _CHILD_LOOP], env=env, timeout=120)
     assert proc.returncode == 1, proc.stderr[-3000:]
     fault = list(records.read(str(tmp_path), "fault").values())
     assert fault and fault[0]["type"] == "ValueError" and fault[0]["message"] == "the loop body failed"
@@ -473,11 +474,8 @@ def test_freezer_measures_pauses_and_freezes_after_warmup():
 
 
 def test_bench_gc_json_shape_and_effect():
-    proc = subprocess.run(
-        [PY, "-m", "dspark_harden", "bench", "gc", "--json", "--objects", "400000", "--seconds", "1.5"],
-        capture_output=True,
-        text=True,
-        timeout=300,
+    proc = warm.run(
+        [PY, "-m", "dspark_harden", "bench", "gc", "--json", "--objects", "400000", "--seconds", "1.5"], timeout=300
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout)
