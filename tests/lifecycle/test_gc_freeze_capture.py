@@ -34,8 +34,10 @@ def test_freeze_never_collects_inside_a_capture_that_starts_after_the_check(monk
     real_capturing = G._capturing
     capture_wanted = threading.Event()
     capturing_now = threading.Event()
-    captures = []
-    calls = []  # (what, thread name, capture mode on) for every collect/freeze the freezer makes
+    captures = []  # start of each capture
+    capture_ends = []
+    # (what, thread name, capture mode on, time, frozen objects after it) for every collect/freeze the freezer makes
+    calls = []
     loop_name = "scheduler-loop"
 
     def capturing():
@@ -51,12 +53,14 @@ def test_freeze_never_collects_inside_a_capture_that_starts_after_the_check(monk
             return getattr(gc, name)
 
         def collect(self, *a):
-            calls.append(("collect", threading.current_thread().name, get_is_capture_mode()))
+            calls.append(("collect", threading.current_thread().name, get_is_capture_mode(), time.monotonic(), None))
             return gc.collect(*a)
 
         def freeze(self):
-            calls.append(("freeze", threading.current_thread().name, get_is_capture_mode()))
-            return gc.freeze()
+            on, t0 = get_is_capture_mode(), time.monotonic()
+            out = gc.freeze()
+            calls.append(("freeze", threading.current_thread().name, on, t0, gc.get_freeze_count()))
+            return out
 
     monkeypatch.setattr(G, "_capturing", capturing)
     monkeypatch.setattr(G, "gc", GcProbe())
@@ -72,6 +76,11 @@ def test_freeze_never_collects_inside_a_capture_that_starts_after_the_check(monk
     sched = SchedulerStandIn()
     stop = threading.Event()
 
+    def refrozen():
+        """The freezer's first freeze after the first capture ended (froze, a capture unfroze, froze again)."""
+        ends = list(capture_ends)
+        return next((c for c in list(calls) if c[0] == "freeze" and ends and c[3] > ends[0]), None)
+
     def loop():
         sched.get_init_info()
         while not stop.is_set():
@@ -83,6 +92,7 @@ def test_freeze_never_collects_inside_a_capture_that_starts_after_the_check(monk
                         captures.append(time.monotonic())
                         capturing_now.set()
                         time.sleep(0.3)
+                capture_ends.append(time.monotonic())
                 capturing_now.clear()
             sched.forward_ct += 1
             time.sleep(0.02)
@@ -91,10 +101,10 @@ def test_freeze_never_collects_inside_a_capture_that_starts_after_the_check(monk
     t.start()
     try:
         deadline = time.monotonic() + 30
-        # the first freeze, then a capture (which unfreezes: stock freeze_gc), then the re-freeze
-        while time.monotonic() < deadline and not (
-            captures and gc.get_freeze_count() > 0 and len([c for c in calls if c[0] == "freeze"]) >= 2
-        ):
+        # the first freeze, then a capture (which unfreezes: stock freeze_gc), then the re-freeze: waited on
+        # as recorded events, not as the heap's state when the loop is stopped (a later capture may have
+        # unfrozen it again by then: failed so beside two busy loops)
+        while time.monotonic() < deadline and not refrozen():
             time.sleep(0.1)
     finally:
         stop.set()
@@ -102,8 +112,9 @@ def test_freeze_never_collects_inside_a_capture_that_starts_after_the_check(monk
     inside = [c for c in calls if c[2]]
     assert not inside, f"the freezer collected/froze during a graph capture: {inside} (all: {calls})"
     freezes = [c for c in calls if c[0] == "freeze"]
-    assert len(freezes) >= 2 and captures, (calls, captures)  # froze, a capture unfroze, froze again
-    assert G.FREEZER.frozen_objects > 200000 and gc.get_freeze_count() > 0
+    again = refrozen()
+    assert len(freezes) >= 2 and freezes[0][3] < captures[0] and again, (calls, captures, capture_ends)
+    assert G.FREEZER.frozen_objects > 200000 and again[4] > 200000, (G.FREEZER.frozen_objects, again)
     assert {c[1] for c in calls} == {loop_name}, calls  # every collect/freeze on the loop thread
     del junk
     gc.unfreeze()
