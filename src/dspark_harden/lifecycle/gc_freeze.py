@@ -57,6 +57,10 @@ logger = logging.getLogger("dspark_harden.lifecycle")
 PAUSE_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 
 
+#: how often the frozen watcher looks for a full collection (then whether the heap was unfrozen)
+REFREEZE_CHECK_S = 5.0
+
+
 def _capturing() -> bool:
     try:
         from sglang.srt.model_executor.runner_utils.capture_mode import get_is_capture_mode
@@ -96,11 +100,14 @@ class PauseRecorder(_GcCallback):
         self.frozen = False
         self.pending: deque = deque(maxlen=maxlen)
         self.installed = False
+        self.full_collections = 0  # generation-2 collections seen (the re-freeze check waits for one)
 
     def __call__(self, phase: str, info: dict) -> None:
         if phase == "start":
             self._t0 = time.perf_counter()
         else:
+            if info.get("generation") == 2:
+                self.full_collections += 1
             self.pending.append(
                 (info.get("generation", -1), time.perf_counter() - self._t0, self.frozen, info.get("collected", 0))
             )
@@ -327,9 +334,19 @@ class GcFreezer:
                     logger.debug("gc-freeze progress probe failed", exc_info=True)
                 time.sleep(0.25)
             self._freeze_or_mark_due(f"{need} {what}")
-            # a later graph capture unfreezes (stock freeze_gc context): freeze again after it
+            # a later graph capture unfreezes (stock freeze_gc context): freeze again after it.
+            # gc.get_freeze_count() walks every frozen object with the GIL held (CPython 3.11/3.12: a list
+            # walk; ~90 ms at 1.1M objects on the 2-core CI host, i.e. ~1.1 CPU-s a minute per process at
+            # idle when read every 5 s), so it is read only after a full collection: stock's freeze_gc
+            # collects right after its unfreeze, and any other unfreeze leaves a heap CPython collects
+            # in full on its own schedule (counted by the installed recorder; without it, every period)
+            seen = -1
             while True:
-                time.sleep(5.0)
+                time.sleep(REFREEZE_CHECK_S)
+                full = self.recorder.full_collections if self.recorder.installed else -1
+                if full == seen and full >= 0:
+                    continue
+                seen = full
                 if self._due is None and gc.get_freeze_count() == 0 and not _capturing():
                     self.frozen_at = None
                     self.pacer.uninstall()  # CPython's own pace for the unfrozen heap until the re-freeze
