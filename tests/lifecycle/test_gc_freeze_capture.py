@@ -149,8 +149,6 @@ def test_the_frozen_watcher_walks_the_frozen_heap_only_after_a_full_collection(m
     G.FREEZER.recorder.install()
     junk = [[{} for _ in range(5)] for _ in range(50000)]  # a heap worth freezing
     served = [0]
-    G.FREEZER.watch(lambda: served[0], threshold=1)  # not on a loop thread: the watcher freezes itself
-    served[0] = 1
 
     def wait_for(cond, what):
         deadline = time.monotonic() + 30
@@ -158,10 +156,13 @@ def test_the_frozen_watcher_walks_the_frozen_heap_only_after_a_full_collection(m
             assert time.monotonic() < deadline, what
             time.sleep(0.01)
 
-    wait_for(lambda: G.FREEZER.frozen_at is not None and gc.get_freeze_count() > 0, "the first freeze")
-    gc.disable()  # no automatic collection in the idle window: only the explicit ones below
+    gc.disable()  # no automatic collection from here: only the explicit ones (the freeze's, stock's below)
     try:
-        time.sleep(0.3)  # the watcher's first look after its own freeze's collection
+        G.FREEZER.watch(lambda: served[0], threshold=1)  # not on a loop thread: the watcher freezes itself
+        served[0] = 1
+        wait_for(lambda: G.FREEZER.frozen_at is not None and gc.get_freeze_count() > 0, "the first freeze")
+        # walks: the freeze's own read of the count, then the watcher's first look (after the freeze's collection)
+        wait_for(lambda: len(walks) >= 2, "the watcher's first look after the freeze")
         idle_from = time.monotonic()
         time.sleep(0.5)  # ~25 periods with no full collection
         idle_walks = [w for w in walks if w > idle_from]
