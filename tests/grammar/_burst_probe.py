@@ -33,8 +33,14 @@ def main() -> None:
     from dspark_harden.grammar.service import GrammarService
 
     tok = AutoTokenizer.from_pretrained(ensure_tokenizer(2048))
-    # every compiled grammar is persisted at once unless the test says otherwise (conftest.make_settings)
-    env = {F.DISK_DIR: cache_dir, F.DISK_PERSIST_MIN_COMPILE: "0", **{k: str(v) for k, v in overrides.items()}}
+    # every compiled grammar is persisted at once, and nothing preloaded, unless the test says otherwise
+    # (conftest.make_settings)
+    env = {
+        F.DISK_DIR: cache_dir,
+        F.DISK_PERSIST_MIN_COMPILE: "0",
+        F.DISK_PRELOAD: "0",
+        **{k: str(v) for k, v in overrides.items()},
+    }
     settings = load_settings(F.dspark_settings(), environ=env)
     backend = XGrammarGrammarBackend(tok, vocab_size=len(tok), model_eos_token_ids=[tok.eos_token_id])
     F.install_persistent_compiler(backend, settings)

@@ -38,7 +38,8 @@ def serve(cache_dir: str, go_file: str, key: str, load_ratio: str = "1e9") -> No
 
     tok = AutoTokenizer.from_pretrained(ensure_tokenizer(2048))
     settings = load_settings(
-        F.dspark_settings(), environ={F.DISK_DIR: cache_dir, F.DISK_CLAIMS: "1", F.DISK_LOAD_RATIO: load_ratio}
+        F.dspark_settings(),
+        environ={F.DISK_DIR: cache_dir, F.DISK_CLAIMS: "1", F.DISK_LOAD_RATIO: load_ratio, F.DISK_PRELOAD: "0"},
     )
     backend = XGrammarGrammarBackend(tok, vocab_size=len(tok), model_eos_token_ids=[tok.eos_token_id])
     F.install_persistent_compiler(backend, settings)

@@ -27,8 +27,9 @@ def make_settings(cache_dir, **overrides):
     """The feature's settings over ``cache_dir``. Every compiled grammar is persisted at once
     (``DISK_PERSIST_MIN_COMPILE_S=0``) unless a test overrides it: most tests here are about what a
     publication does; the deferral of one-use keys (the default) has tests of its own
-    (tests/grammar/test_helper_cost.py)."""
-    env = {F.DISK_DIR: str(cache_dir), F.DISK_PERSIST_MIN_COMPILE: "0"}
+    (tests/grammar/test_helper_cost.py). No preload (``DISK_PRELOAD=0``): most tests here are about
+    what a lookup does with the disk; the preload has tests of its own (tests/grammar/test_preload.py)."""
+    env = {F.DISK_DIR: str(cache_dir), F.DISK_PERSIST_MIN_COMPILE: "0", F.DISK_PRELOAD: "0"}
     env.update({k: str(v) for k, v in overrides.items()})
     return load_settings(F.dspark_settings(), environ=env)
 

@@ -1,7 +1,8 @@
 """End to end: a real SGLang 0.5.23 server on CPU (tiny Qwen3, test-only CPU platform, see
 tests/harness) with the plugin active serves JSON-schema requests whose outputs parse and
 validate; a restarted server over the same disk cache resolves every schema from disk (serialized
-entry or compile-locally marker) without a fresh compile.
+entry or compile-locally marker) without a fresh compile, its serialized entries preloaded before the
+first request (``DSPARK_HARDEN_GRAMMAR_DISK_PRELOAD``, default on) and served from that preload.
 
 Stand-in: the model has random weights (no DeepSeek V4 here), so schemas are bounded (enums,
 booleans, small integer ranges) and whitespace is disabled for the outputs to terminate.
@@ -47,13 +48,14 @@ def _spellings(schema):
     return [json.dumps(schema), json.dumps(schema, indent=2), json.dumps(dict(reversed(list(schema.items()))))]
 
 
-def _lookups(server) -> dict:
+def _counts(server, family: str = "lookups_total", label: str = "source") -> dict:
+    """``dspark_harden_grammar_<family>`` summed by ``label`` (every rank)."""
     out = {}
     for line in server.metrics_text().splitlines():
-        m = re.match(r"dspark_harden_grammar_lookups_total\{([^}]*)\}\s+([0-9.e+]+)", line)
+        m = re.match(rf"dspark_harden_grammar_{family}\{{([^}}]*)\}}\s+([0-9.e+]+)", line)
         if m:
-            source = re.search(r'source="([a-z_]+)"', m.group(1)).group(1)
-            out[source] = out.get(source, 0.0) + float(m.group(2))
+            value = re.search(rf'{label}="([a-z_]+)"', m.group(1)).group(1)
+            out[value] = out.get(value, 0.0) + float(m.group(2))
     return out
 
 
@@ -89,7 +91,7 @@ def test_json_schema_requests_validate_and_restart_serves_from_disk(sglang_serve
     first = sglang_server(config)
     assert "scheduler" in first.plugin_roles()
     _run_requests(first)
-    before = _lookups(first)
+    before = _counts(first)
     # 9 requests over 3 canonical schemas: exactly 3 native compiles, the rest joined or hit
     assert before.get("compile", 0) == 3, before
     assert sum(before.values()) == 9, before
@@ -111,8 +113,22 @@ def test_json_schema_requests_validate_and_restart_serves_from_disk(sglang_serve
     ok, bad = ns.verify_all()
     assert ok == 3 and bad == [] and ns.read_ledger() == ns.scan_bytes()
 
+    serialized = sum(
+        disk.decode_entry(e.path, open(e.path, "rb").read(), ns.scope_hex, None).kind == disk.KIND_SERIALIZED
+        for e in ns.iter_entries()
+    )
+
     second = sglang_server(config)
+    # the restarted scheduler preloads the serialized entries (DSPARK_HARDEN_GRAMMAR_DISK_PRELOAD, on by
+    # default) in the background while it finishes starting: wait on its counter, then send
+    deadline = time.monotonic() + 120
+    while _counts(second, "disk_preloaded_total", "event").get("loaded", 0) < serialized:
+        assert time.monotonic() < deadline, _counts(second, "disk_preloaded_total", "event")
+        time.sleep(0.2)
     _run_requests(second)
-    after = _lookups(second)
+    after = _counts(second)
     assert after.get("compile", 0) == 0, after
     assert after.get("disk", 0) + after.get("local_compile", 0) == 3, after
+    # every serialized entry served from the preload (no read on the request path), markers compiled
+    preloaded = _counts(second, "disk_preloaded_total", "event")
+    assert preloaded.get("loaded") == preloaded.get("used") == serialized == after.get("disk", 0), (preloaded, after)

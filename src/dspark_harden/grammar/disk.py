@@ -660,10 +660,11 @@ class Namespace:
         return Flock(os.path.join(self.path, "ledger.lock"), self.lock_timeout_s)
 
     # -- entries ---------------------------------------------------------------------------
-    def read(self, key_hex: str, limit: Optional[int] = None) -> Optional[tuple[str, bytes]]:
+    def read(self, key_hex: str, limit: Optional[int] = None, touch: bool = True) -> Optional[tuple[str, bytes]]:
         """(path, raw bytes) of the published entry, or None when absent. A symbolic link or other
         non-regular file at the entry's name raises CorruptEntryError (refused, never followed); an
-        entry above ``limit`` bytes raises EntryTooLarge without reading it."""
+        entry above ``limit`` bytes raises EntryTooLarge without reading it. ``touch``: refresh its
+        mtime (a use: the pruning order); a preload does not, its lookup does."""
         path = self.entry_path(key_hex)
         try:
             data = read_file(path, limit)
@@ -671,8 +672,9 @@ class Namespace:
             return None
         except UnsafeCacheError as exc:
             raise CorruptEntryError(path, exc.reason) from None
-        with contextlib.suppress(OSError):
-            os.utime(path, follow_symlinks=False)  # LRU order for pruning
+        if touch:
+            with contextlib.suppress(OSError):
+                os.utime(path, follow_symlinks=False)  # LRU order for pruning
         return path, data
 
     def stage(self, data: bytes) -> str:

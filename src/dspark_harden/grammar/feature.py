@@ -48,6 +48,7 @@ from .settings import (  # noqa: F401 - the feature's names (re-exported)
     DISK_LOCK_TIMEOUT,
     DISK_MAX_ENTRY,
     DISK_PERSIST_MIN_COMPILE,
+    DISK_PRELOAD,
     DISK_QUEUE,
     FEATURE,
     MAX_GRAMMAR_BYTES,
@@ -295,6 +296,19 @@ def dspark_settings():
             feature=f,
         ),
         Setting(
+            DISK_PRELOAD,
+            nonneg_int,
+            64,
+            "At start-up a scheduler loads this many of its disk cache's most recently used serialized "
+            "grammars into memory in a background thread (at most 256 MiB of compiled grammar, and at most "
+            "DSPARK_HARDEN_GRAMMAR_CACHE_BYTES), so the first requests of a restarted server skip the read, "
+            "checksum and deserialization; what no request took within 10 minutes is dropped "
+            "(dspark_harden_grammar_disk_preloaded_total counts loaded, used and dropped). A corrupt entry "
+            "met by the preload is moved to quarantine as a lookup would. 0: no preload.",
+            feature=f,
+            accepts="integer >= 0 (entries)",
+        ),
+        Setting(
             DISK_CLAIM_WAIT,
             positive_float,
             60.0,
@@ -462,6 +476,9 @@ def install_persistent_compiler(backend: Any, settings: Any) -> None:
         persist_min_compile_s=settings[DISK_PERSIST_MIN_COMPILE],
     )
     phases["compiler"] = time.perf_counter() - t
+    backend.grammar_compiler.start_preload(
+        settings[DISK_PRELOAD], max_bytes=min(settings[CACHE_BYTES], xgr.PRELOAD_MAX_BYTES)
+    )
     gm.set_disk_enabled(True)
     logger.info("dspark-harden: persistent grammar cache at %s", ns.path)
 

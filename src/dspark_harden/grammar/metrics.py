@@ -273,6 +273,20 @@ FAMILIES = (
         aggregation="`sum by (event) (increase(...))`; deferred far above published_on_reuse: mostly one-use schemas.",
     ),
     Family(
+        "dspark_harden_grammar_disk_preloaded_total",
+        "counter",
+        "Grammars a (re)started scheduler loaded from its disk cache before any request asked "
+        "(DSPARK_HARDEN_GRAMMAR_DISK_PRELOAD: the most recently used serialized entries), by event: loaded, "
+        "used (a lookup was served from it without reading the disk) and dropped (no request took it within "
+        "10 minutes of the preload's end, or the scheduler stopped).",
+        labels=("dp_rank", "event"),
+        feature=FEATURE,
+        roles=("scheduler",),
+        precreate=tuple((DP_RANK, e) for e in ("loaded", "used", "dropped")),
+        aggregation="`sum by (event) (increase(...))`; dropped close to loaded: the preload costs more than it "
+        "saves here, lower DSPARK_HARDEN_GRAMMAR_DISK_PRELOAD.",
+    ),
+    Family(
         "dspark_harden_grammar_disk_publish_queue_jobs",
         "gauge",
         "Publication jobs waiting for the persistence helper in this process (bounded by "
@@ -370,6 +384,12 @@ def inc_stored(kind: str, reason: str = "") -> None:
     M.get("dspark_harden_grammar_disk_stored_total").labels(dp, kind).inc()
     if kind == "marker" and reason:
         M.get("dspark_harden_grammar_disk_markers_total").labels(dp, reason).inc()
+
+
+@_safe
+def preloaded(event: str, n: int = 1) -> None:
+    if n:
+        M.get("dspark_harden_grammar_disk_preloaded_total").labels(dp_label(), event).inc(n)
 
 
 @_safe

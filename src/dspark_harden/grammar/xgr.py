@@ -24,6 +24,12 @@ for the published entry and loads it — or compiles itself when the bound passe
 or the claim went away without an entry. The per-entry lock is taken by the helpers,
 non-blocking, so one helper host-wide persists a key.
 
+A restarted scheduler first *preloads* (:meth:`PersistentCompiler.start_preload`): a background thread
+loads the most recently used serialized entries of its namespace (the disk cache's own LRU order: a
+hit refreshes an entry's mtime) into memory, bounded by count and bytes, while the server finishes
+starting; a lookup of a preloaded key is then served without a read (source ``disk``, phase
+``preloaded``). What no request took within ``PRELOAD_KEEP_S`` of the preload's end is dropped.
+
 The last resolution of the calling thread is available from :func:`take_resolution` (the service
 reads it to label its lookup metric by source).
 """
@@ -31,11 +37,13 @@ reads it to label its lookup metric by source).
 from __future__ import annotations
 
 import collections
+import contextlib
 import functools
 import hashlib
 import importlib.metadata
 import json
 import logging
+import os
 import threading
 import time
 import weakref
@@ -78,6 +86,10 @@ def take_resolution() -> Optional[Resolution]:
 DEFERRED_KEPT = 4096
 DEFERRED_MAX_BYTES = 16 << 20
 DEFERRED_MAX_KEY_BYTES = 64 << 10
+#: preloaded grammars no request took within this many seconds of the preload's end are dropped, and the
+#: preload holds at most this many bytes of compiled grammars (``memory_size_bytes``; also at most the LRU's limit)
+PRELOAD_KEEP_S = 600.0
+PRELOAD_MAX_BYTES = 256 << 20
 
 
 def _record(res: Resolution) -> None:
@@ -224,6 +236,12 @@ class PersistentCompiler:
         self._clean_claims()
         self._count_lock = threading.Lock()
         self._warned: set = set()  # (kind, ...) already logged: one WARNING each, bounded
+        # key digest -> compiled grammar loaded ahead of any request (start_preload), bounded by count and bytes
+        self._preloaded: dict = {}
+        self._preload_until: Optional[float] = None  # monotonic: what is left then is dropped (None: running)
+        self._preload_stop = threading.Event()
+        self._preload_thread: Optional[threading.Thread] = None
+        self.preload_stats: dict = {}  # entries, bytes, wall_s, cpu_s, demoted, corrupt, used, dropped
 
     @property
     def stored(self) -> dict:
@@ -251,7 +269,124 @@ class PersistentCompiler:
         }
 
     def close(self, join_s: Optional[float] = None) -> None:
+        self._preload_stop.set()
         self.persister.close(join_s=join_s)
+        t = self._preload_thread
+        if join_s is not None and t is not None and t is not threading.current_thread():
+            t.join(join_s)
+        self._drop_preloaded()
+
+    # -- preload ---------------------------------------------------------------------------
+    def start_preload(self, max_entries: int, max_bytes: int = PRELOAD_MAX_BYTES) -> Optional[threading.Thread]:
+        """Load up to ``max_entries`` of the namespace's most recently used serialized entries (and at most
+        ``max_bytes`` of compiled grammar) in a background thread; None when there is nothing to do."""
+        if max_entries <= 0 or self._preload_thread is not None:
+            return None
+        self._preload_thread = threading.Thread(
+            target=self.preload, args=(max_entries, max_bytes), name="dspark-grammar-preload", daemon=True
+        )
+        self._preload_thread.start()
+        return self._preload_thread
+
+    def wait_preload(self, timeout: Optional[float] = None) -> bool:
+        """Wait for a started preload to end (bench, tests); True when none runs."""
+        t = self._preload_thread
+        if t is not None:
+            t.join(timeout)
+            return not t.is_alive()
+        return True
+
+    def preload(self, max_entries: int, max_bytes: int = PRELOAD_MAX_BYTES) -> dict:
+        """Preload now, in the calling thread (what :meth:`start_preload` runs); returns :attr:`preload_stats`.
+        An entry is judged as a lookup judges it: a corrupt one is moved to quarantine (before any request
+        meets it), one that loaded slower than its recorded compile is demoted, a marker is skipped."""
+        t0, cpu0 = time.perf_counter(), time.thread_time()
+        stats = {"entries": 0, "bytes": 0, "demoted": 0, "corrupt": 0, "markers": 0}
+        recent = []
+        for e in self.ns.iter_entries():
+            with contextlib.suppress(FileNotFoundError):
+                recent.append((e.stat(follow_symlinks=False).st_mtime_ns, e.name[: -len(disk.ENTRY_SUFFIX)]))
+        recent.sort(reverse=True)
+        for _, key_hex in recent[:max_entries]:
+            if self._preload_stop.is_set() or stats["bytes"] >= max_bytes:
+                break
+            cg = self._preload_one(key_hex, stats)
+            if cg is None:
+                continue
+            size = int(getattr(cg, "memory_size_bytes", 0))
+            if stats["bytes"] + size > max_bytes:
+                continue
+            with self._count_lock:
+                self._preloaded[key_hex] = cg
+            stats["entries"] += 1
+            stats["bytes"] += size
+        stats["wall_s"] = time.perf_counter() - t0
+        stats["cpu_s"] = time.thread_time() - cpu0
+        with self._count_lock:
+            self._preload_until = time.monotonic() + PRELOAD_KEEP_S
+            self.preload_stats = {**stats, "used": 0, "dropped": 0}
+        gm.preloaded("loaded", stats["entries"])
+        if stats["entries"] or stats["corrupt"] or stats["demoted"]:
+            logger.info(
+                "dspark-harden: preloaded %d grammar(s) (%.1f MB) from %s in %.2f s (%.2f CPU-s); "
+                "%d demoted, %d corrupt moved to quarantine",
+                stats["entries"],
+                stats["bytes"] / 1e6,
+                self.ns.path,
+                stats["wall_s"],
+                stats["cpu_s"],
+                stats["demoted"],
+                stats["corrupt"],
+            )
+        if self._preload_stop.is_set():
+            self._drop_preloaded()
+        return self.preload_stats
+
+    def _preload_one(self, key_hex: str, stats: dict):
+        cpu0, data = time.thread_time(), None
+        try:
+            got = self.ns.read(
+                key_hex, limit=self.policy.max_entry_bytes + disk.HEADER_SIZE + disk.TRAILER_SIZE, touch=False
+            )
+            if got is None:
+                return None
+            path, data = got
+            entry = disk.decode_entry(path, data, self.ns.scope_hex, key_hex)
+            if entry.kind == disk.KIND_MARKER:
+                stats["markers"] += 1
+                return None
+            cg = self._deserialize(path, entry)
+        except disk.CorruptEntryError as exc:  # invalid, or a link or other non-regular file (data None)
+            stats["corrupt"] += 1
+            with contextlib.suppress(disk.GrammarCacheError):
+                self._heal(exc, key_hex, data, time.perf_counter(), {})
+            return None
+        except (disk.GrammarCacheError, OSError):  # oversized here, or unreadable: a lookup decides
+            return None
+        stats["demoted"] += self._demote_if_slow(key_hex, data, entry, time.thread_time() - cpu0)
+        return cg
+
+    def _take_preloaded(self, key_hex: str):
+        with self._count_lock:
+            if not self._preloaded:
+                return None
+            until = self._preload_until
+            if until is None or time.monotonic() < until:
+                cg = self._preloaded.pop(key_hex, None)
+                if cg is not None:
+                    self.preload_stats["used"] = self.preload_stats.get("used", 0) + 1
+                    gm.preloaded("used")
+                return cg
+        self._drop_preloaded()
+        return None
+
+    def _drop_preloaded(self) -> None:
+        with self._count_lock:
+            n, self._preloaded = len(self._preloaded), {}
+            if n:
+                self.preload_stats["dropped"] = self.preload_stats.get("dropped", 0) + n
+        if n:
+            gm.preloaded("dropped", n)
 
     def _clean_claims(self) -> None:
         try:
@@ -382,6 +517,14 @@ class PersistentCompiler:
     def _get(self, parts: list, fn: Callable[[], Any]):
         key_hex = disk.key_digest(parts)
         t0, cpu0 = time.perf_counter(), time.thread_time()
+        cg = self._take_preloaded(key_hex)
+        if cg is not None:
+            path = self.ns.entry_path(key_hex)
+            with contextlib.suppress(OSError):
+                os.utime(path, follow_symlinks=False)  # used: the disk cache's LRU order, as a read does
+            dt = time.perf_counter() - t0
+            _record(Resolution("disk", dt, {"preloaded": dt}, path, key_hex))
+            return cg
         got, skipped = self._read(key_hex, t0)
         if got is not None:
             return self._from_entry(key_hex, parts, got, fn, t0, cpu0=cpu0)
@@ -582,22 +725,34 @@ class PersistentCompiler:
             return cg
         td = time.perf_counter()
         try:
-            from xgrammar import CompiledGrammar
-
-            cg = CompiledGrammar.deserialize_json(entry.payload.decode("utf-8"), self.tokenizer_info)
-        except Exception as exc:  # noqa: BLE001 - any rejection is a corrupt entry
-            bad = disk.CorruptEntryError(path, f"xgrammar rejected the serialized grammar: {type(exc).__name__}: {exc}")
+            cg = self._deserialize(path, entry)
+        except disk.CorruptEntryError as bad:
             return self._heal_and_compile(bad, key_hex, parts, data, fn, t0, phases)
         phases["deserialize"] = time.perf_counter() - td
-        load_cpu = None if cpu0 is None else time.thread_time() - cpu0
-        if load_cpu is not None and 0 < entry.compile_s < load_cpu:
-            # the helper's trial load ran in a small warm process; this one's load (read, checksum,
-            # deserialize) cost more than the cold compile the entry replaces (issue 40 item 5): the next
-            # restart compiles it instead. Judged on this thread's CPU time (all of it single-threaded),
-            # not on waiting for a core on a busy host
-            self.persister.demote(key_hex, data, entry.compile_s, load_cpu)
+        if cpu0 is not None:
+            self._demote_if_slow(key_hex, data, entry, time.thread_time() - cpu0)
         _record(Resolution("disk", time.perf_counter() - t0, phases, path, key_hex))
         return cg
+
+    def _deserialize(self, path: str, entry: disk.Entry):
+        from xgrammar import CompiledGrammar
+
+        try:
+            return CompiledGrammar.deserialize_json(entry.payload.decode("utf-8"), self.tokenizer_info)
+        except Exception as exc:  # noqa: BLE001 - any rejection is a corrupt entry
+            raise disk.CorruptEntryError(
+                path, f"xgrammar rejected the serialized grammar: {type(exc).__name__}: {exc}"
+            ) from None
+
+    def _demote_if_slow(self, key_hex: str, data: bytes, entry: disk.Entry, load_cpu: float) -> bool:
+        """The helper's trial load ran in a small warm process; when this one's load (read, checksum,
+        deserialize) cost more than the cold compile the entry replaces (issue 40 item 5), the next restart
+        compiles it instead. Judged on this thread's CPU time (all of it single-threaded), not on waiting
+        for a core on a busy host."""
+        if 0 < entry.compile_s < load_cpu:
+            self.persister.demote(key_hex, data, entry.compile_s, load_cpu)
+            return True
+        return False
 
     def _heal(self, exc: disk.CorruptEntryError, key_hex: str, data: Optional[bytes], t0: float, phases: dict):
         """A corrupt entry was met: move it to the namespace's quarantine (kept, never deleted; ERROR, counted)
