@@ -88,8 +88,7 @@ def _end(proc: subprocess.Popen) -> None:
     proc.wait(timeout=30)
 
 
-def test_outcomes_match_the_metric_declaration():
-    assert claim.OUTCOMES == gm.CLAIM_OUTCOMES
+def test_claim_wait_is_a_declared_phase():
     assert "claim_wait" in gm.PHASES  # the time waited on a claim: phase_seconds{phase="claim_wait"}
 
 

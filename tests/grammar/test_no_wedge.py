@@ -785,7 +785,6 @@ def test_symlinked_lock_file_is_not_followed(hf_tokenizer, cache_dir, tmp_path):
 def test_new_settings_parse_strictly_and_metric_labels_match_the_code(tmp_path):
     from dspark_harden.core.settings import SettingsError, load_settings
     from dspark_harden.grammar import metrics as gm
-    from dspark_harden.grammar import persist
 
     for name, bad in [
         (F.DISK_HELPER_RETRIES, "-1"),
@@ -801,4 +800,3 @@ def test_new_settings_parse_strictly_and_metric_labels_match_the_code(tmp_path):
     )
     assert ok[F.DISK_HELPER_RETRIES] == 0 and ok[F.DISK_LOCK_TIMEOUT] == 0.25
     assert gm.DEGRADE_REASONS == disk.DEGRADE_REASONS
-    assert gm.TRANSIENT_CAUSES == persist.TRANSIENT_CAUSES

@@ -9,6 +9,7 @@ every line so WARNING+ lines can be counted (SGLang's default format has no leve
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
@@ -177,6 +178,11 @@ def finish(
     drill.warning_lines = [line for line in drill.log_after.splitlines() if LEVEL_RE.match(line)]
     drill.tracebacks = drill.log_after.count("Traceback (most recent call last)")
     server.stop()  # reap and release the server lock (no-op when it exited)
+    # recorded; now removed: what a drilled server left (stock's queues and load snapshots: stock 0.5.23 unlinks
+    # them only in its CI-only sweep) must not outlive the drill in the host's /dev/shm (24 MiB a run)
+    for name in drill.leftover_shm:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(os.path.join(shmwatch.resources.SHM_DIR, name))
     return drill
 
 

@@ -110,6 +110,8 @@ def test_sigterm_stock(dp2_stock_server):
     # see them among the entries the server's own processes mapped
     for prefix in ("sgl_shm_mq_", "sglang_loads_"):
         assert any(n.startswith(prefix) for n in drill.leftover_shm), (prefix, drill.leftover_shm)
+    # recorded, then removed by the drill (24 MiB of the host's /dev/shm per run otherwise, kept by every run)
+    assert not [n for n in drill.leftover_shm if os.path.exists(os.path.join("/dev/shm", n))], drill.leftover_shm
 
 
 @pytest.mark.shared_order(1)  # the shared ``sglang serve`` server's last user: the drill ends it

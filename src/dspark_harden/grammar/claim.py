@@ -54,7 +54,6 @@ WAIT_FACTOR = 2.0  # a waiter waits at most this many times the claimant's estim
 MAX_WAIT_S = 60.0  # ... and never longer than this (DSPARK_HARDEN_GRAMMAR_DISK_CLAIM_WAIT's default)
 MIN_WAIT_S = 0.05
 LEFTOVER_AGE_S = 60.0  # temp/aside files of a process killed mid-operation, removed by clean()
-OUTCOMES = ("claimed", "local", "hit", "expired", "claimant_dead", "released", "invalid", "error")
 
 
 class InvalidClaim(disk.GrammarCacheError):

@@ -27,8 +27,8 @@ MARKER_REASONS = (
 )
 SKIP_REASONS = ("queue_full", "queued", "retries_exhausted", "cpu_budget")
 DISK_ERROR_OPS = ("publish", "prune", "helper", "lock_timeout", "protocol", "read")
-# mirrors disk.DEGRADE_REASONS and persist.TRANSIENT_CAUSES (tests keep them equal; importing
-# them here would load the disk and persistence modules into every process that builds the registry)
+# mirrors disk.DEGRADE_REASONS (a test keeps them equal; importing it here would load the disk module into every
+# process that builds the registry); the persister's transient causes and the claims' outcomes are these
 DEGRADE_REASONS = ("unsafe", "permission", "read_only", "no_space", "lock_timeout", "error")
 TRANSIENT_CAUSES = (
     "killed",
@@ -41,7 +41,6 @@ TRANSIENT_CAUSES = (
     "publish_error",
     "helper_unavailable",
 )
-# mirrors claim.OUTCOMES (a test keeps them equal)
 CLAIM_OUTCOMES = ("claimed", "local", "hit", "expired", "claimant_dead", "released", "invalid", "error")
 RATIO_BUCKETS = (1.0, 1.5, 2.0, 3.0, 5.0, 10.0, 20.0, 50.0, 100.0, 200.0, 500.0)
 PHASES = (

@@ -76,17 +76,6 @@ HANDOFF_S_PER_MEMORY_BYTE = 250e-9
 #: the helper's CPU share is averaged over this window: the token bucket holds at most share x window
 #: CPU seconds, so an idle hour banks one minute's worth, not an hour's
 CPU_BUDGET_WINDOW_S = 60.0
-TRANSIENT_CAUSES = (
-    "killed",
-    "starved",
-    "stuck",
-    "crashed",
-    "publish_timeout",
-    "protocol",
-    "lock_timeout",
-    "publish_error",
-    "helper_unavailable",
-)
 
 
 def _process_exiting(stop: threading.Event) -> bool:
@@ -582,7 +571,7 @@ class Persister:
         self._cpu_refilled = time.monotonic()
         self._cpu_seen: tuple = (None, 0.0)  # (helper pid, its CPU seconds when last charged)
         self.helper_cpu_s = 0.0  # CPU seconds charged so far (bench, tests)
-        self.transient: dict[str, int] = {c: 0 for c in TRANSIENT_CAUSES}
+        self.transient: dict[str, int] = {c: 0 for c in gm.TRANSIENT_CAUSES}
         self._claims: dict = {}  # key digest -> this process's claim, until its job's first run ends
         self._claim_ewma: Optional[float] = None
         # measured from this process's serialized publications (EWMA): handoff seconds per byte of the

@@ -232,7 +232,7 @@ class PersistentCompiler:
         self.deferred_published = 0  # deferred keys published on reuse (bench, tests)
         self.claims_enabled = bool(claims)  # DSPARK_HARDEN_GRAMMAR_DISK_CLAIMS (the feature passes it)
         self.claim_waits: "collections.deque" = collections.deque(maxlen=65536)  # (outcome, s): bench, tests
-        self.claim_outcomes: dict = {o: 0 for o in claim_mod.OUTCOMES}
+        self.claim_outcomes: dict = {o: 0 for o in gm.CLAIM_OUTCOMES}
         self._clean_claims()
         self._count_lock = threading.Lock()
         self._warned: set = set()  # (kind, ...) already logged: one WARNING each, bounded
@@ -324,7 +324,8 @@ class PersistentCompiler:
         stats["cpu_s"] = time.thread_time() - cpu0
         with self._count_lock:
             self._preload_until = time.monotonic() + PRELOAD_KEEP_S
-            self.preload_stats = {**stats, "used": 0, "dropped": 0}
+            # lookups may have taken entries while it ran: their count stays
+            self.preload_stats = {**stats, "used": self.preload_stats.get("used", 0), "dropped": 0}
         gm.preloaded("loaded", stats["entries"])
         if stats["entries"] or stats["corrupt"] or stats["demoted"]:
             logger.info(
