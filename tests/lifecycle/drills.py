@@ -178,6 +178,7 @@ def finish(
     drill.warning_lines = [line for line in drill.log_after.splitlines() if LEVEL_RE.match(line)]
     drill.tracebacks = drill.log_after.count("Traceback (most recent call last)")
     server.stop()  # reap and release the server lock (no-op when it exited)
+    server.remove_workdir()  # its log is in drill.log_after; its tmp/ holds a torchinductor cache (~150 MB)
     # recorded; now removed: what a drilled server left (stock's queues and load snapshots: stock 0.5.23 unlinks
     # them only in its CI-only sweep) must not outlive the drill in the host's /dev/shm (24 MiB a run)
     for name in drill.leftover_shm:
