@@ -673,9 +673,13 @@ class Namespace:
         except UnsafeCacheError as exc:
             raise CorruptEntryError(path, exc.reason) from None
         if touch:
-            with contextlib.suppress(OSError):
-                os.utime(path, follow_symlinks=False)  # LRU order for pruning
+            self.touch(key_hex)
         return path, data
+
+    def touch(self, key_hex: str) -> None:
+        """Mark the entry used now (its mtime: the pruning order, and the preload's); absent: nothing."""
+        with contextlib.suppress(OSError):
+            os.utime(self.entry_path(key_hex), follow_symlinks=False)
 
     def stage(self, data: bytes) -> str:
         """Write ``data`` to a complete temp file in entries/ (no lock held); its path."""

@@ -302,7 +302,8 @@ def dspark_settings():
             "At start-up a scheduler loads this many of its disk cache's most recently used serialized "
             "grammars into memory in a background thread (at most 256 MiB of compiled grammar, and at most "
             "DSPARK_HARDEN_GRAMMAR_CACHE_BYTES), so the first requests of a restarted server skip the read, "
-            "checksum and deserialization; what no request took within 10 minutes is dropped "
+            "checksum and deserialization; what no request took within 10 minutes is dropped at the next lookup "
+            "after that (or at shutdown) "
             "(dspark_harden_grammar_disk_preloaded_total counts loaded, used and dropped). A corrupt entry "
             "met by the preload is moved to quarantine as a lookup would. 0: no preload.",
             feature=f,

@@ -277,7 +277,7 @@ FAMILIES = (
         "Grammars a (re)started scheduler loaded from its disk cache before any request asked "
         "(DSPARK_HARDEN_GRAMMAR_DISK_PRELOAD: the most recently used serialized entries), by event: loaded, "
         "used (a lookup was served from it without reading the disk) and dropped (no request took it within "
-        "10 minutes of the preload's end, or the scheduler stopped).",
+        "10 minutes of the preload's end: dropped at the first lookup after that, or when the scheduler stopped).",
         labels=("dp_rank", "event"),
         feature=FEATURE,
         roles=("scheduler",),

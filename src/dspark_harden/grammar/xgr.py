@@ -28,7 +28,8 @@ A restarted scheduler first *preloads* (:meth:`PersistentCompiler.start_preload`
 loads the most recently used serialized entries of its namespace (the disk cache's own LRU order: a
 hit refreshes an entry's mtime) into memory, bounded by count and bytes, while the server finishes
 starting; a lookup of a preloaded key is then served without a read (source ``disk``, phase
-``preloaded``). What no request took within ``PRELOAD_KEEP_S`` of the preload's end is dropped.
+``preloaded``). What no request took within ``PRELOAD_KEEP_S`` of the preload's end is dropped at the next
+lookup after that (or at close): no timer thread; the bytes bound holds meanwhile.
 
 The last resolution of the calling thread is available from :func:`take_resolution` (the service
 reads it to label its lookup metric by source).
@@ -43,7 +44,6 @@ import hashlib
 import importlib.metadata
 import json
 import logging
-import os
 import threading
 import time
 import weakref
@@ -346,9 +346,7 @@ class PersistentCompiler:
     def _preload_one(self, key_hex: str, stats: dict):
         cpu0, data = time.thread_time(), None
         try:
-            got = self.ns.read(
-                key_hex, limit=self.policy.max_entry_bytes + disk.HEADER_SIZE + disk.TRAILER_SIZE, touch=False
-            )
+            got = self.ns.read(key_hex, limit=self._entry_limit, touch=False)
             if got is None:
                 return None
             path, data = got
@@ -485,12 +483,17 @@ class PersistentCompiler:
         _record(Resolution("compile", dt, phases={"native_compile": dt}))
         return cg
 
+    @property
+    def _entry_limit(self) -> int:
+        """The largest entry file this server reads: its DISK_MAX_ENTRY_BYTES payload and the envelope."""
+        return self.policy.max_entry_bytes + disk.HEADER_SIZE + disk.TRAILER_SIZE
+
     def _read(self, key_hex: str, t0: float) -> tuple[Optional[tuple], Optional[str]]:
         """(entry, None), (None, None) when absent, or (None, source) when the entry is not read:
         ``oversized`` (larger than this server's entry limit: written by a server with a larger one)
         or ``compile`` after an I/O error (the disk cache is an optimisation: compile instead)."""
         try:
-            return self.ns.read(key_hex, limit=self.policy.max_entry_bytes + disk.HEADER_SIZE + disk.TRAILER_SIZE), None
+            return self.ns.read(key_hex, limit=self._entry_limit), None
         except disk.EntryTooLarge as exc:
             self._warn_once(("oversized", key_hex), "dspark-harden: %s", exc)
             return None, "oversized"
@@ -520,11 +523,9 @@ class PersistentCompiler:
         t0, cpu0 = time.perf_counter(), time.thread_time()
         cg = self._take_preloaded(key_hex)
         if cg is not None:
-            path = self.ns.entry_path(key_hex)
-            with contextlib.suppress(OSError):
-                os.utime(path, follow_symlinks=False)  # used: the disk cache's LRU order, as a read does
+            self.ns.touch(key_hex)  # used: the disk cache's LRU order, as a read does
             dt = time.perf_counter() - t0
-            _record(Resolution("disk", dt, {"preloaded": dt}, path, key_hex))
+            _record(Resolution("disk", dt, {"preloaded": dt}, self.ns.entry_path(key_hex), key_hex))
             return cg
         got, skipped = self._read(key_hex, t0)
         if got is not None:
