@@ -194,3 +194,40 @@ def test_records_round_trip_in_a_private_dir(tmp_path):
         import shutil
 
         shutil.rmtree(d, ignore_errors=True)
+
+
+_EXITING_MAIN = r"""
+import json, os, sys
+from dspark_harden.lifecycle.main import MainLifecycle
+
+m = MainLifecycle()
+m.configure(drain_s=0, death_grace_s=1, barrier_timeout_s=1, owns_process=False)
+first = m.run_dir
+pid = os.fork()
+if pid == 0:  # a forked child that ends through the interpreter's exit (atexit runs in it)
+    sys.exit(0)
+os.waitpid(pid, 0)
+after_child = os.path.isdir(first)
+os.rmdir(first)  # what Engine.shutdown's cleanup does to the tree's directory
+m.next_tree()  # then a fresh one for a later Engine: the process ends without one
+print(json.dumps({"first": first, "after_child": after_child, "second": m.run_dir}), flush=True)
+"""
+
+
+def test_a_main_process_leaves_no_run_dir_behind_when_it_exits(tmp_path):
+    """The directory configure() and next_tree() make is removed when the process exits: an offline
+    Engine's process, after its last Engine.shutdown, held a fresh empty directory that nothing removed
+    (hundreds of ``/tmp/dspark-harden-lifecycle-<pid>-*`` after a day of test runs). A forked child's
+    exit leaves its parent's directory alone. A real interpreter exit, not a call of the handler."""
+    import subprocess
+    import sys
+
+    env = {**os.environ, "TMPDIR": str(tmp_path)}
+    env.pop(records.RUN_DIR_ENV, None)
+    out = subprocess.run([sys.executable, "-c", _EXITING_MAIN], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got["after_child"], "a forked child's exit removed its parent's run directory"
+    assert got["second"] != got["first"] and got["second"].startswith(str(tmp_path)), got
+    assert not os.path.exists(got["second"]), "the run directory next_tree() made outlived its process"
+    assert os.listdir(tmp_path) == [], os.listdir(tmp_path)

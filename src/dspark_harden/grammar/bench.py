@@ -206,7 +206,7 @@ class _timed_tokenizer_info:
 def _restart_child(idx: int, vocab: int, cache_dir: str, duplicates: int, barrier, out_q, t_spawn: float = 0.0) -> None:
     """A restarted scheduler-shaped process. Process 0 resolves the burst alone (``warm_s``), then
     processes 1 and 2 resolve it at the same moment (a DP2 restart: ``warm_restart_s``); then process
-    0 measures per schema."""
+    0 measures per schema while the other two wait."""
     t_entry = time.monotonic()
     try:
         marks = []
@@ -249,9 +249,17 @@ def _restart_child(idx: int, vocab: int, cache_dir: str, duplicates: int, barrie
         per = {}
         if idx == 0:
             per = _per_schema(backend)
+        measured_at = time.monotonic()
+        # processes 1 and 2 end only once process 0 has measured per schema: their ends (the interpreter's
+        # and the persistence helper's teardown) took a core from that measurement, a single-threaded
+        # load losing more of it than a two-thread compile (formats read 53-66 ms from disk against a
+        # 52-58 ms compile while they ended, 25-29 ms once they waited)
+        barrier.wait(timeout=600)
         out_q.put(
             {
                 "idx": idx,
+                "measured_at": measured_at,  # CLOCK_MONOTONIC: one clock for every process of the host
+                "released_at": time.monotonic(),
                 "burst_s": burst_s,
                 "cpu_s": cpu[0],
                 "per": per,
@@ -265,6 +273,7 @@ def _restart_child(idx: int, vocab: int, cache_dir: str, duplicates: int, barrie
         )
     except BaseException as exc:  # noqa: BLE001
         out_q.put({"idx": idx, "error": f"{type(exc).__name__}: {exc}"})
+        barrier.abort()  # no sibling waits on a process that failed
         raise
 
 
@@ -418,6 +427,8 @@ def _run(vocab: int, duplicates: int, cache_dir: str, log) -> dict:
     warm_s = results[0]["burst_s"]
     warm_restart_s = max(results[i]["burst_s"] for i in (1, 2))
     per = results[0]["per"]
+    # whether processes 1 and 2 were still waiting (not ending) when process 0 finished measuring
+    per_schema_alone = all(results[i]["released_at"] >= results[0]["measured_at"] for i in (1, 2))
     # serialized entries a restarted process loaded slower than the compile recorded in them, replaced
     # by slow_load_served markers (xgr.py): what the disk holds once every restart is done
     demoted = {}
@@ -490,6 +501,8 @@ def _run(vocab: int, duplicates: int, cache_dir: str, log) -> dict:
             "warm_restart": results[1]["demoted"] + results[2]["demoted"],
             "total": sum(demoted.values()),
         },
+        # true when processes 1 and 2 still waited while process 0 measured per schema (below)
+        "per_schema_alone": per_schema_alone,
         # per schema: compile_s (native), warm_s (through the disk cache), both medians of REPEATS in a
         # restarted process; stored (the policy's decision) with the helper's measurements behind it;
         # memory_bytes (the compiled grammar's memory_size_bytes: what the LRU accounts); empty_check_s

@@ -36,6 +36,7 @@ daemon thread with a time limit) and a hard deadline exits with the documented c
 from __future__ import annotations
 
 import asyncio
+import atexit
 import json
 import logging
 import os
@@ -340,6 +341,10 @@ class MainLifecycle:
             self.run_dir = records.make_run_dir()
             self.owns_run_dir = True
             os.environ[records.RUN_DIR_ENV] = self.run_dir  # inherited by every child spawned later
+            # whatever way this process ends short of a kill, its run directory goes with it: a server
+            # refused at start-up, or the fresh directory next_tree() made after an Engine's last
+            # shutdown, was otherwise left in /tmp by every such process (one per pid, forever)
+            atexit.register(self._remove_run_dir_at_exit, os.getpid())
             if inherited:
                 logger.info(
                     "dspark-harden lifecycle: %s=%s was inherited; this server uses its own private run directory %s",
@@ -348,6 +353,13 @@ class MainLifecycle:
                     self.run_dir,
                 )
         self.subreaper = proctree.become_subreaper() if owns_process else False
+
+    def _remove_run_dir_at_exit(self, owner_pid: int) -> None:
+        run_dir = self.run_dir
+        if os.getpid() != owner_pid or not self.owns_run_dir or not run_dir:
+            return  # a forked child that exits through atexit: the directory is its parent's
+        if records.check_run_dir(run_dir) is None:  # still this process's private directory
+            shutil.rmtree(run_dir, ignore_errors=True)
 
     def attach(self, tm: Any, port_args: Any) -> None:
         """Called from TokenizerManager.__init__ (the children are starting)."""

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 import statistics
 import sys
 import tempfile
@@ -381,6 +382,7 @@ def run(
             report["ablation"] = _ablate(entries, servers["stock"], workdir, report, ablate_only)
     finally:
         _stop_all(servers)
+        shutil.rmtree(workdir, ignore_errors=True)  # the servers' grammar caches: nothing of it is reported
     report["ok"] = ok(report)
     return report
 
@@ -421,6 +423,7 @@ def run_draft_masks(
             servers["draft_masks"].pause()
     finally:
         _stop_all(servers)
+        shutil.rmtree(workdir, ignore_errors=True)
 
     def side(agg: dict) -> dict:
         def by(field: str) -> dict:
