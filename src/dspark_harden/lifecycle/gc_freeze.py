@@ -208,10 +208,6 @@ class Gen2Pacer(_GcCallback):
             self.due = False
             gc.set_threshold(*self.stock)
 
-    @property
-    def threshold2(self) -> int:
-        return gc.get_threshold()[2]
-
     def __call__(self, phase: str, info: dict) -> None:
         gen = info.get("generation", -1)
         if gen == 1:
