@@ -285,6 +285,62 @@ def test_corrupt_entry_is_quarantined_visibly_and_the_grammar_republished(hf_tok
     assert xgr.take_resolution().source == "disk" and later.grammar_compiler.native_compiles == 0
 
 
+def test_a_full_quarantine_keeps_its_evidence_and_the_next_corrupt_entry_is_removed(
+    hf_tokenizer, cache_dir, caplog, monkeypatch
+):
+    """The quarantine is bounded (entries, and the namespace's bytes): a filesystem that corrupts every
+    republished entry again would otherwise grow it by one entry per heal, forever. Past the bound the
+    request still heals (a fresh compile, republished) and the corrupt entry is removed, not kept, with
+    an ERROR line saying so; what the quarantine kept is untouched. Real entries, real corruption."""
+    monkeypatch.setattr(disk, "QUARANTINE_MAX_ENTRIES", 2)
+    caplog.set_level(logging.ERROR, logger="dspark_harden.grammar")
+
+    def corrupt_and_look_up(rx: str):
+        pc = _compiler(hf_tokenizer, cache_dir, ratio=1e9)
+        pc.compile_regex(rx)
+        pc.flush()
+        (entry,) = [e for e in pc.ns.iter_entries() if e.path not in seen]
+        seen.add(entry.path)
+        with open(entry.path, "r+b") as fh:
+            fh.seek(100)
+            fh.write(b"\x00\xff")
+        bad = open(entry.path, "rb").read()
+        fresh = _compiler(hf_tokenizer, cache_dir, ratio=1e9)
+        fresh.compile_regex(rx)  # served by a fresh compile, whatever the quarantine holds
+        assert xgr.take_resolution().source == "corrupt" and fresh.native_compiles == 1
+        fresh.flush()
+        return pc.ns, entry.path, bad
+
+    seen: set = set()
+    kept = []
+    for rx in ("[0-4]+q", "[5-9]+q"):
+        ns, path, bad = corrupt_and_look_up(rx)
+        kept.append(bad)
+        assert sorted(open(os.path.join(ns.quarantine, n), "rb").read() for n in os.listdir(ns.quarantine)) == sorted(
+            kept
+        )
+    assert ns.quarantine_full() is not None and "2 entries" in ns.quarantine_full()
+    caplog.clear()
+    ns, path, bad = corrupt_and_look_up("[a-e]+q")
+    # not kept: the quarantine holds the first two, byte for byte; the third is gone from entries/ too
+    held = sorted(open(os.path.join(ns.quarantine, n), "rb").read() for n in os.listdir(ns.quarantine))
+    assert held == sorted(kept) and bad not in held
+    assert any(
+        disk.QUARANTINE_FULL in r.getMessage() and "2 entries" in r.getMessage() and path in r.getMessage()
+        for r in caplog.records
+    ), [r.getMessage() for r in caplog.records]
+    # healed all the same: the republished entry serves a later process, and the ledger matches the disk
+    later = _compiler(hf_tokenizer, cache_dir, ratio=1e9)
+    later.compile_regex("[a-e]+q")
+    assert xgr.take_resolution().source == "disk" and later.native_compiles == 0
+    assert ns.read_ledger() == ns.scan_bytes()
+    # the byte bound: an entry count below the bound, but the namespace's bytes already kept
+    monkeypatch.setattr(disk, "QUARANTINE_MAX_ENTRIES", 1000)
+    assert ns.quarantine_full() is None
+    small = disk.Namespace(ns.root, ns.scope, max_bytes=sum(len(b) for b in kept), create=False)
+    assert "the cache's" in (small.quarantine_full() or ""), small.quarantine_full()
+
+
 def test_a_peer_that_republished_first_is_not_moved_aside(hf_tokenizer, cache_dir):
     """Two schedulers meet the same corrupt entry; the one that moves second finds a good entry the
     first republished: it must not quarantine it (the move is conditional on the bytes it read)."""

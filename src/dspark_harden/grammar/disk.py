@@ -100,6 +100,11 @@ ENTRY_SUFFIX = ".xgc"
 TMP_PREFIX = ".tmp-"
 INTENT_NAME = "ledger.intent"
 DEFAULT_LOCK_TIMEOUT_S = 5.0
+# what quarantine/ keeps at most: this many entries, and no more bytes than the namespace's own bound. Enough
+# evidence of a failing disk; beyond it a filesystem that corrupts every republished entry again would grow
+# the quarantine by one entry per heal, forever. Past the bound a corrupt entry is removed, not kept (ERROR).
+QUARANTINE_MAX_ENTRIES = 64
+QUARANTINE_FULL = "removed, not kept: "  # how quarantine_entry's answer starts then (the reason follows)
 # v2: persisted by a memory-capped helper process, reasons 5..7; v3: serialized entries record their compile
 # time, reason 8 (a serving process's load was slower than it: demoted)
 POLICY_VERSION = "adaptive-marker-v3"
@@ -872,12 +877,32 @@ class Namespace:
                 continue
         return ok, bad
 
+    def quarantine_full(self) -> Optional[str]:
+        """Why ``quarantine/`` takes nothing more (:data:`QUARANTINE_MAX_ENTRIES` entries, or the
+        namespace's ``max_bytes``), or None."""
+        try:
+            names = os.listdir(self.quarantine)
+        except FileNotFoundError:
+            return None
+        held = 0
+        for name in names:
+            with contextlib.suppress(OSError):
+                held += os.lstat(os.path.join(self.quarantine, name)).st_size
+        if len(names) >= QUARANTINE_MAX_ENTRIES or held >= self.max_bytes:
+            return (
+                f"{self.quarantine} already keeps {len(names)} entries, {held} bytes (the bound: "
+                f"{QUARANTINE_MAX_ENTRIES} entries or the cache's {self.max_bytes} bytes)"
+            )
+        return None
+
     def quarantine_entry(self, path: str, expect: Optional[bytes] = None) -> Optional[str]:
-        """Move the entry at ``path`` to ``quarantine/`` (kept, never deleted) and re-account the ledger;
-        returns where it went. With ``expect`` (the bytes a reader found corrupt): only if the file still
-        holds them -- ``None`` when it is gone or was replaced meanwhile (a peer quarantined or republished
-        it: nothing to move)."""
+        """Move the entry at ``path`` to ``quarantine/`` (kept, never deleted there) and re-account the
+        ledger; returns where it went. With ``expect`` (the bytes a reader found corrupt): only if the file
+        still holds them -- ``None`` when it is gone or was replaced meanwhile (a peer quarantined or
+        republished it: nothing to move). When the quarantine is full (:meth:`quarantine_full`) the entry
+        is removed instead and :data:`QUARANTINE_FULL` + why returned."""
         _ensure_dir(self.quarantine)
+        full = self.quarantine_full()
         dest = os.path.join(self.quarantine, f"{os.path.basename(path)}.{time.time_ns()}.{os.getpid()}")
         key_hex = os.path.basename(path)[: -len(ENTRY_SUFFIX)]
         # lock order as in commit(): the entry's lock, then ledger.lock (both bounded)
@@ -892,11 +917,14 @@ class Namespace:
             elif not os.path.lexists(path):
                 return None
             self._set_intent()
-            os.replace(path, dest)
+            if full:
+                os.unlink(path)
+            else:
+                os.replace(path, dest)
             # rescan: a corrupted entry may no longer have the size the ledger accounted for
             self._write_ledger(self.scan_bytes())
             self._clear_intent()
-        return dest
+        return QUARANTINE_FULL + full if full else dest
 
 
 def _deserialize_check(path: str, payload: bytes, tokenizer_info) -> None:

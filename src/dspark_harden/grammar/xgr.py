@@ -771,7 +771,11 @@ class PersistentCompiler:
         logger.error(
             "dspark-harden: %s -- %s; the grammar is compiled afresh and republished",
             exc,
-            f"moved to {dest}" if dest else "already moved aside or replaced by a peer",
+            dest
+            if (dest or "").startswith(disk.QUARANTINE_FULL)
+            else f"moved to {dest}"
+            if dest
+            else "already moved aside or replaced by a peer",
         )
 
     def _heal_and_compile(
