@@ -902,7 +902,6 @@ class Namespace:
         republished it: nothing to move). When the quarantine is full (:meth:`quarantine_full`) the entry
         is removed instead and :data:`QUARANTINE_FULL` + why returned."""
         _ensure_dir(self.quarantine)
-        full = self.quarantine_full()
         dest = os.path.join(self.quarantine, f"{os.path.basename(path)}.{time.time_ns()}.{os.getpid()}")
         key_hex = os.path.basename(path)[: -len(ENTRY_SUFFIX)]
         # lock order as in commit(): the entry's lock, then ledger.lock (both bounded)
@@ -916,6 +915,7 @@ class Namespace:
                     return None
             elif not os.path.lexists(path):
                 return None
+            full = self.quarantine_full()  # under ledger.lock, which every move holds: the bound is exact
             self._set_intent()
             if full:
                 os.unlink(path)

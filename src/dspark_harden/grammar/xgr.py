@@ -768,15 +768,13 @@ class PersistentCompiler:
             _record(Resolution("corrupt", time.perf_counter() - t0, phases, exc.path, key_hex))
             logger.error("dspark-harden: %s; moving it to quarantine failed (%s): this request fails", exc, err)
             raise disk.CorruptEntryError(exc.path, f"{exc.reason}; moving it to quarantine failed: {err}") from None
-        logger.error(
-            "dspark-harden: %s -- %s; the grammar is compiled afresh and republished",
-            exc,
-            dest
-            if (dest or "").startswith(disk.QUARANTINE_FULL)
-            else f"moved to {dest}"
-            if dest
-            else "already moved aside or replaced by a peer",
-        )
+        if not dest:
+            where = "already moved aside or replaced by a peer"
+        elif dest.startswith(disk.QUARANTINE_FULL):
+            where = dest  # removed, not kept, and why
+        else:
+            where = f"moved to {dest}"
+        logger.error("dspark-harden: %s -- %s; the grammar is compiled afresh and republished", exc, where)
 
     def _heal_and_compile(
         self, exc, key_hex: str, parts: list, data: bytes, fn: Callable[[], Any], t0: float, phases: dict
